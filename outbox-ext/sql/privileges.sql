@@ -1,0 +1,21 @@
+-- Nothing is granted to PUBLIC (CONTRACT.md section 4): PostgreSQL grants EXECUTE on new
+-- functions to PUBLIC by default, so take it back from every function of the extension.
+-- README.md has the GRANT recipe for producer, relay and admin roles.
+REVOKE ALL ON TABLE @extschema@.outbox_event FROM PUBLIC;
+REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
+REVOKE ALL ON FUNCTION
+    @extschema@.outbox_config(),
+    @extschema@.outbox_check_owner(text, text),
+    @extschema@.outbox_check_ids(text, bigint[]),
+    @extschema@.outbox_check_token(text, bigint),
+    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
+    @extschema@.outbox_claim(text, int),
+    @extschema@.outbox_ack(text, bigint, bigint[]),
+    @extschema@.outbox_nack(text, bigint, bigint[], text),
+    @extschema@.outbox_renew(text, bigint, bigint[]),
+    @extschema@.outbox_reclaim(interval),
+    @extschema@.outbox_requeue(bigint[]),
+    @extschema@.outbox_purge(interval, int),
+    @extschema@.outbox_dead_letters(int, bigint),
+    @extschema@.outbox_stats()
+FROM PUBLIC;

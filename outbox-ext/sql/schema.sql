@@ -1,0 +1,48 @@
+-- Data model of the outbox (CONTRACT.md section 1). Every object carries the outbox_ prefix and
+-- lives in the extension's schema.
+
+CREATE TYPE @extschema@.outbox_status AS ENUM ('WAIT', 'SENDING', 'SUCCESS', 'FAIL');
+
+-- Plain sequences (not identity columns) so pg_extension_config_dump can register them: a restored
+-- database must keep issuing ids and fencing tokens above the ones it already holds.
+CREATE SEQUENCE @extschema@.outbox_event_id_seq AS bigint;
+CREATE SEQUENCE @extschema@.outbox_claim_token_seq AS bigint;
+
+CREATE TABLE @extschema@.outbox_event (
+    id              bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
+    topic           text NOT NULL,
+    event_key       text,
+    event_type      text,
+    payload         jsonb NOT NULL,
+    headers         jsonb NOT NULL DEFAULT '{}',
+    status          @extschema@.outbox_status NOT NULL,
+    retry_count     int NOT NULL DEFAULT 0,
+    next_retry_time timestamptz NOT NULL,
+    claim_owner     text,
+    claim_token     bigint,
+    claimed_at      timestamptz,
+    last_error      text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now()
+) WITH (
+    -- A queue table churns: vacuum and analyze it long before the default 20 % of dead rows.
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
+ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_event.id;
+
+-- Hot path 1: due WAIT rows, oldest next_retry_time first (outbox_claim). Partial, so its size
+-- follows the backlog, not the history of SUCCESS rows. See docs/INDEXES.md for the measurement.
+CREATE INDEX outbox_event_wait_due_idx
+    ON @extschema@.outbox_event (next_retry_time, id) WHERE status = 'WAIT';
+-- Hot path 2: leases by age (outbox_reclaim, outbox_stats).
+CREATE INDEX outbox_event_sending_claimed_idx
+    ON @extschema@.outbox_event (claimed_at) WHERE status = 'SENDING';
+-- Dead letters for operators (outbox_dead_letters, outbox_stats); FAIL rows are few.
+CREATE INDEX outbox_event_fail_idx
+    ON @extschema@.outbox_event (id) WHERE status = 'FAIL';
+
+-- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_claim_token_seq', '');

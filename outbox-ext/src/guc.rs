@@ -1,0 +1,124 @@
+//! The `outbox.*` settings. Registering them makes PostgreSQL validate every `SET` (type, unit and
+//! range), so a nonsense value is an error at `SET` time instead of a surprise inside a relay call.
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use pgrx::prelude::*;
+
+pub static MAX_RETRY: GucSetting<i32> = GucSetting::<i32>::new(3);
+pub static BACKOFF_BASE_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
+pub static BACKOFF_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(3_600_000);
+pub static BACKOFF_JITTER: GucSetting<f64> = GucSetting::<f64>::new(0.0);
+pub static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(600_000);
+pub static MAX_CLAIM: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
+pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(true);
+
+pub fn register() {
+    GucRegistry::define_int_guc(
+        c"outbox.max_retry",
+        c"Failed attempts after which an event becomes a dead letter (FAIL).",
+        c"An event whose retry_count exceeds this value is moved to FAIL instead of WAIT.",
+        &MAX_RETRY,
+        0,
+        1_000,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.backoff_base",
+        c"Backoff unit: the n-th failure waits n^2 times this.",
+        c"",
+        &BACKOFF_BASE_MS,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.backoff_max",
+        c"Upper bound of one backoff delay.",
+        c"",
+        &BACKOFF_MAX_MS,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_float_guc(
+        c"outbox.backoff_jitter",
+        c"Random spread of backoff delays: a factor drawn from [1 - j, 1 + j].",
+        c"",
+        &BACKOFF_JITTER,
+        0.0,
+        1.0,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.lease",
+        c"How long a claim may stay SENDING before outbox_reclaim takes it back.",
+        c"",
+        &LEASE_MS,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_claim",
+        c"Upper bound of max_events in one outbox_claim call.",
+        c"",
+        &MAX_CLAIM,
+        1,
+        1_000_000,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_payload_bytes",
+        c"Largest payload (as JSON text) that outbox_enqueue accepts.",
+        c"Keep it below the broker's message.max.bytes: oversize messages fail late and obscurely.",
+        &MAX_PAYLOAD_BYTES,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.notify",
+        c"Send NOTIFY outbox at commit of a transaction that enqueued.",
+        c"",
+        &NOTIFY,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+}
+
+/// The current settings in one typed row. The SQL functions call this once per call: it also
+/// guarantees the library (and so the settings) is loaded before any `outbox.*` value is read.
+#[pg_extern(stable, parallel_safe)]
+#[allow(clippy::type_complexity)]
+pub fn outbox_config() -> TableIterator<
+    'static,
+    (
+        name!(max_retry, i32),
+        name!(backoff_base_ms, i64),
+        name!(backoff_max_ms, i64),
+        name!(backoff_jitter, f64),
+        name!(lease_ms, i64),
+        name!(max_claim, i32),
+        name!(max_payload_bytes, i32),
+        name!(notify, bool),
+    ),
+> {
+    TableIterator::once((
+        MAX_RETRY.get(),
+        i64::from(BACKOFF_BASE_MS.get()),
+        i64::from(BACKOFF_MAX_MS.get()),
+        BACKOFF_JITTER.get(),
+        i64::from(LEASE_MS.get()),
+        MAX_CLAIM.get(),
+        MAX_PAYLOAD_BYTES.get(),
+        NOTIFY.get(),
+    ))
+}

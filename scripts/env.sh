@@ -1,0 +1,17 @@
+# Sourced by the scripts in this folder: one place for paths and versions.
+# shellcheck shell=bash
+PGRX_VERSION=0.18.1
+TANSU_VERSION=0.6.0
+PG_MAJOR=15
+PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
+# Tools built once per machine and reused by every checkout and CI run (tansu takes ~16 min).
+OUTBOX_TOOLS=${OUTBOX_TOOLS:-/opt/outbox-tools}
+TANSU_BIN=$OUTBOX_TOOLS/bin/tansu
+# One build cache per machine, shared by every clone: CI runs in a fresh clone each time and a
+# cold build of librdkafka + pgrx takes most of the CI budget.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}
+export PATH=$HOME/.cargo/bin:$OUTBOX_TOOLS/bin:$PATH
+export PGHOST=${PGHOST:-127.0.0.1} PGPORT=${PGPORT:-5432} PGUSER=${PGUSER:-postgres}
+WORKER_BIN=$CARGO_TARGET_DIR/release/outbox-worker
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

@@ -1,0 +1,95 @@
+//! Throwaway databases on the real PostgreSQL server.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio_postgres::{Client, NoTls};
+
+/// libpq-style parameters of the server the tests use, without a database name.
+/// `OUTBOX_TEST_PG` overrides the default local superuser connection.
+pub fn server_params() -> String {
+    std::env::var("OUTBOX_TEST_PG")
+        .unwrap_or_else(|_| "host=127.0.0.1 port=5432 user=postgres".to_string())
+}
+
+/// Runs one SQL command on the server's `postgres` database with psql; panics with psql's output.
+pub fn psql_admin(sql: &str) {
+    let out = Command::new("psql")
+        .arg(format!("{} dbname=postgres", server_params()))
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
+        .output()
+        .expect("psql must be installed");
+    assert!(
+        out.status.success(),
+        "psql failed on {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A database created for one test, with `CREATE EXTENSION outbox`, dropped on drop.
+pub struct TestDb {
+    pub name: String,
+}
+
+impl TestDb {
+    pub fn create() -> TestDb {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+        let name = format!(
+            "outbox_test_{}_{}_{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed),
+            nanos
+        );
+        psql_admin(&format!("CREATE DATABASE {name}"));
+        let db = TestDb { name };
+        db.psql("CREATE EXTENSION outbox");
+        db
+    }
+
+    /// Connection string for this database (libpq key=value form, accepted by tokio-postgres).
+    pub fn url(&self) -> String {
+        format!("{} dbname={}", server_params(), self.name)
+    }
+
+    /// Runs SQL in this database through psql (for set-up that needs psql features).
+    pub fn psql(&self, sql: &str) {
+        let out = Command::new("psql")
+            .arg(self.url())
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .output()
+            .expect("psql must be installed");
+        assert!(
+            out.status.success(),
+            "psql failed on {sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A new session (its own backend) on this database.
+    pub async fn connect(&self) -> Client {
+        connect(&self.url()).await
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .arg(format!("{} dbname=postgres", server_params()))
+            .args(["-X", "-q", "-c"])
+            .arg(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+            .output();
+    }
+}
+
+/// Connects and drives the connection on the current runtime.
+pub async fn connect(url: &str) -> Client {
+    let (client, conn) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
