@@ -92,6 +92,8 @@ pub fn register() {
         GucContext::Userset,
         GucFlags::default(),
     );
+    // After loading, a misspelt `outbox.*` name is an error instead of a silent placeholder.
+    unsafe { pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
 }
 
 /// The current settings in one typed row. The SQL functions call this once per call: it also

@@ -93,3 +93,22 @@ pub async fn connect(url: &str) -> Client {
     });
     client
 }
+
+/// The SQLSTATE (e.g. "22023") and message of a failed statement; panics if the call succeeded
+/// or failed without a server error.
+pub fn db_error<T: std::fmt::Debug>(result: Result<T, tokio_postgres::Error>) -> (String, String) {
+    match result {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => {
+            let db = e
+                .as_db_error()
+                .unwrap_or_else(|| panic!("expected a server error, got {e}"));
+            (db.code().code().to_string(), db.message().to_string())
+        }
+    }
+}
+
+/// The SQLSTATE of a failed statement.
+pub fn sqlstate<T: std::fmt::Debug>(result: Result<T, tokio_postgres::Error>) -> String {
+    db_error(result).0
+}

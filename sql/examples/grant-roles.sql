@@ -1,0 +1,31 @@
+-- The privilege recipe of README.md (CONTRACT.md section 4). Run it as the extension's owner, in
+-- the database that has the extension, naming three existing roles:
+--
+--   psql -d orders -v producer=app_writer -v relay=outbox_relay -v admin=outbox_admin \
+--        -f sql/examples/grant-roles.sql
+--
+-- producer: may only enqueue (no reading payloads, no claiming).
+-- relay:    claims, acks, nacks, renews, reclaims and reads stats.
+-- admin:    everything the relay may, plus dead letters, requeue and purge.
+-- Assumes the extension lives in schema public; otherwise replace public below.
+GRANT USAGE ON SCHEMA public TO :"producer", :"relay", :"admin";
+
+GRANT EXECUTE ON FUNCTION
+    public.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz)
+TO :"producer";
+
+GRANT EXECUTE ON FUNCTION
+    public.outbox_claim(text, int),
+    public.outbox_ack(text, bigint, bigint[]),
+    public.outbox_nack(text, bigint, bigint[], text),
+    public.outbox_renew(text, bigint, bigint[]),
+    public.outbox_reclaim(interval),
+    public.outbox_stats()
+TO :"relay";
+
+GRANT :"relay" TO :"admin";
+GRANT EXECUTE ON FUNCTION
+    public.outbox_dead_letters(int, bigint),
+    public.outbox_requeue(bigint[]),
+    public.outbox_purge(interval, int)
+TO :"admin";

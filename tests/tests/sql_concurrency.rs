@@ -1,0 +1,193 @@
+//! Concurrent sessions (separate backends) against one table: no row is claimed twice, claimers do
+//! not wait on each other's locks, a reclaim racing an ack never overwrites SUCCESS, and NOTIFY
+//! is one per committing transaction.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use futures_util::{stream, StreamExt};
+use outbox_tests::db::{self, TestDb};
+use tokio_postgres::{AsyncMessage, NoTls};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claimers_never_receive_the_same_row() {
+    let db = TestDb::create();
+    let setup = db.connect().await;
+    let total = 5_000i64;
+    setup
+        .execute("SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, $1::int) g", &[&(total as i32)])
+        .await
+        .unwrap();
+
+    let mut tasks = Vec::new();
+    for claimer in 0..6 {
+        let url = db.url();
+        tasks.push(tokio::spawn(async move {
+            let c = db::connect(&url).await;
+            let owner = format!("claimer-{claimer}");
+            let mut mine = Vec::new();
+            loop {
+                let rows = c
+                    .query("SELECT id, claim_token FROM outbox_claim($1, 37)", &[&owner])
+                    .await
+                    .unwrap();
+                if rows.is_empty() {
+                    break;
+                }
+                let token: i64 = rows[0].get(1);
+                let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+                let n: i32 = c
+                    .query_one("SELECT outbox_ack($1, $2, $3)", &[&owner, &token, &ids])
+                    .await
+                    .unwrap()
+                    .get(0);
+                assert_eq!(n as usize, ids.len(), "every claimed row is ours to ack");
+                mine.extend(ids);
+            }
+            mine
+        }));
+    }
+    let mut seen = HashSet::new();
+    let mut claimed = 0;
+    let mut busy_claimers = 0;
+    for t in tasks {
+        let mine = t.await.unwrap();
+        busy_claimers += usize::from(!mine.is_empty());
+        claimed += mine.len();
+        for id in mine {
+            assert!(seen.insert(id), "row {id} was claimed twice");
+        }
+    }
+    assert_eq!(claimed as i64, total);
+    assert!(busy_claimers > 1, "the claimers really ran side by side");
+    let succeeded: i64 = setup
+        .query_one("SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(succeeded, total);
+}
+
+#[tokio::test]
+async fn a_claimer_skips_rows_locked_by_another_instead_of_waiting() {
+    let db = TestDb::create();
+    let mut a = db.connect().await;
+    let b = db.connect().await;
+    a.execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 4)", &[])
+        .await
+        .unwrap();
+    let tx = a.transaction().await.unwrap();
+    let first = tx.query("SELECT id FROM outbox_claim('a', 2)", &[]).await.unwrap();
+    assert_eq!(first.len(), 2);
+    // While a's claim is uncommitted, b gets the other rows at once (a lock wait would hit the timeout).
+    b.batch_execute("SET lock_timeout = '2s'").await.unwrap();
+    let started = Instant::now();
+    let second: Vec<i64> =
+        b.query("SELECT id FROM outbox_claim('b', 10)", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    assert!(started.elapsed() < Duration::from_secs(1));
+    let first: Vec<i64> = first.iter().map(|r| r.get(0)).collect();
+    assert_eq!(second.len(), 2);
+    assert!(second.iter().all(|id| !first.contains(id)));
+    tx.commit().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_reclaim_racing_an_ack_never_overwrites_success() {
+    let db = TestDb::create();
+    let mut relay = db.connect().await;
+    let reclaimer = db.connect().await;
+    let id: i64 = relay.query_one("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap().get(0);
+    let token: i64 = relay
+        .query_one("SELECT claim_token FROM outbox_claim('relay-a', 1)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    // The ack is in flight (row locked, not committed) when the reclaim of an expired lease starts.
+    let tx = relay.transaction().await.unwrap();
+    let n: i32 = tx
+        .query_one("SELECT outbox_ack('relay-a', $1, ARRAY[$2::bigint])", &[&token, &id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    let reclaim = tokio::spawn(async move {
+        reclaimer.query_one("SELECT outbox_reclaim('1 millisecond')", &[]).await.unwrap().get::<_, i32>(0)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!reclaim.is_finished(), "the reclaim waits for the ack's row lock");
+    tx.commit().await.unwrap();
+    assert_eq!(reclaim.await.unwrap(), 0, "the re-checked row is SUCCESS, not reclaimable");
+    let r = relay
+        .query_one("SELECT status::text, retry_count FROM outbox_event WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!((r.get::<_, String>(0), r.get::<_, i32>(1)), ("SUCCESS".into(), 0));
+}
+
+/// Counts `NOTIFY outbox` messages received by a listening session until `quiet` passes without one.
+async fn listen_while<F: std::future::Future<Output = ()>>(db: &TestDb, work: F) -> usize {
+    let (listener, mut conn) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut messages = stream::poll_fn(move |cx| conn.poll_message(cx));
+    tokio::spawn(async move {
+        while let Some(Ok(msg)) = messages.next().await {
+            if let AsyncMessage::Notification(n) = msg {
+                let _ = tx.send(n.channel().to_string());
+            }
+        }
+    });
+    listener.batch_execute("LISTEN outbox").await.unwrap();
+    work.await;
+    let mut count = 0;
+    while let Ok(Some(channel)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
+        assert_eq!(channel, "outbox");
+        count += 1;
+    }
+    count
+}
+
+#[tokio::test]
+async fn notify_is_one_per_committing_transaction_and_none_on_rollback() {
+    let db = TestDb::create();
+    let mut c = db.connect().await;
+
+    let n = listen_while(&db, async {
+        let tx = c.transaction().await.unwrap();
+        for _ in 0..50 {
+            tx.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+        }
+        // A savepoint level too: still one notification at commit.
+        tx.batch_execute("SAVEPOINT s; SELECT outbox_enqueue('orders', '{}'); RELEASE s").await.unwrap();
+        tx.commit().await.unwrap();
+    })
+    .await;
+    assert_eq!(n, 1, "50 enqueues in one transaction wake relays once");
+
+    let n = listen_while(&db, async {
+        let tx = c.transaction().await.unwrap();
+        tx.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+        tx.rollback().await.unwrap();
+    })
+    .await;
+    assert_eq!(n, 0, "a rolled-back transaction notifies nothing");
+
+    let n = listen_while(&db, async {
+        c.batch_execute(
+            "SET outbox.notify = off; SELECT outbox_enqueue('orders', '{}'); RESET outbox.notify",
+        )
+        .await
+        .unwrap();
+    })
+    .await;
+    assert_eq!(n, 0, "outbox.notify = off sends nothing");
+
+    let n = listen_while(&db, async {
+        for _ in 0..3 {
+            c.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+        }
+    })
+    .await;
+    assert_eq!(n, 3, "three autocommit enqueues are three transactions");
+}

@@ -1,0 +1,494 @@
+//! The event life cycle through the SQL API, one session at a time: enqueue, claim, ack, nack
+//! with backoff, renew, reclaim, requeue, purge, delayed delivery and stats.
+
+use outbox_tests::db::TestDb;
+use tokio_postgres::Client;
+
+async fn enqueue(c: &Client, topic: &str) -> i64 {
+    c.query_one("SELECT outbox_enqueue($1, '{\"n\":1}'::jsonb)", &[&topic])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Claims up to `max` rows; returns (token, ids in claim order).
+async fn claim(c: &Client, owner: &str, max: i32) -> (Option<i64>, Vec<i64>) {
+    let rows = c
+        .query("SELECT id, claim_token FROM outbox_claim($1, $2)", &[&owner, &max])
+        .await
+        .unwrap();
+    let token = rows.first().map(|r| r.get::<_, i64>(1));
+    assert!(rows.iter().all(|r| Some(r.get::<_, i64>(1)) == token), "one token per call");
+    (token, rows.iter().map(|r| r.get(0)).collect())
+}
+
+async fn status_of(c: &Client, id: i64) -> (String, i32, Option<String>) {
+    let r = c
+        .query_one(
+            "SELECT status::text, retry_count, claim_owner FROM outbox_event WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    (r.get(0), r.get(1), r.get(2))
+}
+
+/// Makes a WAIT row due now, as if its backoff had elapsed.
+async fn make_due(c: &Client, id: i64) {
+    c.execute(
+        "UPDATE outbox_event SET next_retry_time = now() - interval '1 second' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn enqueue_stores_a_due_wait_row_with_all_fields() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let id: i64 = c
+        .query_one(
+            "SELECT outbox_enqueue('orders', '{\"id\":1}', key => 'A-1', event_type => 'OrderCreated', \
+             headers => '{\"trace\":\"t-1\"}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let r = c
+        .query_one(
+            "SELECT topic, event_key, event_type, payload::text, headers::text, status::text, \
+             retry_count, next_retry_time <= now(), claim_owner IS NULL AND claim_token IS NULL \
+             FROM outbox_event WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.get::<_, String>(0), "orders");
+    assert_eq!(r.get::<_, Option<String>>(1).as_deref(), Some("A-1"));
+    assert_eq!(r.get::<_, Option<String>>(2).as_deref(), Some("OrderCreated"));
+    assert_eq!(r.get::<_, String>(3), "{\"id\": 1}");
+    assert_eq!(r.get::<_, String>(4), "{\"trace\": \"t-1\"}");
+    assert_eq!(r.get::<_, String>(5), "WAIT");
+    assert_eq!(r.get::<_, i32>(6), 0);
+    assert!(r.get::<_, bool>(7));
+    assert!(r.get::<_, bool>(8));
+}
+
+#[tokio::test]
+async fn enqueue_rolled_back_leaves_nothing() {
+    let db = TestDb::create();
+    let mut c = db.connect().await;
+    let tx = c.transaction().await.unwrap();
+    tx.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+    tx.rollback().await.unwrap();
+    let n: i64 = c.query_one("SELECT count(*) FROM outbox_event", &[]).await.unwrap().get(0);
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(enqueue(&c, "orders").await);
+    }
+    // The newest row is made the oldest due one: claim order follows next_retry_time, not id.
+    c.execute(
+        "UPDATE outbox_event SET next_retry_time = now() - interval '1 hour' WHERE id = $1",
+        &[&ids[4]],
+    )
+    .await
+    .unwrap();
+    let (token, got) = claim(&c, "relay-a", 3).await;
+    assert_eq!(got, vec![ids[4], ids[0], ids[1]]);
+    let r = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE status = 'SENDING' AND claim_owner = 'relay-a' \
+             AND claim_token = $1 AND claimed_at IS NOT NULL), count(*) FILTER (WHERE status = 'WAIT') \
+             FROM outbox_event",
+            &[&token.unwrap()],
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1)), (3, 2));
+
+    // A second call gets the rest with a new token; a third gets nothing, which is no error.
+    let (token2, rest) = claim(&c, "relay-a", 10).await;
+    assert_eq!(rest, vec![ids[2], ids[3]]);
+    assert_ne!(token, token2);
+    assert_eq!(claim(&c, "relay-a", 10).await.1, Vec::<i64>::new());
+}
+
+#[tokio::test]
+async fn ack_settles_only_rows_held_with_the_same_owner_and_token() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let a = enqueue(&c, "orders").await;
+    let b = enqueue(&c, "orders").await;
+    let (token, _) = claim(&c, "relay-a", 10).await;
+    let token = token.unwrap();
+    let stale = token - 1;
+    let both = vec![a, b];
+    let unknown = vec![a, 999_999];
+
+    for (sql, owner, tok) in [
+        ("SELECT outbox_ack($1, $2, $3)", "relay-b", token),
+        ("SELECT outbox_ack($1, $2, $3)", "relay-a", stale),
+        ("SELECT outbox_nack($1, $2, $3, 'x')", "relay-b", token),
+        ("SELECT outbox_nack($1, $2, $3, 'x')", "relay-a", stale),
+        ("SELECT outbox_renew($1, $2, $3)", "relay-b", token),
+        ("SELECT outbox_renew($1, $2, $3)", "relay-a", stale),
+    ] {
+        let n: i32 = c.query_one(sql, &[&owner, &tok, &both]).await.unwrap().get(0);
+        assert_eq!(n, 0, "{sql} as {owner}/{tok} must count 0");
+    }
+    for id in [a, b] {
+        assert_eq!(status_of(&c, id).await, ("SENDING".into(), 0, Some("relay-a".into())));
+    }
+
+    let n: i32 = c
+        .query_one("SELECT outbox_ack('relay-a', $1, $2)", &[&token, &unknown])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "unknown ids are not counted");
+    assert_eq!(status_of(&c, a).await.0, "SUCCESS");
+    // A late second ack of the same row is a no-op.
+    let n: i32 = c
+        .query_one("SELECT outbox_ack('relay-a', $1, $2)", &[&token, &both])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    let n: i32 = c
+        .query_one("SELECT outbox_ack('relay-a', $1, $2)", &[&token, &both])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn nack_backs_off_5_20_45_seconds_then_dead_letters_after_the_4th_failure() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let id = enqueue(&c, "orders").await;
+    for (attempt, expected_secs) in [(1, Some(5.0)), (2, Some(20.0)), (3, Some(45.0)), (4, None)] {
+        make_due(&c, id).await;
+        let (token, got) = claim(&c, "relay-a", 1).await;
+        assert_eq!(got, vec![id], "attempt {attempt} claims the row");
+        let n: i32 = c
+            .query_one(
+                "SELECT outbox_nack('relay-a', $1, ARRAY[$2::bigint], $3)",
+                &[&token.unwrap(), &id, &format!("boom {attempt}")],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 1);
+        let r = c
+            .query_one(
+                "SELECT status::text, retry_count, \
+                 extract(epoch FROM next_retry_time - updated_at)::float8, last_error, \
+                 claim_owner IS NULL AND claim_token IS NULL AND claimed_at IS NULL \
+                 FROM outbox_event WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.get::<_, i32>(1), attempt);
+        assert_eq!(r.get::<_, String>(3), format!("boom {attempt}"));
+        assert!(r.get::<_, bool>(4), "lease cleared");
+        match expected_secs {
+            Some(secs) => {
+                assert_eq!(r.get::<_, String>(0), "WAIT");
+                assert!((r.get::<_, f64>(2) - secs).abs() < 1e-3, "backoff {}", r.get::<_, f64>(2));
+                // Not claimable before its backoff elapsed.
+                assert!(claim(&c, "relay-a", 1).await.1.is_empty());
+            }
+            None => assert_eq!(r.get::<_, String>(0), "FAIL"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn backoff_follows_settings_with_cap_and_jitter() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute(
+        "SET outbox.backoff_base = '1s'; SET outbox.backoff_max = '3s'; \
+         SET outbox.backoff_jitter = 0.5; SET outbox.max_retry = 10",
+    )
+    .await
+    .unwrap();
+    let id = enqueue(&c, "orders").await;
+    let mut delays = Vec::new();
+    for _ in 0..4 {
+        make_due(&c, id).await;
+        let (token, _) = claim(&c, "r", 1).await;
+        c.execute("SELECT outbox_nack('r', $1, ARRAY[$2::bigint])", &[&token.unwrap(), &id])
+            .await
+            .unwrap();
+        let secs: f64 = c
+            .query_one(
+                "SELECT extract(epoch FROM next_retry_time - updated_at)::float8 FROM outbox_event WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        delays.push(secs);
+    }
+    // n^2 * 1s capped at 3s, each within [0.5, 1.5] of its nominal value.
+    for (d, nominal) in delays.iter().zip([1.0, 3.0, 3.0, 3.0]) {
+        assert!(*d >= nominal * 0.5 - 1e-3 && *d <= nominal * 1.5 + 1e-3, "{delays:?}");
+    }
+}
+
+#[tokio::test]
+async fn renew_extends_the_lease_of_held_rows() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let id = enqueue(&c, "orders").await;
+    let (token, _) = claim(&c, "relay-a", 1).await;
+    c.execute(
+        "UPDATE outbox_event SET claimed_at = now() - interval '1 hour' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    let n: i32 = c
+        .query_one("SELECT outbox_renew('relay-a', $1, ARRAY[$2::bigint])", &[&token.unwrap(), &id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    let fresh: bool = c
+        .query_one(
+            "SELECT claimed_at > clock_timestamp() - interval '1 minute' FROM outbox_event WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(fresh);
+    // A renewed lease is not reclaimed.
+    let n: i32 = c.query_one("SELECT outbox_reclaim('10 minutes')", &[]).await.unwrap().get(0);
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn reclaim_uses_claimed_at_not_next_retry_time_and_counts_an_attempt() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let fresh = enqueue(&c, "orders").await;
+    let stale = enqueue(&c, "orders").await;
+    claim(&c, "relay-a", 10).await;
+    // `fresh` was due long ago but its lease is new; `stale` holds a lease older than 10 minutes.
+    c.execute(
+        "UPDATE outbox_event SET next_retry_time = now() - interval '1 day' WHERE id = $1",
+        &[&fresh],
+    )
+    .await
+    .unwrap();
+    c.execute(
+        "UPDATE outbox_event SET claimed_at = clock_timestamp() - interval '11 minutes' WHERE id = $1",
+        &[&stale],
+    )
+    .await
+    .unwrap();
+    let n: i32 = c.query_one("SELECT outbox_reclaim()", &[]).await.unwrap().get(0);
+    assert_eq!(n, 1);
+    assert_eq!(status_of(&c, fresh).await, ("SENDING".into(), 0, Some("relay-a".into())));
+    assert_eq!(status_of(&c, stale).await, ("WAIT".into(), 1, None));
+    let err: String = c
+        .query_one("SELECT last_error FROM outbox_event WHERE id = $1", &[&stale])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(err.contains("lease expired") && err.contains("relay-a"), "{err}");
+    // Due now: another relay picks it up at once.
+    assert_eq!(claim(&c, "relay-b", 10).await.1, vec![stale]);
+}
+
+#[tokio::test]
+async fn reclaim_dead_letters_an_event_that_keeps_losing_its_lease() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let id = enqueue(&c, "orders").await;
+    for round in 1..=4 {
+        let (_, got) = claim(&c, "crashy", 1).await;
+        assert_eq!(got, vec![id]);
+        c.execute(
+            "UPDATE outbox_event SET claimed_at = clock_timestamp() - interval '1 hour' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+        let n: i32 = c.query_one("SELECT outbox_reclaim('1 minute')", &[]).await.unwrap().get(0);
+        assert_eq!(n, 1);
+        let expect = if round < 4 { "WAIT" } else { "FAIL" };
+        assert_eq!(status_of(&c, id).await.0, expect, "after reclaim {round}");
+    }
+}
+
+#[tokio::test]
+async fn requeue_returns_dead_letters_only() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let dead = enqueue(&c, "orders").await;
+    let waiting = enqueue(&c, "orders").await;
+    c.execute(
+        "UPDATE outbox_event SET status = 'FAIL', retry_count = 4, last_error = 'boom', \
+         next_retry_time = now() + interval '1 day' WHERE id = $1",
+        &[&dead],
+    )
+    .await
+    .unwrap();
+    let listed: Vec<i64> = c
+        .query("SELECT id FROM outbox_dead_letters()", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(listed, vec![dead]);
+    let n: i32 = c
+        .query_one("SELECT outbox_requeue($1)", &[&vec![dead, waiting, 424_242]])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    let r = c
+        .query_one(
+            "SELECT status::text, retry_count, next_retry_time <= clock_timestamp(), last_error \
+             FROM outbox_event WHERE id = $1",
+            &[&dead],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.get::<_, String>(0), "WAIT");
+    assert_eq!(r.get::<_, i32>(1), 0);
+    assert!(r.get::<_, bool>(2), "due now");
+    assert_eq!(r.get::<_, Option<String>>(3).as_deref(), Some("boom"), "history kept");
+    assert_eq!(status_of(&c, waiting).await.0, "WAIT");
+}
+
+#[tokio::test]
+async fn purge_deletes_old_success_rows_only_and_is_bounded() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    for _ in 0..5 {
+        enqueue(&c, "orders").await;
+    }
+    let (token, ids) = claim(&c, "r", 5).await;
+    c.execute("SELECT outbox_ack('r', $1, $2)", &[&token.unwrap(), &ids]).await.unwrap();
+    // Every other state, all of them old.
+    c.batch_execute(
+        "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3); \
+         UPDATE outbox_event SET status = 'FAIL' WHERE id = (SELECT max(id) FROM outbox_event); \
+         UPDATE outbox_event SET status = 'SENDING', claim_owner = 'x', claim_token = 1, claimed_at = now() \
+          WHERE id = (SELECT max(id) - 1 FROM outbox_event); \
+         UPDATE outbox_event SET updated_at = now() - interval '30 days'",
+    )
+    .await
+    .unwrap();
+    let n: i64 = c.query_one("SELECT outbox_purge('7 days', 2)", &[]).await.unwrap().get(0);
+    assert_eq!(n, 2, "bounded by max_rows");
+    let n: i64 = c.query_one("SELECT outbox_purge()", &[]).await.unwrap().get(0);
+    assert_eq!(n, 3);
+    let left: Vec<String> = c
+        .query("SELECT e.status::text FROM outbox_event e ORDER BY e.status", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, vec!["WAIT", "SENDING", "FAIL"]);
+    // Young SUCCESS rows stay.
+    let id = enqueue(&c, "orders").await;
+    let (token, _) = claim(&c, "r", 1).await;
+    c.execute("SELECT outbox_ack('r', $1, ARRAY[$2::bigint])", &[&token.unwrap(), &id])
+        .await
+        .unwrap();
+    let n: i64 = c.query_one("SELECT outbox_purge('1 hour')", &[]).await.unwrap().get(0);
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn delayed_delivery_is_not_claimable_before_deliver_at() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let later: i64 = c
+        .query_one(
+            "SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 hour')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let past: i64 = c
+        .query_one(
+            "SELECT outbox_enqueue('orders', '{}', deliver_at => now() - interval '1 hour')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let due_at_enqueue: bool = c
+        .query_one("SELECT next_retry_time >= now() - interval '1 minute' FROM outbox_event WHERE id = $1", &[&past])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(due_at_enqueue, "a past deliver_at means due now, not in the past");
+    let s = c.query_one("SELECT due_wait, delayed_wait FROM outbox_stats()", &[]).await.unwrap();
+    assert_eq!((s.get::<_, i64>(0), s.get::<_, i64>(1)), (1, 1));
+    assert_eq!(claim(&c, "r", 10).await.1, vec![past]);
+    make_due(&c, later).await;
+    assert_eq!(claim(&c, "r", 10).await.1, vec![later]);
+}
+
+#[tokio::test]
+async fn stats_count_every_state_and_report_ages() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    for _ in 0..6 {
+        enqueue(&c, "orders").await;
+    }
+    c.execute(
+        "SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 day')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let (token, ids) = claim(&c, "r", 3).await;
+    let token = token.unwrap();
+    c.execute("SELECT outbox_ack('r', $1, $2)", &[&token, &ids[..1].to_vec()]).await.unwrap();
+    c.execute("UPDATE outbox_event SET status = 'FAIL' WHERE id = $1", &[&ids[1]]).await.unwrap();
+    c.execute(
+        "UPDATE outbox_event SET next_retry_time = now() - interval '90 seconds' WHERE status = 'WAIT' \
+         AND next_retry_time <= now()",
+        &[],
+    )
+    .await
+    .unwrap();
+    let s = c
+        .query_one(
+            "SELECT due_wait, delayed_wait, sending, failed, succeeded, \
+             extract(epoch FROM oldest_due_age)::float8, extract(epoch FROM oldest_lease_age)::float8 \
+             FROM outbox_stats()",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(s.get::<_, i64>(0), 3);
+    assert_eq!(s.get::<_, i64>(1), 1);
+    assert_eq!(s.get::<_, i64>(2), 1);
+    assert_eq!(s.get::<_, i64>(3), 1);
+    assert_eq!(s.get::<_, i64>(4), 1);
+    assert!(s.get::<_, f64>(5) >= 90.0 && s.get::<_, f64>(5) < 120.0);
+    assert!(s.get::<_, f64>(6) >= 0.0 && s.get::<_, f64>(6) < 60.0);
+}

@@ -1,0 +1,187 @@
+//! Privileges (CONTRACT.md section 4) with the README's GRANT recipe, and a hostile search_path.
+
+use std::process::Command;
+
+use outbox_tests::db::{psql_admin, sqlstate, TestDb};
+
+/// Three roles of the recipe plus one with no grants; dropped after the test database.
+struct Roles {
+    suffix: String,
+}
+
+impl Roles {
+    fn create(db: &TestDb) -> Roles {
+        let suffix = db.name.trim_start_matches("outbox_test_").to_string();
+        let roles = Roles { suffix };
+        for r in roles.all() {
+            psql_admin(&format!("CREATE ROLE {r} NOLOGIN"));
+        }
+        let out = Command::new("psql")
+            .arg(db.url())
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+            .arg("-v")
+            .arg(format!("producer={}", roles.name("producer")))
+            .arg("-v")
+            .arg(format!("relay={}", roles.name("relay")))
+            .arg("-v")
+            .arg(format!("admin={}", roles.name("admin")))
+            .args(["-f", concat!(env!("CARGO_MANIFEST_DIR"), "/../sql/examples/grant-roles.sql")])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        roles
+    }
+    fn name(&self, kind: &str) -> String {
+        format!("outbox_{kind}_{}", self.suffix)
+    }
+    fn all(&self) -> Vec<String> {
+        ["producer", "relay", "admin", "nobody"].iter().map(|k| self.name(k)).collect()
+    }
+}
+
+impl Drop for Roles {
+    fn drop(&mut self) {
+        for r in self.all() {
+            let _ = Command::new("psql")
+                .arg(format!("{} dbname=postgres", outbox_tests::db::server_params()))
+                .args(["-X", "-q", "-c", &format!("DROP ROLE IF EXISTS {r}")])
+                .output();
+        }
+    }
+}
+
+#[tokio::test]
+async fn each_role_can_do_exactly_its_part() {
+    let roles;
+    let db = TestDb::create();
+    roles = Roles::create(&db);
+    let c = db.connect().await;
+    let as_role = |kind: &str| format!("SET ROLE {}", roles.name(kind));
+
+    // Producer: enqueue only.
+    c.batch_execute(&as_role("producer")).await.unwrap();
+    c.execute("SELECT outbox_enqueue('orders', '{\"secret\": 1}')", &[]).await.unwrap();
+    for denied in [
+        "SELECT * FROM outbox_event",
+        "SELECT * FROM outbox_claim('p', 1)",
+        "SELECT * FROM outbox_stats()",
+        "SELECT outbox_requeue('{1}')",
+        "UPDATE outbox_event SET status = 'FAIL'",
+    ] {
+        assert_eq!(sqlstate(c.batch_execute(denied).await), "42501", "producer: {denied}");
+    }
+
+    // Relay: claim, ack, nack, renew, reclaim, stats; no enqueue, requeue, purge or table access.
+    c.batch_execute(&format!("RESET ROLE; {}", as_role("relay"))).await.unwrap();
+    let r = c.query_one("SELECT id, claim_token FROM outbox_claim('relay-1', 5)", &[]).await.unwrap();
+    let (id, token): (i64, i64) = (r.get(0), r.get(1));
+    c.execute("SELECT outbox_renew('relay-1', $1, ARRAY[$2::bigint])", &[&token, &id]).await.unwrap();
+    c.execute("SELECT outbox_nack('relay-1', $1, ARRAY[$2::bigint], 'x')", &[&token, &id]).await.unwrap();
+    c.execute("SELECT outbox_ack('relay-1', $1, ARRAY[$2::bigint])", &[&token, &id]).await.unwrap();
+    c.execute("SELECT outbox_reclaim()", &[]).await.unwrap();
+    c.execute("SELECT * FROM outbox_stats()", &[]).await.unwrap();
+    for denied in [
+        "SELECT outbox_enqueue('orders', '{}')",
+        "SELECT outbox_requeue('{1}')",
+        "SELECT outbox_purge()",
+        "SELECT * FROM outbox_dead_letters()",
+        "SELECT * FROM outbox_event",
+    ] {
+        assert_eq!(sqlstate(c.batch_execute(denied).await), "42501", "relay: {denied}");
+    }
+
+    // Admin: the relay's rights plus dead letters, requeue and purge.
+    c.batch_execute(&format!("RESET ROLE; {}", as_role("admin"))).await.unwrap();
+    c.execute("SELECT * FROM outbox_dead_letters()", &[]).await.unwrap();
+    c.execute("SELECT outbox_requeue('{1}')", &[]).await.unwrap();
+    c.execute("SELECT outbox_purge()", &[]).await.unwrap();
+    c.execute("SELECT * FROM outbox_claim('admin', 1)", &[]).await.unwrap();
+
+    // A role with no grants can call nothing: nothing is granted to PUBLIC.
+    c.batch_execute(&format!("RESET ROLE; {}", as_role("nobody"))).await.unwrap();
+    for denied in ["SELECT outbox_enqueue('orders', '{}')", "SELECT * FROM outbox_stats()", "SELECT * FROM outbox_config()"] {
+        assert_eq!(sqlstate(c.batch_execute(denied).await), "42501", "nobody: {denied}");
+    }
+    c.batch_execute("RESET ROLE").await.unwrap();
+    let public_callable: Vec<String> = c
+        .query(
+            "SELECT p.oid::regprocedure::text FROM pg_depend d JOIN pg_proc p ON p.oid = d.objid \
+             WHERE d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'outbox') \
+             AND d.deptype = 'e' AND d.classid = 'pg_proc'::regclass \
+             AND has_function_privilege('public', p.oid, 'EXECUTE')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(public_callable.is_empty(), "callable by PUBLIC: {public_callable:?}");
+    drop(db);
+    drop(roles);
+}
+
+#[tokio::test]
+async fn a_hostile_search_path_changes_nothing() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute(
+        r#"
+        CREATE SCHEMA evil;
+        CREATE TABLE evil.outbox_event (LIKE public.outbox_event);
+        CREATE FUNCTION evil.hijacked() RETURNS void LANGUAGE plpgsql AS
+            $$ BEGIN RAISE EXCEPTION 'hijacked'; END $$;
+        CREATE FUNCTION evil.outbox_config() RETURNS TABLE (max_retry int) LANGUAGE sql AS
+            $$ SELECT 1 FROM evil.hijacked() $$;
+        CREATE FUNCTION evil.outbox_check_owner(text, text) RETURNS void LANGUAGE sql AS
+            $$ SELECT evil.hijacked() $$;
+        CREATE FUNCTION evil.pg_notify(text, text) RETURNS void LANGUAGE sql AS $$ SELECT evil.hijacked() $$;
+        CREATE FUNCTION evil.now() RETURNS timestamptz LANGUAGE sql AS $$ SELECT 'epoch'::timestamptz FROM evil.hijacked() $$;
+        CREATE FUNCTION evil.clock_timestamp() RETURNS timestamptz LANGUAGE sql AS $$ SELECT 'epoch'::timestamptz FROM evil.hijacked() $$;
+        CREATE FUNCTION evil.jsonb_typeof(jsonb) RETURNS text LANGUAGE sql AS $$ SELECT 'evil' FROM evil.hijacked() $$;
+        CREATE FUNCTION evil.nextval(regclass) RETURNS bigint LANGUAGE sql AS $$ SELECT 1::bigint FROM evil.hijacked() $$;
+        CREATE FUNCTION evil.random() RETURNS float8 LANGUAGE sql AS $$ SELECT 0::float8 FROM evil.hijacked() $$;
+        CREATE FUNCTION evil.make_interval(years int DEFAULT 0, months int DEFAULT 0, weeks int DEFAULT 0,
+            days int DEFAULT 0, hours int DEFAULT 0, mins int DEFAULT 0, secs float8 DEFAULT 0)
+            RETURNS interval LANGUAGE sql AS $$ SELECT interval '0' FROM evil.hijacked() $$;
+        SET search_path = evil, pg_catalog, public;
+        "#,
+    )
+    .await
+    .unwrap();
+
+    let id: i64 = c
+        .query_one("SELECT public.outbox_enqueue('orders', '{}', headers => '{\"a\":\"b\"}')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let token: i64 = c
+        .query_one("SELECT claim_token FROM public.outbox_claim('r', 5)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let n: i32 = c
+        .query_one("SELECT public.outbox_nack('r', $1, ARRAY[$2::bigint], 'x')", &[&token, &id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    c.batch_execute(
+        "SELECT public.outbox_reclaim(); SELECT * FROM public.outbox_stats(); \
+         SELECT public.outbox_requeue('{1}'); SELECT public.outbox_purge(); \
+         SELECT * FROM public.outbox_dead_letters();",
+    )
+    .await
+    .unwrap();
+
+    let r = c
+        .query_one(
+            "SELECT (SELECT count(*) FROM evil.outbox_event), \
+                    (SELECT count(*) FROM public.outbox_event WHERE status = 'WAIT' AND retry_count = 1 \
+                     AND next_retry_time > pg_catalog.now())",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1)), (0, 1));
+}
