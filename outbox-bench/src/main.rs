@@ -1,1 +1,1036 @@
-fn main() {}
+//! `outbox-bench`: throughput, latency and cost of the outbox, side by side with the seed design,
+//! in one run on one machine. Prints a markdown report (and writes it with `--output`).
+//!
+//! Profiles: `--quick` (default, under 10 minutes), `--long` (1M-event backlogs), `--smoke` (every
+//! harness path with tiny sizes, in seconds; exits non-zero if any path fails, for the test suite).
+
+mod broker;
+mod db;
+mod drain;
+mod enqueue;
+mod relay;
+mod report;
+mod sys;
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use crate::db::BenchDb;
+use crate::enqueue::Variant;
+use crate::report::{goals_table, ms, num, pct, Goal, Table};
+
+#[derive(Parser)]
+#[command(version, about = "Benchmarks of the outbox extension and relay (issue 5)")]
+struct Args {
+    /// Quick profile (default): backlogs of 100k-200k events, under 10 minutes.
+    #[arg(long, conflicts_with_all = ["long", "smoke"])]
+    quick: bool,
+    /// Long profile: 1M-event backlogs and longer latency runs.
+    #[arg(long, conflicts_with = "smoke")]
+    long: bool,
+    /// Smallest case of every harness path, in seconds; fails if any path fails.
+    #[arg(long)]
+    smoke: bool,
+    /// Admin connection (the bench creates and drops its own database). Default: PGHOST, PGPORT,
+    /// PGUSER, PGPASSWORD or 127.0.0.1:5432 user postgres.
+    #[arg(long, env = "OUTBOX_BENCH_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md).
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// The relay binary. Default: $CARGO_TARGET_DIR/release/outbox-worker.
+    #[arg(long, env = "OUTBOX_BENCH_WORKER_BIN")]
+    worker_bin: Option<PathBuf>,
+    /// The tansu broker binary. Default: $OUTBOX_TOOLS/bin/tansu (/opt/outbox-tools), then PATH.
+    #[arg(long, env = "OUTBOX_BENCH_TANSU_BIN")]
+    tansu_bin: Option<PathBuf>,
+    /// Skip everything that needs the broker and the relay.
+    #[arg(long)]
+    no_broker: bool,
+    /// Run only these sections (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<Section>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Section {
+    Enqueue,
+    Drain,
+    Health,
+    Contention,
+    Seed,
+    Broker,
+    Latency,
+}
+
+/// Sizes and durations of one profile.
+pub struct Profile {
+    pub name: &'static str,
+    pub enqueue_clients: usize,
+    pub enqueue_time: Duration,
+    pub enqueue_rounds: usize,
+    pub matrix_backlog: i64,
+    pub matrix_cap: Duration,
+    pub loops: Vec<usize>,
+    pub batches: Vec<i32>,
+    pub headline_backlog: i64,
+    pub contention_backlog: i64,
+    pub claimers: Vec<usize>,
+    pub contention_batch: i32,
+    pub seed_backlog: i64,
+    pub seed_cap: Duration,
+    pub seed_loops: Vec<usize>,
+    pub seed_delay: Duration,
+    pub seed_delay_rounds: u64,
+    pub broker_backlog: i64,
+    pub broker_cap: Duration,
+    pub broker_loops: Vec<usize>,
+    pub broker_batches: Vec<i32>,
+    pub linger_ms: Vec<u32>,
+    pub latency_rates: Vec<f64>,
+    pub latency_time: Duration,
+}
+
+impl Profile {
+    fn quick() -> Profile {
+        Profile {
+            name: "quick",
+            enqueue_clients: 4,
+            enqueue_time: Duration::from_secs(4),
+            enqueue_rounds: 2,
+            matrix_backlog: 100_000,
+            matrix_cap: Duration::from_secs(15),
+            loops: vec![1, 2, 4],
+            batches: vec![20, 100, 500],
+            headline_backlog: 200_000,
+            contention_backlog: 50_000,
+            claimers: vec![1, 4, 8],
+            contention_batch: 100,
+            seed_backlog: 50_000,
+            seed_cap: Duration::from_secs(10),
+            seed_loops: vec![1, 4],
+            seed_delay: Duration::from_secs(5),
+            seed_delay_rounds: 2,
+            broker_backlog: 100_000,
+            broker_cap: Duration::from_secs(60),
+            broker_loops: vec![1, 2, 4],
+            broker_batches: vec![20, 100, 500],
+            linger_ms: vec![0, 20],
+            latency_rates: vec![100.0, 1000.0, 5000.0],
+            latency_time: Duration::from_secs(5),
+        }
+    }
+
+    fn long() -> Profile {
+        Profile {
+            name: "long",
+            enqueue_time: Duration::from_secs(10),
+            enqueue_rounds: 3,
+            matrix_backlog: 1_000_000,
+            matrix_cap: Duration::from_secs(60),
+            headline_backlog: 1_000_000,
+            contention_backlog: 200_000,
+            seed_backlog: 200_000,
+            seed_cap: Duration::from_secs(30),
+            seed_delay_rounds: 3,
+            broker_backlog: 1_000_000,
+            broker_cap: Duration::from_secs(300),
+            latency_time: Duration::from_secs(20),
+            ..Profile::quick()
+        }
+    }
+
+    fn smoke() -> Profile {
+        Profile {
+            name: "smoke",
+            enqueue_clients: 2,
+            enqueue_time: Duration::from_millis(500),
+            enqueue_rounds: 1,
+            matrix_backlog: 2_000,
+            matrix_cap: Duration::from_secs(20),
+            loops: vec![2],
+            batches: vec![100],
+            headline_backlog: 3_000,
+            contention_backlog: 3_000,
+            claimers: vec![1, 8],
+            contention_batch: 20,
+            seed_backlog: 500,
+            seed_cap: Duration::from_secs(5),
+            seed_loops: vec![1, 2],
+            seed_delay: Duration::from_millis(200),
+            seed_delay_rounds: 2,
+            broker_backlog: 2_000,
+            broker_cap: Duration::from_secs(30),
+            broker_loops: vec![2],
+            broker_batches: vec![],
+            linger_ms: vec![],
+            latency_rates: vec![200.0],
+            latency_time: Duration::from_secs(1),
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args).await {
+        Ok(failures) if failures.is_empty() => ExitCode::SUCCESS,
+        Ok(failures) => {
+            for f in failures {
+                eprintln!("outbox-bench: FAILED: {f}");
+            }
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("outbox-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: &Args) -> Result<Vec<String>> {
+    let profile = if args.smoke {
+        Profile::smoke()
+    } else if args.long {
+        Profile::long()
+    } else {
+        Profile::quick()
+    };
+    let admin = db::admin_config(args.database_url.as_deref())?;
+    let db = BenchDb::create(&admin).await?;
+    eprintln!("==> outbox-bench {} profile, database {}", profile.name, db.name);
+    let workdir = std::env::temp_dir().join(&db.name);
+    std::fs::create_dir_all(&workdir)?;
+    let res = tokio::select! {
+        r = bench(args, &profile, &db, &workdir) => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    if let Err(e) = db.drop_db().await {
+        eprintln!("outbox-bench: warning: could not drop database {}: {e:#}", db.name);
+    }
+    let res = res?;
+    if res.is_empty() {
+        let _ = std::fs::remove_dir_all(&workdir);
+    } else {
+        eprintln!("outbox-bench: logs kept in {}", workdir.display());
+    }
+    Ok(res)
+}
+
+fn find_worker(args: &Args) -> PathBuf {
+    if let Some(p) = &args.worker_bin {
+        return p.clone();
+    }
+    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+    PathBuf::from(target).join("release/outbox-worker")
+}
+
+fn find_tansu(args: &Args) -> PathBuf {
+    if let Some(p) = &args.tansu_bin {
+        return p.clone();
+    }
+    let tools = std::env::var("OUTBOX_TOOLS").unwrap_or_else(|_| "/opt/outbox-tools".into());
+    let p = PathBuf::from(tools).join("bin/tansu");
+    if p.exists() {
+        p
+    } else {
+        PathBuf::from("tansu")
+    }
+}
+
+/// Everything the report needs, filled in section by section.
+#[derive(Default)]
+struct Results {
+    enqueue: Option<enqueue::EnqueueSummary>,
+    matrix: Vec<drain::DrainRun>,
+    headline: Option<drain::DrainRun>,
+    health_md: Option<String>,
+    contention: Vec<drain::DrainRun>,
+    seed: Vec<drain::SeedRun>,
+    seed_compare: Option<drain::DrainRun>,
+    broker: Vec<relay::BrokerDrain>,
+    latency: Vec<relay::LatencyRun>,
+    broker_note: Option<String>,
+    failures: Vec<String>,
+}
+
+async fn bench(args: &Args, p: &Profile, db: &BenchDb, workdir: &Path) -> Result<Vec<String>> {
+    let t_start = Instant::now();
+    let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    let monitor = db.connect().await?;
+    let load_start = sys::loadavg();
+    let mut r = Results::default();
+
+    if want(Section::Enqueue) {
+        eprintln!("==> 1. enqueue cost");
+        r.enqueue = Some(enqueue::run(db, p).await?);
+    }
+
+    if want(Section::Drain) {
+        eprintln!("==> 2. null-sink drain matrix");
+        for &loops in &p.loops {
+            for &batch in &p.batches {
+                eprintln!(
+                    "  {} events, {loops} loop(s), batch {batch}",
+                    num(p.matrix_backlog as f64)
+                );
+                let run =
+                    drain::null_sink(db, &monitor, loops, batch, p.matrix_backlog, p.matrix_cap)
+                        .await?;
+                check_drain(&run, "null-sink drain", &mut r.failures);
+                r.matrix.push(run);
+            }
+        }
+    }
+
+    if want(Section::Health) || want(Section::Drain) {
+        // The headline drain: the best configuration of the matrix on the full backlog.
+        let (loops, batch) = r
+            .matrix
+            .iter()
+            .max_by(|a, b| a.rate().total_cmp(&b.rate()))
+            .map(|b| (b.loops, b.batch))
+            .unwrap_or((2, 100));
+        eprintln!(
+            "==> 2/6. headline null-sink drain: {} events, {loops} loop(s), batch {batch}",
+            num(p.headline_backlog as f64)
+        );
+        let run = drain::null_sink(
+            db,
+            &monitor,
+            loops,
+            batch,
+            p.headline_backlog,
+            Duration::from_secs(600),
+        )
+        .await?;
+        check_drain(&run, "headline null-sink drain", &mut r.failures);
+        let drained = run.drained;
+        r.headline = Some(run);
+        eprintln!("==> 6. table health");
+        let (md, ok) = drain::health(&monitor, drained).await?;
+        if !ok {
+            r.failures
+                .push("outbox_purge did not delete every SUCCESS row of the drain".into());
+        }
+        r.health_md = Some(md);
+    }
+
+    if want(Section::Contention) {
+        eprintln!("==> 4. claim contention");
+        for &n in &p.claimers {
+            eprintln!("  {n} claimer(s), batch {}", p.contention_batch);
+            let run = drain::null_sink(
+                db,
+                &monitor,
+                n,
+                p.contention_batch,
+                p.contention_backlog,
+                Duration::from_secs(600),
+            )
+            .await?;
+            check_drain(&run, &format!("contention with {n} claimers"), &mut r.failures);
+            r.contention.push(run);
+        }
+    }
+
+    if want(Section::Seed) {
+        eprintln!("==> 5. seed design baseline");
+        drain::create_seed_table(&monitor).await?;
+        for &loops in &p.seed_loops {
+            eprintln!("  seed, {loops} instance(s), no delay");
+            let s = drain::seed(db, &monitor, loops, p.seed_backlog, p.seed_cap, None, None).await?;
+            if s.double_sends > 0 {
+                r.failures.push(format!(
+                    "seed design with {loops} instances sent {} events twice",
+                    s.double_sends
+                ));
+            }
+            r.seed.push(s);
+        }
+        eprintln!(
+            "  seed, 1 instance, {:?} fixed delay, {} rounds",
+            p.seed_delay, p.seed_delay_rounds
+        );
+        let s = drain::seed(
+            db,
+            &monitor,
+            1,
+            p.seed_backlog,
+            Duration::from_secs(600),
+            Some(p.seed_delay),
+            Some(p.seed_delay_rounds),
+        )
+        .await?;
+        r.seed.push(s);
+        // This project on the same footing: one loop, batch 20, same backlog and cap.
+        eprintln!("  this project, 1 loop, batch 20, same backlog and cap");
+        let run = drain::null_sink(db, &monitor, 1, 20, p.seed_backlog, p.seed_cap).await?;
+        check_drain(&run, "project drain for the seed comparison", &mut r.failures);
+        r.seed_compare = Some(run);
+    }
+
+    let mut broker_version = "not used".to_string();
+    let mut worker_version = "not used".to_string();
+    if !args.no_broker && (want(Section::Broker) || want(Section::Latency)) {
+        let worker_bin = find_worker(args);
+        let tansu_bin = find_tansu(args);
+        worker_version = sys::command_line(&worker_bin, &["--version"])
+            .unwrap_or_else(|| format!("{} (no --version)", worker_bin.display()));
+        broker_version = sys::command_line(&tansu_bin, &["--version"])
+            .unwrap_or_else(|| format!("{} (no --version)", tansu_bin.display()));
+        match broker_sections(args, p, db, &monitor, workdir, &worker_bin, &tansu_bin, &mut r).await
+        {
+            Ok(()) => {}
+            Err(e) => {
+                let msg = format!("broker/relay benchmarks: {e:#}");
+                eprintln!("outbox-bench: {msg}");
+                r.broker_note = Some(msg.clone());
+                r.failures.push(msg);
+            }
+        }
+    } else if args.no_broker {
+        r.broker_note = Some("skipped (`--no-broker`)".into());
+    }
+
+    let env = environment(&monitor, p, &load_start, &broker_version, &worker_version).await?;
+    let md = render(p, &r, &env, t_start.elapsed());
+    println!("{md}");
+    if let Some(out) = &args.output {
+        std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("==> report written to {}", out.display());
+    }
+    Ok(r.failures)
+}
+
+fn check_drain(run: &drain::DrainRun, what: &str, failures: &mut Vec<String>) {
+    if run.duplicates > 0 {
+        failures.push(format!(
+            "{what}: {} double claims with {} loops",
+            run.duplicates, run.loops
+        ));
+    }
+    if !run.complete && run.drained == 0 {
+        failures.push(format!("{what}: nothing was drained"));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn broker_sections(
+    args: &Args,
+    p: &Profile,
+    db: &BenchDb,
+    monitor: &tokio_postgres::Client,
+    workdir: &Path,
+    worker_bin: &Path,
+    tansu_bin: &Path,
+    r: &mut Results,
+) -> Result<()> {
+    let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    if !worker_bin.exists() {
+        anyhow::bail!(
+            "relay binary {} not found (build it: cargo build --release -p outbox-worker)",
+            worker_bin.display()
+        );
+    }
+    let broker = broker::Broker::start(tansu_bin, workdir)?;
+    broker.create_topic("bench.drain")?;
+    let env = relay::RelayEnv {
+        db,
+        monitor,
+        broker: &broker,
+        worker_bin,
+        workdir,
+    };
+    if want(Section::Broker) {
+        eprintln!("==> 2. drain to the broker through outbox-worker");
+        let mut configs: Vec<(usize, Vec<String>)> =
+            p.broker_loops.iter().map(|&l| (l, vec![])).collect();
+        for &b in &p.broker_batches {
+            configs.push((1, vec!["--batch-size".into(), b.to_string()]));
+        }
+        for &l in &p.linger_ms {
+            configs.push((
+                1,
+                vec!["--kafka-property".into(), format!("linger.ms={l}")],
+            ));
+        }
+        for (i, (loops, extra)) in configs.iter().enumerate() {
+            eprintln!(
+                "  {} events, {loops} loop(s) {}",
+                num(p.broker_backlog as f64),
+                extra.join(" ")
+            );
+            let run = relay::drain(
+                &env,
+                p.broker_backlog,
+                p.broker_cap,
+                *loops,
+                extra,
+                &format!("drain-{i}"),
+            )
+            .await?;
+            r.broker.push(run);
+        }
+        monitor.batch_execute("TRUNCATE outbox_event").await?;
+    }
+    if want(Section::Latency) {
+        eprintln!("==> 3. commit-to-broker latency");
+        let settle = Duration::from_secs(15);
+        let mut configs: Vec<Vec<String>> = vec![vec![]];
+        for &l in &p.linger_ms {
+            configs.push(vec!["--kafka-property".into(), format!("linger.ms={l}")]);
+        }
+        let mut n = 0;
+        for (ci, extra) in configs.iter().enumerate() {
+            let worker = env.start_worker(extra, &format!("latency-{ci}"))?;
+            let settings = if extra.is_empty() {
+                "defaults".to_string()
+            } else {
+                format!("`{}`", extra.join(" "))
+            };
+            // Settings variants only at the rate the goal names.
+            let (rates, modes): (Vec<f64>, Vec<bool>) = if extra.is_empty() {
+                (p.latency_rates.clone(), vec![true, false])
+            } else {
+                (vec![1000.0], vec![true])
+            };
+            for &notify in &modes {
+                for &rate in &rates {
+                    n += 1;
+                    eprintln!(
+                        "  {} ev/s for {:?}, {}, relay {settings}",
+                        num(rate),
+                        p.latency_time,
+                        if notify { "NOTIFY" } else { "polling only" }
+                    );
+                    let run = relay::latency(
+                        &env,
+                        &format!("bench.lat.{n}"),
+                        rate,
+                        p.latency_time.as_secs_f64(),
+                        notify,
+                        settle,
+                        &settings,
+                    )
+                    .await?;
+                    if run.missing > 0 {
+                        r.failures.push(format!(
+                            "latency at {} ev/s ({}): {} of {} events never reached the consumer",
+                            run.rate,
+                            if notify { "notify" } else { "polling" },
+                            run.missing,
+                            run.sent
+                        ));
+                    }
+                    r.latency.push(run);
+                }
+            }
+            worker.stop()?;
+        }
+    }
+    Ok(())
+}
+
+async fn environment(
+    c: &tokio_postgres::Client,
+    p: &Profile,
+    load_start: &str,
+    broker: &str,
+    worker: &str,
+) -> Result<String> {
+    let pg: String = c.query_one("SELECT version()", &[]).await?.get(0);
+    let ext: String = c
+        .query_one(
+            "SELECT extversion FROM pg_extension WHERE extname = 'outbox'",
+            &[],
+        )
+        .await?
+        .get(0);
+    let settings = c
+        .query(
+            "SELECT name || ' = ' || setting || coalesce(unit, '') FROM pg_settings
+              WHERE name IN ('shared_buffers', 'synchronous_commit', 'fsync', 'wal_level',
+                             'max_connections', 'autovacuum', 'shared_preload_libraries',
+                             'max_wal_size', 'checkpoint_timeout')
+              ORDER BY name",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| format!("`{}`", r.get::<_, String>(0)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let date: String = c
+        .query_one(
+            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI \"UTC\"')",
+            &[],
+        )
+        .await?
+        .get(0);
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let mut t = Table::new(&["", ""]);
+    t.row(vec!["date".into(), date]);
+    t.row(vec!["profile".into(), format!("`{}`", p.name)]);
+    t.row(vec!["checkout".into(), format!("`{commit}`")]);
+    t.row(vec!["CPU".into(), format!("{} × {}", sys::cpus(), sys::cpu_model())]);
+    t.row(vec!["memory".into(), format!("{:.1} GiB", sys::mem_total_gib())]);
+    t.row(vec!["kernel".into(), sys::kernel()]);
+    t.row(vec!["PostgreSQL".into(), pg]);
+    t.row(vec!["PostgreSQL settings".into(), settings]);
+    t.row(vec!["outbox extension".into(), ext]);
+    t.row(vec!["broker".into(), broker.to_string()]);
+    t.row(vec!["relay".into(), worker.to_string()]);
+    t.row(vec![
+        "load average (1/5/15 min) at start → end".into(),
+        format!("{load_start} → {}", sys::loadavg()),
+    ]);
+    Ok(t.render())
+}
+
+fn cpu_limit_note(host_busy: f64) -> String {
+    if host_busy >= 85.0 {
+        format!("CPU-bound: the machine's CPUs were {host_busy:.0} % busy")
+    } else {
+        format!("CPUs {host_busy:.0} % busy: latency-bound (round trips, commits), not CPU")
+    }
+}
+
+fn goals(r: &Results) -> Vec<Goal> {
+    let mut g = Vec::new();
+    // Null-sink drain.
+    let best = r
+        .matrix
+        .iter()
+        .chain(r.headline.iter())
+        .max_by(|a, b| a.rate().total_cmp(&b.rate()));
+    g.push(match best {
+        Some(b) => Goal {
+            name: "drain to the null sink".into(),
+            target: "≥ 20,000 events/s".into(),
+            measured: format!(
+                "{} events/s ({} loop(s), batch {})",
+                num(b.rate()),
+                b.loops,
+                b.batch
+            ),
+            met: Some(b.rate() >= 20_000.0),
+            note: format!(
+                "{:.2}× the goal; {}; DB CPU {} µs/event",
+                b.rate() / 20_000.0,
+                cpu_limit_note(b.host_busy_pct),
+                b.cpu_us_per_event()
+                    .map(|c| format!("{c:.0}"))
+                    .unwrap_or_else(|| "n/a".into())
+            ),
+        },
+        None => not_measured("drain to the null sink", "≥ 20,000 events/s"),
+    });
+    // Broker drain with default settings (one loop, no flags).
+    let def = r.broker.iter().find(|b| b.default_settings && b.loops == 1);
+    g.push(match def {
+        Some(b) => Goal {
+            name: "drain to the broker, relay defaults".into(),
+            target: "≥ 10,000 events/s".into(),
+            measured: format!("{} events/s", num(b.rate())),
+            met: Some(b.rate() >= 10_000.0),
+            note: format!(
+                "{:.2}× the goal; {}; CPU µs/event DB {} / relay {:.0} / broker {:.0}",
+                b.rate() / 10_000.0,
+                cpu_limit_note(b.host_busy_pct),
+                b.db_cpu_secs
+                    .map(|c| format!("{:.0}", c * 1e6 / b.drained.max(1) as f64))
+                    .unwrap_or_else(|| "n/a".into()),
+                b.relay_cpu_secs * 1e6 / b.drained.max(1) as f64,
+                b.broker_cpu_secs * 1e6 / b.drained.max(1) as f64
+            ),
+        },
+        None => not_measured("drain to the broker, relay defaults", "≥ 10,000 events/s"),
+    });
+    // Enqueue overhead.
+    g.push(match &r.enqueue {
+        Some(e) => {
+            let o = e.overhead_pct(Variant::Outbox);
+            let one = e.overhead_pct(Variant::OutboxOneStatement);
+            Goal {
+                name: "enqueue overhead".into(),
+                target: "≤ 10 %".into(),
+                measured: format!(
+                    "{} ({} tx/s → {} tx/s)",
+                    pct(o),
+                    num(e.tps(Variant::OrderOnly)),
+                    num(e.tps(Variant::Outbox))
+                ),
+                met: Some(o <= 10.0),
+                note: format!(
+                    "{} points {} the goal; as one statement (no extra round trip): {}; notify off: {}",
+                    format_args!("{:.1}", (o - 10.0).abs()),
+                    if o <= 10.0 { "under" } else { "over" },
+                    pct(one),
+                    pct(e.overhead_pct(Variant::OutboxNoNotify))
+                ),
+            }
+        }
+        None => not_measured("enqueue overhead", "≤ 10 %"),
+    });
+    // Latency at 1000 ev/s with NOTIFY, relay defaults.
+    let lat = r
+        .latency
+        .iter()
+        .find(|l| l.notify && l.rate == 1000.0 && l.settings == "defaults");
+    g.push(match lat {
+        Some(l) => {
+            let (p50, p99) = (l.q(0.5) / 1000.0, l.q(0.99) / 1000.0);
+            Goal {
+                name: "commit-to-broker latency at 1,000 ev/s".into(),
+                target: "p50 ≤ 5 ms, p99 ≤ 25 ms".into(),
+                measured: format!("p50 {} ms, p99 {} ms", ms(l.q(0.5)), ms(l.q(0.99))),
+                met: Some(p50 <= 5.0 && p99 <= 25.0),
+                note: format!(
+                    "p50 {:.2}× and p99 {:.2}× the limit (measured to arrival at a consumer, which adds its fetch latency)",
+                    p50 / 5.0,
+                    p99 / 25.0
+                ),
+            }
+        }
+        None => not_measured(
+            "commit-to-broker latency at 1,000 ev/s",
+            "p50 ≤ 5 ms, p99 ≤ 25 ms",
+        ),
+    });
+    // Contention.
+    let one = r.contention.iter().find(|c| c.loops == 1);
+    let eight = r.contention.iter().find(|c| c.loops == 8);
+    g.push(match (one, eight) {
+        (Some(a), Some(b)) => Goal {
+            name: "8 claimers vs 1".into(),
+            target: "throughput(8) ≥ throughput(1), no double claims".into(),
+            measured: format!(
+                "{} vs {} events/s, {} double claims",
+                num(b.rate()),
+                num(a.rate()),
+                b.duplicates
+            ),
+            met: Some(b.rate() >= a.rate() && b.duplicates == 0),
+            note: format!("ratio {:.2}", b.rate() / a.rate()),
+        },
+        _ => not_measured("8 claimers vs 1", "throughput(8) ≥ throughput(1)"),
+    });
+    g
+}
+
+fn not_measured(name: &str, target: &str) -> Goal {
+    Goal {
+        name: name.into(),
+        target: target.into(),
+        measured: "—".into(),
+        met: None,
+        note: "not run in this profile".into(),
+    }
+}
+
+fn recommendations(r: &Results) -> String {
+    let mut out = Vec::new();
+    // Batch size: the smallest batch within 10 % of the best rate for one loop.
+    let one: Vec<&drain::DrainRun> = r.matrix.iter().filter(|m| m.loops == 1).collect();
+    if let Some(best) = one.iter().max_by(|a, b| a.rate().total_cmp(&b.rate())) {
+        let mut sorted = one.clone();
+        sorted.sort_by_key(|m| m.batch);
+        if let Some(pick) = sorted.iter().find(|m| m.rate() >= 0.9 * best.rate()) {
+            let rates = sorted
+                .iter()
+                .map(|m| format!("{} → {}", m.batch, num(m.rate())))
+                .collect::<Vec<_>>()
+                .join(", ");
+            out.push(format!(
+                "- **batch size {}**: the smallest batch within 10 % of the best one-loop null-sink rate \
+                 (events/s by batch: {rates}). Larger batches hold more rows per lease and per failed \
+                 publish for little gain.",
+                pick.batch
+            ));
+        }
+    }
+    let brk_batch: Vec<&relay::BrokerDrain> = r
+        .broker
+        .iter()
+        .filter(|b| b.settings.contains("--batch-size") || b.default_settings && b.loops == 1)
+        .collect();
+    if brk_batch.len() > 1 {
+        out.push(format!(
+            "- through the broker (1 loop): {}",
+            brk_batch
+                .iter()
+                .map(|b| format!("{} → {} ev/s", b.settings, num(b.rate())))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    // Concurrency: the fewest loops within 10 % of the best broker drain at defaults.
+    let loops: Vec<&relay::BrokerDrain> = r.broker.iter().filter(|b| b.default_settings).collect();
+    if let Some(best) = loops.iter().max_by(|a, b| a.rate().total_cmp(&b.rate())) {
+        let mut sorted = loops.clone();
+        sorted.sort_by_key(|b| b.loops);
+        if let Some(pick) = sorted.iter().find(|b| b.rate() >= 0.9 * best.rate()) {
+            out.push(format!(
+                "- **concurrency {}**: the fewest claim loops within 10 % of the best broker drain \
+                 ({}). More loops add connections and reorder events across loops; run more relay \
+                 processes only when one machine's CPU is not the limit.",
+                pick.loops,
+                sorted
+                    .iter()
+                    .map(|b| format!("{} loop(s) → {} ev/s", b.loops, num(b.rate())))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+    } else if let Some(best) = r
+        .matrix
+        .iter()
+        .max_by(|a, b| a.rate().total_cmp(&b.rate()))
+    {
+        out.push(format!(
+            "- concurrency: the best null-sink configuration used {} loop(s) (no broker measurement in this run).",
+            best.loops
+        ));
+    }
+    // Linger.
+    let ling: Vec<&relay::LatencyRun> = r
+        .latency
+        .iter()
+        .filter(|l| l.notify && l.rate == 1000.0)
+        .collect();
+    let ling_drain: Vec<&relay::BrokerDrain> = r
+        .broker
+        .iter()
+        .filter(|b| b.settings.contains("linger") || b.default_settings && b.loops == 1)
+        .collect();
+    if ling.len() > 1 || ling_drain.len() > 1 {
+        out.push(format!(
+            "- **linger**: at 1,000 ev/s p50/p99 by setting: {}; drain (1 loop): {}.",
+            ling.iter()
+                .map(|l| format!("{} → {} / {} ms", l.settings, ms(l.q(0.5)), ms(l.q(0.99))))
+                .collect::<Vec<_>>()
+                .join(", "),
+            ling_drain
+                .iter()
+                .map(|b| format!("{} → {} ev/s", b.settings, num(b.rate())))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if out.is_empty() {
+        "No recommendation: the sections that feed it were not run.".into()
+    } else {
+        out.join("\n")
+    }
+}
+
+fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
+    let mut s = String::new();
+    s += "# Benchmarks\n\n";
+    s += &format!(
+        "Generated by `scripts/bench --{}` (the `outbox-bench` binary) in {:.0} s; every figure below \
+         comes from that run. Database, broker, relay and the load generator share the machine, \
+         so absolute numbers drift between runs; compare ratios within one report.\n\n",
+        p.name,
+        took.as_secs_f64()
+    );
+    s += "## Machine\n\n";
+    s += env;
+    s += "\n## Goals (issue 5)\n\n";
+    s += &goals_table(&goals(r));
+    s += "\n## Recommended relay defaults\n\n";
+    s += &recommendations(r);
+    s += "\n\n## 1. Enqueue cost\n\n";
+    match &r.enqueue {
+        Some(e) => s += &e.markdown,
+        None => s += "Not run.\n",
+    }
+    s += "\n## 2. Drain throughput\n\n### Null sink (claim → ack, no broker)\n\n";
+    if r.matrix.is_empty() {
+        s += "Not run.\n";
+    } else {
+        s += &format!(
+            "A fresh backlog of {} due events per run (TRUNCATE, INSERT, VACUUM ANALYZE), drained by \
+             N claim loops, each its own connection: `outbox_claim(owner, batch)` then `outbox_ack` of \
+             the whole batch, until a claim returns nothing (or the {:.0} s cap). DB CPU is user + \
+             system time of the loops' backends from /proc, per event.\n\n",
+            num(p.matrix_backlog as f64),
+            p.matrix_cap.as_secs_f64()
+        );
+        s += &drain::drain_table(&r.matrix);
+    }
+    if let Some(h) = &r.headline {
+        s += &format!(
+            "\nHeadline run on {} events with the best configuration above:\n\n",
+            num(h.backlog as f64)
+        );
+        s += &drain::drain_table(std::slice::from_ref(h));
+    }
+    s += "\n### Through the relay to the local broker\n\n";
+    if r.broker.is_empty() {
+        s += &format!(
+            "Not run: {}.\n",
+            r.broker_note.as_deref().unwrap_or("section not selected")
+        );
+    } else {
+        s += &format!(
+            "`outbox-worker run` (release build) against a fresh backlog of {} events, topic with {} \
+             partitions on tansu (memory storage) on the same machine. Events/s from the rows' own \
+             timestamps (first `claimed_at` to last ack), so relay start-up is excluded; the end is \
+             detected by polling until nothing is due or in flight and confirmed with `outbox_stats()`. \
+             CPU from /proc for the database backends, the relay process and the broker process.\n\n",
+            num(p.broker_backlog as f64),
+            broker::PARTITIONS
+        );
+        s += &relay::drain_table(&r.broker);
+    }
+    s += "\n## 3. Commit-to-broker latency\n\n";
+    if r.latency.is_empty() {
+        s += &format!(
+            "Not run: {}.\n",
+            r.broker_note.as_deref().unwrap_or("section not selected")
+        );
+    } else {
+        s += &format!(
+            "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) at a \
+             fixed schedule from up to 8 connections, for {:.0} s per run. Latency = arrival at a Kafka \
+             consumer (assigned partitions, `fetch.wait.max.ms=10`) minus the moment the producer saw \
+             its COMMIT complete, matched by a sequence number in the payload; HdrHistogram, µs \
+             resolution. One relay with default settings (poll interval 5 s) serves all runs of a \
+             settings group. \"Polling only\" sets `outbox.notify = off` in the producers.\n\n",
+            p.latency_time.as_secs_f64()
+        );
+        s += &relay::latency_table(&r.latency);
+    }
+    s += "\n## 4. Claim contention\n\n";
+    if r.contention.is_empty() {
+        s += "Not run.\n";
+    } else {
+        let base = r.contention[0].rate();
+        s += &format!(
+            "N concurrent claim loops (null sink, batch {}) on one table with {} due events; every \
+             claimed id is collected and checked for duplicates.\n\n",
+            p.contention_batch,
+            num(p.contention_backlog as f64)
+        );
+        s += &drain::drain_table(&r.contention);
+        s += &format!(
+            "\nThroughput relative to 1 claimer: {}. Double claims in total: **{}**.\n",
+            r.contention
+                .iter()
+                .map(|c| format!("{} → {:.2}×", c.loops, c.rate() / base))
+                .collect::<Vec<_>>()
+                .join(", "),
+            r.contention.iter().map(|c| c.duplicates).sum::<usize>()
+        );
+    }
+    s += "\n## 5. Seed design baseline\n\n";
+    if r.seed.is_empty() {
+        s += "Not run.\n";
+    } else {
+        s += &format!(
+            "Same harness, same columns and backlog ({} events), the seed's table shape (status as \
+             text, composite indexes `(status, next_retry_time)` and `(status, claimed_at)`) and \
+             algorithm: SELECT 20 candidates without a lock, one conditional `UPDATE … WHERE id = $1 \
+             AND status = 'WAIT'` per row, one ack UPDATE per row, each statement its own transaction; \
+             then the fixed delay. Null sink.\n\n",
+            num(p.seed_backlog as f64)
+        );
+        let mut t = Table::new(&[
+            "design",
+            "instances",
+            "delay",
+            "events",
+            "events/s",
+            "lost claim races",
+            "DB CPU µs/event",
+        ]);
+        for sr in &r.seed {
+            t.row(vec![
+                "seed".into(),
+                sr.loops.to_string(),
+                sr.delay
+                    .map(|d| format!("{:.1} s fixed, {} rounds", d.as_secs_f64(), sr.rounds))
+                    .unwrap_or_else(|| "none".into()),
+                num(sr.drained as f64),
+                format!("{:.1}", sr.rate()),
+                sr.lost_races.to_string(),
+                sr.db_cpu_secs
+                    .map(|c| format!("{:.0}", c * 1e6 / sr.drained.max(1) as f64))
+                    .unwrap_or_else(|| "n/a".into()),
+            ]);
+        }
+        if let Some(c) = &r.seed_compare {
+            t.row(vec![
+                "this project (`outbox_claim`/`outbox_ack`, batch 20)".into(),
+                "1".into(),
+                "none".into(),
+                num(c.drained as f64),
+                format!("{:.1}", c.rate()),
+                "0 (SKIP LOCKED)".into(),
+                c.cpu_us_per_event()
+                    .map(|x| format!("{x:.0}"))
+                    .unwrap_or_else(|| "n/a".into()),
+            ]);
+        }
+        s += &t.render();
+        let seed_nodelay = r.seed.iter().find(|x| x.delay.is_none() && x.loops == 1);
+        let seed_delay = r.seed.iter().find(|x| x.delay.is_some());
+        let best = r
+            .matrix
+            .iter()
+            .chain(r.headline.iter())
+            .map(|m| m.rate())
+            .fold(0.0, f64::max);
+        s += "\n";
+        if let Some(d) = seed_delay {
+            let cfg = d.delay.unwrap_or_default().as_secs_f64();
+            s += &format!(
+                "- As configured ({cfg:.1} s delay) the seed moves at most 20 events per round: implied \
+                 ceiling {:.1} events/s, measured {:.1} events/s.\n",
+                20.0 / cfg,
+                d.rate()
+            );
+            if best > 0.0 {
+                s += &format!(
+                    "- Best null-sink drain of this project ({} events/s) is **{}×** the seed as configured.\n",
+                    num(best),
+                    num(best / d.rate())
+                );
+            }
+        }
+        if let (Some(n), Some(c)) = (seed_nodelay, &r.seed_compare) {
+            s += &format!(
+                "- With no delay, same batch of 20 and one instance: this project {} vs seed {} events/s \
+                 (**{:.1}×**); best configuration vs seed without delay: **{:.1}×**.\n",
+                num(c.rate()),
+                num(n.rate()),
+                c.rate() / n.rate(),
+                best.max(c.rate()) / n.rate()
+            );
+        }
+    }
+    s += "\n## 6. Table health after the drain\n\n";
+    match &r.health_md {
+        Some(h) => s += h,
+        None => s += "Not run.\n",
+    }
+    if !r.failures.is_empty() {
+        s += "\n## Failures in this run\n\n";
+        for f in &r.failures {
+            s += &format!("- {f}\n");
+        }
+    }
+    s += "\n## Reproduce\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\n```\n";
+    s
+}

@@ -1,0 +1,334 @@
+//! 2b. Drain through the real relay binary to the local broker; 3. commit-to-broker latency.
+
+use anyhow::{bail, Result};
+use hdrhistogram::Histogram;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tokio_postgres::Client;
+
+use crate::broker::{Arrivals, Broker, Worker};
+use crate::db::{self, BenchDb, DbCpu};
+use crate::report::{ms, num, Table};
+use crate::sys::{host_busy_pct, host_cpu, ProcSnapshot};
+
+pub struct BrokerDrain {
+    pub loops: usize,
+    pub settings: String,
+    pub default_settings: bool,
+    pub drained: i64,
+    /// First claim to last ack, from the rows' own timestamps (excludes relay start-up).
+    pub secs: f64,
+    /// Relay start to "nothing due, nothing in flight" seen by polling.
+    pub wall_secs: f64,
+    pub complete: bool,
+    pub db_cpu_secs: Option<f64>,
+    pub relay_cpu_secs: f64,
+    pub broker_cpu_secs: f64,
+    pub host_busy_pct: f64,
+}
+
+impl BrokerDrain {
+    pub fn rate(&self) -> f64 {
+        self.drained as f64 / self.secs.max(1e-9)
+    }
+    fn per_event(&self, secs: f64) -> String {
+        format!("{:.1}", secs * 1e6 / self.drained.max(1) as f64)
+    }
+}
+
+pub struct RelayEnv<'a> {
+    pub db: &'a BenchDb,
+    pub monitor: &'a Client,
+    pub broker: &'a Broker,
+    pub worker_bin: &'a Path,
+    pub workdir: &'a Path,
+}
+
+impl RelayEnv<'_> {
+    pub fn start_worker(&self, extra: &[String], tag: &str) -> Result<Worker> {
+        Worker::start(
+            self.worker_bin,
+            &self.db.url(),
+            &self.broker.addr(),
+            extra,
+            &self.workdir.join(format!("worker-{tag}.log")),
+        )
+    }
+}
+
+/// Drains a fresh backlog through `outbox-worker run --concurrency loops <extra>`.
+pub async fn drain(
+    env: &RelayEnv<'_>,
+    backlog: i64,
+    cap: Duration,
+    loops: usize,
+    extra: &[String],
+    tag: &str,
+) -> Result<BrokerDrain> {
+    let m = env.monitor;
+    db::fill_backlog(m, backlog, "bench.drain").await?;
+    let mut args = vec!["--concurrency".to_string(), loops.to_string()];
+    args.extend(extra.iter().cloned());
+    let cpu = DbCpu::start(m, &env.db.name).await?;
+    let b0 = ProcSnapshot::take(&[env.broker.pid()]);
+    let host0 = host_cpu();
+    let start = Instant::now();
+    let mut worker = env.start_worker(&args, tag)?;
+    let complete = db::wait_drained(m, cap).await?;
+    let wall_secs = start.elapsed().as_secs_f64();
+    let db_cpu = cpu.stop(m, &env.db.name).await?;
+    let relay_cpu = ProcSnapshot::take(&[worker.pid()]).cpu_secs_since(&ProcSnapshot::default());
+    let broker_cpu = ProcSnapshot::take(&[env.broker.pid()]).cpu_secs_since(&b0);
+    let host1 = host_cpu();
+    let running = worker.is_running();
+    let tail = worker.log_tail();
+    worker.stop()?;
+    if !running {
+        bail!("outbox-worker died during the drain; {tail}");
+    }
+    let r = m
+        .query_one(
+            "SELECT count(*) FILTER (WHERE status = 'SUCCESS'),
+                    count(*) FILTER (WHERE status = 'FAIL'),
+                    coalesce(extract(epoch FROM max(updated_at) FILTER (WHERE status = 'SUCCESS')
+                                             - min(claimed_at))::float8, 0)
+               FROM outbox_event",
+            &[],
+        )
+        .await?;
+    let (ok, failed, span): (i64, i64, f64) = (r.get(0), r.get(1), r.get(2));
+    if failed > 0 {
+        bail!("{failed} events were dead-lettered during the drain to the broker; {tail}");
+    }
+    if complete && ok != backlog {
+        bail!("drain to the broker ended with {ok} SUCCESS rows for {backlog} events; {tail}");
+    }
+    Ok(BrokerDrain {
+        loops,
+        settings: if args.len() > 2 {
+            format!("`{}`", args[2..].join(" "))
+        } else {
+            "defaults".into()
+        },
+        default_settings: extra.is_empty(),
+        drained: ok,
+        secs: if span > 0.0 { span } else { wall_secs },
+        wall_secs,
+        complete,
+        db_cpu_secs: db_cpu,
+        relay_cpu_secs: relay_cpu,
+        broker_cpu_secs: broker_cpu,
+        host_busy_pct: host_busy_pct(host0, host1),
+    })
+}
+
+pub fn drain_table(runs: &[BrokerDrain]) -> String {
+    let mut t = Table::new(&[
+        "claim loops",
+        "relay settings",
+        "events",
+        "events/s",
+        "wall s (incl. start)",
+        "CPU µs/event DB / relay / broker",
+        "host CPU busy",
+    ]);
+    for r in runs {
+        t.row(vec![
+            r.loops.to_string(),
+            r.settings.clone(),
+            format!(
+                "{}{}",
+                num(r.drained as f64),
+                if r.complete { "" } else { " (time cap)" }
+            ),
+            num(r.rate()),
+            format!("{:.1}", r.wall_secs),
+            format!(
+                "{} / {} / {}",
+                r.db_cpu_secs
+                    .map(|c| r.per_event(c))
+                    .unwrap_or_else(|| "n/a".into()),
+                r.per_event(r.relay_cpu_secs),
+                r.per_event(r.broker_cpu_secs)
+            ),
+            format!("{:.0} %", r.host_busy_pct),
+        ]);
+    }
+    t.render()
+}
+
+pub struct LatencyRun {
+    pub rate: f64,
+    pub notify: bool,
+    pub settings: String,
+    pub sent: i64,
+    pub achieved_rate: f64,
+    pub missing: i64,
+    pub duplicates: u64,
+    pub hist: Histogram<u64>,
+}
+
+impl LatencyRun {
+    pub fn q(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64
+    }
+}
+
+/// Offers `rate` single-event transactions per second for `secs` to `topic` (the relay must be
+/// running) and measures commit (client sees COMMIT done) to arrival at a consumer.
+#[allow(clippy::too_many_arguments)]
+pub async fn latency(
+    env: &RelayEnv<'_>,
+    topic: &str,
+    rate: f64,
+    secs: f64,
+    notify: bool,
+    settle: Duration,
+    settings: &str,
+) -> Result<LatencyRun> {
+    env.broker.create_topic(topic)?;
+    let arrivals = Arrivals::start(&env.broker.addr(), topic)?;
+    // Warm-up: one event must make it through before the clock starts.
+    env.monitor
+        .query_one(
+            "SELECT outbox_enqueue($1::text, '{\"seq\": -1}'::jsonb)",
+            &[&topic],
+        )
+        .await?;
+    let warm_deadline = Instant::now() + Duration::from_secs(30);
+    while !arrivals.warm.load(std::sync::atomic::Ordering::Relaxed) {
+        if Instant::now() > warm_deadline {
+            bail!("the warm-up event for {topic} did not reach the consumer within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let total = (rate * secs).round().max(1.0) as i64;
+    let producers = ((rate / 250.0).ceil() as usize).clamp(1, 8);
+    let mut clients = Vec::new();
+    for _ in 0..producers {
+        let c = env.db.connect().await?;
+        if !notify {
+            c.batch_execute("SET outbox.notify = off").await?;
+        }
+        clients.push(c);
+    }
+    let start = tokio::time::Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::new();
+    for (k, c) in clients.into_iter().enumerate() {
+        tasks.push(tokio::spawn(producer(
+            c,
+            topic.to_string(),
+            k as i64,
+            producers as i64,
+            total,
+            rate,
+            start,
+        )));
+    }
+    let mut commits: Vec<Option<Instant>> = vec![None; total as usize];
+    let mut last_commit = start.into_std();
+    for t in tasks {
+        for (seq, at) in t.await?? {
+            commits[seq as usize] = Some(at);
+            if at > last_commit {
+                last_commit = at;
+            }
+        }
+    }
+    let achieved_rate = total as f64 / (last_commit - start.into_std()).as_secs_f64().max(1e-9);
+    let deadline = Instant::now() + settle;
+    while (arrivals.seen.load(std::sync::atomic::Ordering::Relaxed) as i64) < total
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A little longer to catch duplicates.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let got = arrivals.finish()?;
+    let mut first: Vec<Option<Instant>> = vec![None; total as usize];
+    let mut duplicates = 0;
+    for (seq, at) in got {
+        if seq < 0 || seq >= total {
+            continue;
+        }
+        match first[seq as usize] {
+            None => first[seq as usize] = Some(at),
+            Some(_) => duplicates += 1,
+        }
+    }
+    let mut hist = crate::report::hist();
+    let mut received = 0;
+    for (c, a) in commits.iter().zip(&first) {
+        if let (Some(c), Some(a)) = (c, a) {
+            hist.saturating_record(a.saturating_duration_since(*c).as_micros() as u64);
+            received += 1;
+        }
+    }
+    Ok(LatencyRun {
+        rate,
+        notify,
+        settings: settings.to_string(),
+        sent: total,
+        achieved_rate,
+        missing: total - received as i64,
+        duplicates,
+        hist,
+    })
+}
+
+async fn producer(
+    c: Client,
+    topic: String,
+    k: i64,
+    step: i64,
+    total: i64,
+    rate: f64,
+    start: tokio::time::Instant,
+) -> Result<Vec<(i64, Instant)>> {
+    let stmt = c
+        .prepare("SELECT outbox_enqueue($1::text, $2::jsonb, $3::text, 'OrderCreated')")
+        .await?;
+    let mut out = Vec::new();
+    let mut seq = k;
+    while seq < total {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(seq as f64 / rate)).await;
+        let payload = serde_json::json!({"seq": seq, "order_id": seq, "amount": 42.5});
+        let key = format!("order-{seq}");
+        c.query_one(&stmt, &[&topic, &payload, &key]).await?;
+        out.push((seq, Instant::now()));
+        seq += step;
+    }
+    Ok(out)
+}
+
+pub fn latency_table(runs: &[LatencyRun]) -> String {
+    let mut t = Table::new(&[
+        "offered ev/s (achieved)",
+        "wake-up",
+        "relay settings",
+        "events",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "max ms",
+        "missing / dup",
+    ]);
+    for r in runs {
+        t.row(vec![
+            format!("{} ({})", num(r.rate), num(r.achieved_rate)),
+            if r.notify {
+                "NOTIFY".into()
+            } else {
+                "polling only (`outbox.notify = off`)".into()
+            },
+            r.settings.clone(),
+            num(r.sent as f64),
+            ms(r.q(0.5)),
+            ms(r.q(0.99)),
+            ms(r.q(0.999)),
+            ms(r.hist.max() as f64),
+            format!("{} / {}", r.missing, r.duplicates),
+        ]);
+    }
+    t.render()
+}

@@ -1,0 +1,137 @@
+//! Facts about the machine and per-process CPU time, read from /proc (Linux only).
+
+use std::collections::HashMap;
+use std::fs;
+
+/// Clock ticks per second for /proc/<pid>/stat times.
+pub fn clk_tck() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// utime + stime of a process (all its threads), in clock ticks.
+pub fn proc_ticks(pid: i32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may contain spaces: parse after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); utime is field 14, stime field 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// CPU seconds used by a set of processes between two snapshots.
+#[derive(Default, Clone)]
+pub struct ProcSnapshot(pub HashMap<i32, u64>);
+
+impl ProcSnapshot {
+    pub fn take(pids: &[i32]) -> Self {
+        ProcSnapshot(
+            pids.iter()
+                .filter_map(|&p| proc_ticks(p).map(|t| (p, t)))
+                .collect(),
+        )
+    }
+
+    /// Seconds of CPU used since `earlier` by the processes in `self` (processes that started in
+    /// between count from zero).
+    pub fn cpu_secs_since(&self, earlier: &ProcSnapshot) -> f64 {
+        let ticks: u64 = self
+            .0
+            .iter()
+            .map(|(pid, t)| t.saturating_sub(*earlier.0.get(pid).unwrap_or(&0)))
+            .sum();
+        ticks as f64 / clk_tck()
+    }
+}
+
+/// Whole-machine CPU counters (/proc/stat first line): (busy, total) in ticks.
+pub fn host_cpu() -> (u64, u64) {
+    let Ok(s) = fs::read_to_string("/proc/stat") else {
+        return (0, 0);
+    };
+    let Some(line) = s.lines().next() else {
+        return (0, 0);
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// Busy share of all CPUs between two `host_cpu()` readings, in percent.
+pub fn host_busy_pct(a: (u64, u64), b: (u64, u64)) -> f64 {
+    let total = b.1.saturating_sub(a.1);
+    if total == 0 {
+        return 0.0;
+    }
+    100.0 * b.0.saturating_sub(a.0) as f64 / total as f64
+}
+
+pub fn cpu_model() -> String {
+    fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+pub fn cpus() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+pub fn mem_total_gib() -> f64 {
+    fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0 / 1024.0)
+        .unwrap_or(0.0)
+}
+
+pub fn kernel() -> String {
+    fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+pub fn loadavg() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// First line of `cmd args` stdout (or stderr), for version strings.
+pub fn command_line(cmd: &std::path::Path, args: &[&str]) -> Option<String> {
+    let out = std::process::Command::new(cmd).args(args).output().ok()?;
+    let text = if out.stdout.is_empty() {
+        out.stderr
+    } else {
+        out.stdout
+    };
+    String::from_utf8_lossy(&text)
+        .lines()
+        .next()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+}
