@@ -1,5 +1,8 @@
 //! Shared harness for the integration tests: every test gets its own database on the real server,
 //! with the installed extension, dropped again when the test ends (so a broken run cannot poison
-//! the next one).
+//! the next one). The relay tests also get their own broker and run the real worker binary.
 
+pub mod broker;
 pub mod db;
+pub mod events;
+pub mod worker;

@@ -1,0 +1,277 @@
+//! Operator commands: stats, dead-letters, requeue, purge (through the extension's functions), and
+//! tail (reads a topic back from Kafka).
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::json;
+
+use crate::cli::{parse_property, DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
+use crate::db::{admin_session, db_error};
+use crate::Fatal;
+
+fn failed(what: &str, e: &tokio_postgres::Error) -> Fatal {
+    Fatal::runtime(format!("{what} failed: {}", db_error(e)))
+}
+
+pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT due_wait, delayed_wait, sending, failed, succeeded, \
+                 extract(epoch from oldest_due_age)::float8, extract(epoch from oldest_lease_age)::float8 \
+                 FROM {schema}.outbox_stats()"
+            ),
+            &[],
+        )
+        .await
+        .map_err(|e| failed("outbox_stats()", &e))?;
+    let names = ["due_wait", "delayed_wait", "sending", "failed", "succeeded"];
+    let counts: Vec<i64> = (0..5).map(|i| row.get(i)).collect();
+    let due_age: Option<f64> = row.get(5);
+    let lease_age: Option<f64> = row.get(6);
+    if args.json {
+        let mut obj = serde_json::Map::new();
+        for (n, c) in names.iter().zip(&counts) {
+            obj.insert(n.to_string(), json!(c));
+        }
+        obj.insert("oldest_due_age_seconds".into(), json!(due_age));
+        obj.insert("oldest_lease_age_seconds".into(), json!(lease_age));
+        println!("{}", serde_json::Value::Object(obj));
+    } else {
+        for (n, c) in names.iter().zip(&counts) {
+            println!("{n:<22} {c}");
+        }
+        let fmt = |a: Option<f64>| a.map_or("-".to_string(), |s| format!("{s:.3}s"));
+        println!("{:<22} {}", "oldest_due_age", fmt(due_age));
+        println!("{:<22} {}", "oldest_lease_age", fmt(lease_age));
+    }
+    Ok(())
+}
+
+pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let rows = client
+        .query(
+            &format!(
+                "SELECT id, topic, event_key, event_type, retry_count, last_error, \
+                 to_char(updated_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF'), payload::text, headers::text \
+                 FROM {schema}.outbox_dead_letters($1, $2)"
+            ),
+            &[&args.limit, &args.after_id],
+        )
+        .await
+        .map_err(|e| failed("outbox_dead_letters()", &e))?;
+    let mut out = std::io::stdout().lock();
+    if !args.json {
+        let _ = writeln!(
+            out,
+            "{:>10}  {:<20} {:<16} {:<16} {:>8}  {:<29} last_error",
+            "id", "topic", "key", "type", "attempts", "failed_at"
+        );
+    }
+    for r in &rows {
+        let id: i64 = r.get(0);
+        let topic: String = r.get(1);
+        let key: Option<String> = r.get(2);
+        let et: Option<String> = r.get(3);
+        let attempts: i32 = r.get(4);
+        let err: Option<String> = r.get(5);
+        let at: String = r.get(6);
+        if args.json {
+            let payload: String = r.get(7);
+            let headers: String = r.get(8);
+            let v = json!({
+                "id": id, "topic": topic, "key": key, "event_type": et, "attempts": attempts,
+                "last_error": err, "failed_at": at,
+                "payload": serde_json::from_str::<serde_json::Value>(&payload).unwrap_or(json!(payload)),
+                "headers": serde_json::from_str::<serde_json::Value>(&headers).unwrap_or(json!(headers)),
+            });
+            let _ = writeln!(out, "{v}");
+        } else {
+            let _ = writeln!(
+                out,
+                "{id:>10}  {topic:<20} {:<16} {:<16} {attempts:>8}  {at:<29} {}",
+                key.unwrap_or_default(),
+                et.unwrap_or_default(),
+                err.unwrap_or_default().replace('\n', " ")
+            );
+        }
+    }
+    if !args.json {
+        let _ = writeln!(out, "({} dead letters)", rows.len());
+    }
+    Ok(())
+}
+
+pub async fn requeue(args: RequeueArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let mut ids = args.ids.clone();
+    if args.all {
+        let mut after = 0i64;
+        loop {
+            let rows = client
+                .query(
+                    &format!("SELECT id FROM {schema}.outbox_dead_letters(1000, $1)"),
+                    &[&after],
+                )
+                .await
+                .map_err(|e| failed("outbox_dead_letters()", &e))?;
+            if rows.is_empty() {
+                break;
+            }
+            for r in &rows {
+                ids.push(r.get(0));
+            }
+            after = *ids.last().expect("non-empty");
+        }
+    }
+    let mut total = 0i64;
+    for chunk in ids.chunks(1000) {
+        let row = client
+            .query_one(&format!("SELECT {schema}.outbox_requeue($1)"), &[&chunk])
+            .await
+            .map_err(|e| failed("outbox_requeue()", &e))?;
+        total += row.get::<_, i32>(0) as i64;
+    }
+    println!("requeued {total} of {} events", ids.len());
+    Ok(())
+}
+
+pub async fn purge(args: PurgeArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    if args.max_rows < 1 {
+        return Err(Fatal::usage("--max-rows must be at least 1"));
+    }
+    let older = format!("{} milliseconds", args.older_than.as_millis());
+    let mut total = 0i64;
+    loop {
+        let row = client
+            .query_one(
+                &format!("SELECT {schema}.outbox_purge($1::text::interval, $2)"),
+                &[&older, &args.max_rows],
+            )
+            .await
+            .map_err(|e| failed("outbox_purge()", &e))?;
+        let n: i64 = row.get(0);
+        total += n;
+        if n < args.max_rows as i64 {
+            break;
+        }
+    }
+    println!(
+        "purged {total} delivered events older than {}",
+        humantime::format_duration(args.older_than)
+    );
+    Ok(())
+}
+
+/// Reads every partition of a topic from offset 0 (no consumer group) and prints each message.
+pub fn tail(args: TailArgs) -> Result<(), Fatal> {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", &args.brokers)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false")
+        .set("fetch.wait.max.ms", "100")
+        .set("client.id", "outbox-worker-tail");
+    for p in &args.kafka_properties {
+        let (k, v) = parse_property(p).map_err(Fatal::usage)?;
+        cfg.set(k, v);
+    }
+    let consumer: BaseConsumer = cfg
+        .create()
+        .map_err(|e| Fatal::usage(format!("cannot create the Kafka consumer: {e}")))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let partitions = loop {
+        let md = consumer
+            .fetch_metadata(Some(&args.topic), Duration::from_secs(5))
+            .map_err(|e| {
+                Fatal::runtime(format!("cannot read metadata from {}: {e}", args.brokers))
+            })?;
+        let t = md.topics().iter().find(|t| t.name() == args.topic);
+        match t {
+            Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
+                break t.partitions().iter().map(|p| p.id()).collect::<Vec<_>>();
+            }
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+            _ => {
+                return Err(Fatal::runtime(format!(
+                    "topic {} does not exist on {}",
+                    args.topic, args.brokers
+                )))
+            }
+        }
+    };
+    let mut tpl = TopicPartitionList::new();
+    for p in &partitions {
+        tpl.add_partition_offset(&args.topic, *p, Offset::Beginning)
+            .map_err(|e| Fatal::runtime(e.to_string()))?;
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(|e| Fatal::runtime(format!("cannot assign partitions: {e}")))?;
+    let mut last = Instant::now();
+    let mut count = 0u64;
+    let mut out = std::io::stdout().lock();
+    loop {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                last = Instant::now();
+                count += 1;
+                let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+                let value = m.payload().map(|v| String::from_utf8_lossy(v).into_owned());
+                let mut headers = Vec::new();
+                if let Some(h) = m.headers() {
+                    for hd in h.iter() {
+                        headers.push((
+                            hd.key.to_string(),
+                            hd.value.map(|v| String::from_utf8_lossy(v).into_owned()),
+                        ));
+                    }
+                }
+                if args.json {
+                    let hs: serde_json::Map<String, serde_json::Value> =
+                        headers.into_iter().map(|(k, v)| (k, json!(v))).collect();
+                    let v = json!({
+                        "topic": m.topic(), "partition": m.partition(), "offset": m.offset(),
+                        "timestamp_ms": m.timestamp().to_millis(),
+                        "key": key, "headers": hs, "value": value,
+                    });
+                    let _ = writeln!(out, "{v}");
+                } else {
+                    let hs: Vec<String> = headers
+                        .iter()
+                        .map(|(k, v)| format!("{k}={}", v.as_deref().unwrap_or("")))
+                        .collect();
+                    let _ = writeln!(
+                        out,
+                        "{}[{}]@{} key={} headers={{{}}} value={}",
+                        m.topic(),
+                        m.partition(),
+                        m.offset(),
+                        key.as_deref().unwrap_or("-"),
+                        hs.join(", "),
+                        value.as_deref().unwrap_or("-")
+                    );
+                }
+                let _ = out.flush();
+            }
+            Some(Err(e)) => tracing::warn!("consumer: {e}"),
+            None => {
+                if !args.follow && last.elapsed() >= args.idle {
+                    break;
+                }
+            }
+        }
+    }
+    if !args.json {
+        let _ = writeln!(out, "({count} messages)");
+    }
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! Command line: every flag also reads an `OUTBOX_*` environment variable.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Default number of events claimed per round (see README: large enough that a backlog drains at
+/// broker speed, small enough that a round finishes well inside the send timeout).
+pub const DEFAULT_BATCH_SIZE: i32 = 500;
+
+/// `--send-timeout` may be at most this fraction of `--lease` (1/4).
+pub const LEASE_TO_SEND_TIMEOUT_RATIO: u32 = 4;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "outbox-worker",
+    version,
+    about = "Relays outbox events from PostgreSQL to Kafka"
+)]
+pub struct Cli {
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, env = "OUTBOX_LOG", default_value = "info", global = true)]
+    pub log_level: String,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the relay: claim events, publish them to Kafka, ack or nack them.
+    Run(RunArgs),
+    /// Print the outbox counters (outbox_stats()).
+    Stats(StatsArgs),
+    /// List dead letters (FAIL rows), oldest id first.
+    DeadLetters(DeadLettersArgs),
+    /// Put dead letters back to WAIT (retry count 0, due now).
+    Requeue(RequeueArgs),
+    /// Delete delivered (SUCCESS) rows older than a given age.
+    Purge(PurgeArgs),
+    /// Print the messages of a Kafka topic (all partitions, from the beginning).
+    Tail(TailArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct DbArgs {
+    /// PostgreSQL connection string (URL or `key=value` form). Prefer the environment variable or
+    /// --database-url-file: a password on the command line is visible to other local users.
+    #[arg(long, env = "OUTBOX_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    /// File whose content (trimmed) is the connection string.
+    #[arg(long, env = "OUTBOX_DATABASE_URL_FILE")]
+    pub database_url_file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    /// Kafka bootstrap servers (librdkafka `bootstrap.servers`).
+    #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
+    pub brokers: String,
+
+    /// librdkafka property KEY=VALUE, repeatable; overrides the relay's defaults. In the
+    /// environment: several KEY=VALUE separated by newlines.
+    #[arg(
+        long = "kafka-property",
+        env = "OUTBOX_KAFKA_PROPERTIES",
+        value_name = "KEY=VALUE",
+        value_delimiter = '\n',
+        hide_env_values = true
+    )]
+    pub kafka_properties: Vec<String>,
+
+    /// File with librdkafka properties, one KEY=VALUE a line (# comments); for secrets such as
+    /// sasl.password. Applied before --kafka-property.
+    #[arg(long, env = "OUTBOX_KAFKA_PROPERTIES_FILE")]
+    pub kafka_properties_file: Option<PathBuf>,
+
+    /// Claim owner recorded on the rows (default: hostname-pid-random).
+    #[arg(long, env = "OUTBOX_OWNER")]
+    pub owner: Option<String>,
+
+    /// Events claimed per round and claim loop.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE)]
+    pub batch_size: i32,
+
+    /// Claim loops in this process (they share one producer).
+    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 1)]
+    pub concurrency: usize,
+
+    /// Wait after a round that claimed less than a full batch (a NOTIFY outbox ends it early).
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+
+    /// Claims older than this are reclaimed (by any relay) as one failed attempt.
+    #[arg(long, env = "OUTBOX_LEASE", default_value = "10m", value_parser = parse_duration)]
+    pub lease: Duration,
+
+    /// Delivery timeout of one message (librdkafka message.timeout.ms); at most lease/4.
+    #[arg(long, env = "OUTBOX_SEND_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    pub send_timeout: Duration,
+
+    /// How often expired leases are reclaimed.
+    #[arg(long, env = "OUTBOX_RECLAIM_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub reclaim_interval: Duration,
+
+    /// How often outbox_stats() is read for the backlog gauges.
+    #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub stats_interval: Duration,
+
+    /// Address for the Prometheus /metrics and the /health endpoints (off when not set),
+    /// e.g. 127.0.0.1:9187.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Print one JSON object instead of text.
+    #[arg(long, env = "OUTBOX_JSON")]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DeadLettersArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 100)]
+    pub limit: i32,
+    /// Only ids above this one (paging).
+    #[arg(long, default_value_t = 0)]
+    pub after_id: i64,
+    /// Print JSON lines (with payload and headers) instead of a table.
+    #[arg(long, env = "OUTBOX_JSON")]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RequeueArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Event ids to requeue.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub ids: Vec<i64>,
+    /// Requeue every dead letter.
+    #[arg(long)]
+    pub all: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PurgeArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Delete SUCCESS rows last updated longer ago than this.
+    #[arg(long, default_value = "7days", value_parser = parse_duration)]
+    pub older_than: Duration,
+    /// Rows deleted per call; the command repeats calls until none is left.
+    #[arg(long, default_value_t = 10000)]
+    pub max_rows: i32,
+}
+
+#[derive(Args, Debug)]
+pub struct TailArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
+    pub brokers: String,
+    /// Topic to read (every partition, from offset 0).
+    #[arg(long)]
+    pub topic: String,
+    /// Stop after this long without a new message.
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    pub idle: Duration,
+    /// Never stop (ignore --idle).
+    #[arg(long)]
+    pub follow: bool,
+    /// Print JSON lines instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// librdkafka consumer property KEY=VALUE, repeatable.
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    pub kafka_properties: Vec<String>,
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 3s, 10m)"))
+}
+
+/// Splits `KEY=VALUE`; the error is one line naming the bad input.
+pub fn parse_property(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!(
+            "malformed Kafka property {s:?}: expected KEY=VALUE"
+        )),
+    }
+}

@@ -1,0 +1,192 @@
+//! Database access: connection settings (never logged with a password), the pool of the claim
+//! loops, and the start-up checks. Every statement calls an extension function, schema-qualified
+//! with the extension's schema, so the relay works whatever its role's search_path is.
+
+use std::error::Error as StdError;
+use std::str::FromStr;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::config::Host;
+use tokio_postgres::{Config, NoTls};
+
+use crate::cli::DbArgs;
+use crate::Fatal;
+
+/// Joins an error and its sources into one line.
+pub fn one_line(e: &(dyn StdError + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let t = s.to_string();
+        if !out.contains(&t) {
+            out.push_str(": ");
+            out.push_str(&t);
+        }
+        src = s.source();
+    }
+    out.replace(['\n', '\r'], " ")
+}
+
+/// Reads the connection string from the flag/env or the file, parses it and returns it with a
+/// password-free description for logs.
+pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
+    let text = match (&args.database_url, &args.database_url_file) {
+        (Some(_), Some(_)) => {
+            return Err(Fatal::usage(
+                "give either --database-url or --database-url-file, not both",
+            ))
+        }
+        (Some(u), None) => u.clone(),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .map_err(|e| {
+                Fatal::usage(format!(
+                    "cannot read --database-url-file {}: {e}",
+                    path.display()
+                ))
+            })?
+            .trim()
+            .to_string(),
+        (None, None) => return Err(Fatal::usage(
+            "no database given: set --database-url or OUTBOX_DATABASE_URL (or --database-url-file)",
+        )),
+    };
+    // The parser's messages don't echo the input, so a password cannot leak from here.
+    let mut cfg = Config::from_str(&text)
+        .map_err(|e| Fatal::usage(format!("invalid database URL: {}", one_line(&e))))?;
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(Duration::from_secs(10));
+    }
+    if cfg.get_application_name().is_none() {
+        cfg.application_name("outbox-worker");
+    }
+    cfg.keepalives(true);
+    cfg.keepalives_idle(Duration::from_secs(30));
+    let desc = describe(&cfg);
+    Ok((cfg, desc))
+}
+
+/// `host=… port=… dbname=… user=…`, without the password.
+pub fn describe(cfg: &Config) -> String {
+    let hosts: Vec<String> = cfg
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            Host::Tcp(s) => s.clone(),
+            Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    let ports: Vec<String> = cfg.get_ports().iter().map(|p| p.to_string()).collect();
+    format!(
+        "host={} port={} dbname={} user={}",
+        if hosts.is_empty() {
+            "localhost".to_string()
+        } else {
+            hosts.join(",")
+        },
+        if ports.is_empty() {
+            "5432".to_string()
+        } else {
+            ports.join(",")
+        },
+        cfg.get_dbname().unwrap_or("(default)"),
+        cfg.get_user().unwrap_or("(default)")
+    )
+}
+
+/// A pool plus what every statement needs to know.
+#[derive(Clone)]
+pub struct Db {
+    pub pool: Pool,
+    /// The extension's schema, already quoted as an identifier.
+    pub schema: String,
+    pub desc: String,
+}
+
+impl Db {
+    /// Connects, checks the extension and returns the pool. Errors are one clear line.
+    pub async fn open(cfg: Config, desc: String, pool_size: usize) -> Result<Db, Fatal> {
+        let mgr = Manager::from_config(
+            cfg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(pool_size)
+            .build()
+            .map_err(|e| Fatal::runtime(format!("cannot build the connection pool: {e}")))?;
+        let client = pool.get().await.map_err(|e| {
+            let why = match &e {
+                deadpool_postgres::PoolError::Backend(b) => one_line(b),
+                other => one_line(other),
+            };
+            Fatal::runtime(format!("cannot connect to the database ({desc}): {why}"))
+        })?;
+        let schema = extension_schema(&client, &desc).await?;
+        drop(client);
+        Ok(Db { pool, schema, desc })
+    }
+
+    /// `schema.outbox_<name>`
+    pub fn func(&self, name: &str) -> String {
+        format!("{}.outbox_{}", self.schema, name)
+    }
+}
+
+/// One direct session (admin commands, the LISTEN connection).
+pub async fn connect_once(cfg: &Config, desc: &str) -> Result<tokio_postgres::Client, Fatal> {
+    let (client, conn) = cfg.connect(NoTls).await.map_err(|e| {
+        Fatal::runtime(format!(
+            "cannot connect to the database ({desc}): {}",
+            one_line(&e)
+        ))
+    })?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(client)
+}
+
+/// The quoted schema of the installed extension, or a one-line error saying it is missing.
+pub async fn extension_schema(
+    client: &tokio_postgres::Client,
+    desc: &str,
+) -> Result<String, Fatal> {
+    let row = client
+        .query_opt(
+            "SELECT quote_ident(n.nspname) FROM pg_catalog.pg_extension e \
+             JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'outbox'",
+            &[],
+        )
+        .await
+        .map_err(|e| {
+            Fatal::runtime(format!(
+                "cannot query the database ({desc}): {}",
+                one_line(&e)
+            ))
+        })?;
+    match row {
+        Some(r) => Ok(r.get(0)),
+        None => Err(Fatal::runtime(format!(
+            "the outbox extension is not installed in the database ({desc}): run CREATE EXTENSION outbox"
+        ))),
+    }
+}
+
+/// Opens a session for an admin command and returns it with the extension's schema.
+pub async fn admin_session(args: &DbArgs) -> Result<(tokio_postgres::Client, String), Fatal> {
+    let (cfg, desc) = config(args)?;
+    let client = connect_once(&cfg, &desc).await?;
+    let schema = extension_schema(&client, &desc).await?;
+    Ok((client, schema))
+}
+
+/// Formats a database error for a log line or an admin command's failure.
+pub fn db_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => format!("{} ({})", d.message(), d.code().code()),
+        None => one_line(e),
+    }
+}

@@ -1,0 +1,239 @@
+//! Prometheus metrics and a minimal HTTP endpoint (`GET /metrics`, `GET /health`).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::{
+    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry,
+    TextEncoder,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::Fatal;
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub published: IntCounter,
+    pub failed: IntCounter,
+    pub dead_lettered: IntCounter,
+    pub reclaimed: IntCounter,
+    pub database_errors: IntCounter,
+    pub claim_batch_size: Histogram,
+    pub publish_latency: Histogram,
+    pub commit_to_ack_lag: Histogram,
+    pub backlog: IntGauge,
+    pub delayed: IntGauge,
+    pub sending: IntGauge,
+    pub dead_letters: IntGauge,
+    pub oldest_due_age: Gauge,
+    pub oldest_lease_age: Gauge,
+    /// The last database call succeeded.
+    pub db_ok: AtomicBool,
+    pub stopping: AtomicBool,
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn int_gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+        .expect("valid metric");
+    r.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Metrics> {
+        let r = Registry::new();
+        Arc::new(Metrics {
+            published: counter(
+                &r,
+                "outbox_published_total",
+                "Events the broker acknowledged (and that were then acked in the outbox)",
+            ),
+            failed: counter(
+                &r,
+                "outbox_failed_total",
+                "Publish attempts that failed (nacked: retried later or dead-lettered)",
+            ),
+            dead_lettered: counter(
+                &r,
+                "outbox_dead_lettered_total",
+                "Events that this relay's nack moved to FAIL (retries exhausted)",
+            ),
+            reclaimed: counter(
+                &r,
+                "outbox_reclaimed_total",
+                "Expired leases reclaimed by this relay",
+            ),
+            database_errors: counter(
+                &r,
+                "outbox_database_errors_total",
+                "Failed database calls (claim, ack, nack, reclaim, stats)",
+            ),
+            claim_batch_size: histogram(
+                &r,
+                "outbox_claim_batch_size",
+                "Events per claim that returned at least one event",
+                vec![
+                    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+                    10000.0,
+                ],
+            ),
+            publish_latency: histogram(
+                &r,
+                "outbox_publish_latency_seconds",
+                "From handing an event to the producer to its successful delivery report",
+                exponential_buckets(0.0005, 2.0, 16).expect("valid buckets"),
+            ),
+            commit_to_ack_lag: histogram(
+                &r,
+                "outbox_commit_to_ack_lag_seconds",
+                "From the event's created_at to its ack (database clock at claim + relay time)",
+                exponential_buckets(0.001, 2.5, 16).expect("valid buckets"),
+            ),
+            backlog: int_gauge(
+                &r,
+                "outbox_backlog_events",
+                "Due WAIT events (outbox_stats().due_wait)",
+            ),
+            delayed: int_gauge(
+                &r,
+                "outbox_delayed_events",
+                "WAIT events not yet due (backoff or deliver_at)",
+            ),
+            sending: int_gauge(&r, "outbox_sending_events", "Events currently claimed"),
+            dead_letters: int_gauge(
+                &r,
+                "outbox_dead_letter_events",
+                "FAIL events in the outbox (dead letters)",
+            ),
+            oldest_due_age: gauge(
+                &r,
+                "outbox_oldest_due_age_seconds",
+                "Age of the oldest due WAIT event (0 when none)",
+            ),
+            oldest_lease_age: gauge(
+                &r,
+                "outbox_oldest_lease_age_seconds",
+                "Age of the oldest lease (0 when none)",
+            ),
+            registry: r,
+            db_ok: AtomicBool::new(true),
+            stopping: AtomicBool::new(false),
+        })
+    }
+
+    pub fn db_result<T, E>(&self, r: &Result<T, E>) {
+        self.db_ok.store(r.is_ok(), Ordering::Relaxed);
+        if r.is_err() {
+            self.database_errors.inc();
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding");
+        String::from_utf8(buf).expect("utf-8")
+    }
+}
+
+/// Binds the address now (so a bad address fails start-up) and serves until cancelled.
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, Fatal> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| Fatal::usage(format!("cannot listen on --metrics-addr {addr}: {e}")))?;
+    tracing::info!("metrics at http://{addr}/metrics, health at http://{addr}/health");
+    Ok(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                acc = listener.accept() => {
+                    let Ok((stream, _)) = acc else { continue };
+                    let m = metrics.clone();
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), handle(stream, m)).await;
+                    });
+                }
+            }
+        }
+    }))
+}
+
+async fn handle(mut stream: tokio::net::TcpStream, m: Arc<Metrics>) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut parts = head.split_whitespace();
+    let method = parts.next().unwrap_or("");
+    let path = parts.next().unwrap_or("");
+    let path = path.split('?').next().unwrap_or("");
+    let (status, ctype, body) = match (method, path) {
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            m.render(),
+        ),
+        ("GET", "/health") => {
+            if m.stopping.load(Ordering::Relaxed) {
+                (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    "stopping\n".to_string(),
+                )
+            } else if m.db_ok.load(Ordering::Relaxed) {
+                ("200 OK", "text/plain", "ok\n".to_string())
+            } else {
+                (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    "database unreachable\n".to_string(),
+                )
+            }
+        }
+        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "method not allowed\n".to_string(),
+        ),
+    };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(resp.as_bytes()).await?;
+    stream.shutdown().await
+}

@@ -1,0 +1,242 @@
+//! The Kafka side: one idempotent producer shared by every claim loop, the message built from an
+//! outbox row, and concurrent publishing of a batch with one outcome per row.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+use rdkafka::ClientContext;
+
+use crate::cli::parse_property;
+use crate::Fatal;
+
+/// Headers the relay sets itself; a row header with one of these names is not sent.
+pub const RESERVED_HEADERS: [&str; 3] = ["event_id", "event_type", "event_key"];
+
+/// One claimed outbox row.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub id: i64,
+    pub topic: String,
+    pub key: Option<String>,
+    pub event_type: Option<String>,
+    /// The payload's JSON text.
+    pub payload: String,
+    /// The row's headers as JSON text (an object of strings).
+    pub headers: String,
+    pub retry_count: i32,
+    /// Seconds between the row's created_at and the claim, by the database clock.
+    pub age_at_claim: f64,
+}
+
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    Delivered { latency: Duration },
+    Failed { error: String },
+}
+
+/// Routes librdkafka's own log lines and client errors into tracing.
+pub struct LogContext;
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, msg: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical => {
+                tracing::error!(target: "librdkafka", "{fac}: {msg}")
+            }
+            // Connection failures are logged at librdkafka's Error level; for the relay they are
+            // warnings (the events are retried), errors are kept for dead letters.
+            RDKafkaLogLevel::Error | RDKafkaLogLevel::Warning => {
+                tracing::warn!(target: "librdkafka", "{fac}: {msg}")
+            }
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", "{fac}: {msg}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", "{fac}: {msg}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        match error.rdkafka_error_code() {
+            // Already logged by librdkafka's own log line.
+            Some(RDKafkaErrorCode::BrokerTransportFailure) => {
+                tracing::debug!(target: "librdkafka", "kafka client error: {error}: {reason}")
+            }
+            _ => tracing::warn!(target: "librdkafka", "kafka client error: {error}: {reason}"),
+        }
+    }
+}
+
+/// Reads `KEY=VALUE` lines (blank lines and `#` comments skipped).
+pub fn read_properties_file(path: &Path) -> Result<Vec<(String, String)>, Fatal> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Fatal::usage(format!(
+            "cannot read --kafka-properties-file {}: {e}",
+            path.display()
+        ))
+    })?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        // Don't echo the line: it may hold a secret.
+        let (k, v) = parse_property(line).map_err(|_| {
+            Fatal::usage(format!(
+                "malformed Kafka property on line {} of {}: expected KEY=VALUE",
+                n + 1,
+                path.display()
+            ))
+        })?;
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
+/// Validates `--kafka-property` values; the error names the bad one.
+pub fn parse_properties(raw: &[String]) -> Result<Vec<(String, String)>, Fatal> {
+    raw.iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| parse_property(s).map_err(Fatal::usage))
+        .collect()
+}
+
+pub struct Publisher {
+    producer: FutureProducer<LogContext>,
+    send_timeout: Duration,
+}
+
+impl Publisher {
+    /// Builds the producer: idempotent, acks=all, message.timeout.ms = send timeout, then the
+    /// user's properties on top. Nothing is connected yet.
+    pub fn new(
+        brokers: &str,
+        send_timeout: Duration,
+        properties: &[(String, String)],
+    ) -> Result<Publisher, Fatal> {
+        let mut cfg = ClientConfig::new();
+        cfg.set("bootstrap.servers", brokers)
+            .set("client.id", "outbox-worker")
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "5")
+            .set(
+                "message.timeout.ms",
+                send_timeout.as_millis().max(1).to_string(),
+            );
+        for (k, v) in properties {
+            cfg.set(k, v);
+        }
+        cfg.set_log_level(RDKafkaLogLevel::Warning);
+        // Never print `cfg`: its Debug output includes secrets such as sasl.password.
+        let producer: FutureProducer<LogContext> =
+            cfg.create_with_context(LogContext).map_err(|e| match e {
+                KafkaError::ClientConfig(_, desc, key, _value) => {
+                    Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
+                }
+                KafkaError::ClientCreation(desc) => {
+                    Fatal::usage(format!("cannot create the Kafka producer: {desc}"))
+                }
+                other => Fatal::usage(format!("cannot create the Kafka producer: {other}")),
+            })?;
+        Ok(Publisher {
+            producer,
+            send_timeout,
+        })
+    }
+
+    /// Publishes every event concurrently and waits for each delivery report; the outcome of
+    /// `events[i]` is at index `i`. Returns within about the send timeout.
+    pub async fn publish(&self, events: &[Event]) -> Vec<Outcome> {
+        let start = Instant::now();
+        let sends = events.iter().map(|ev| {
+            let headers = build_headers(ev);
+            let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&ev.topic)
+                .payload(ev.payload.as_str())
+                .headers(headers);
+            if let Some(k) = &ev.key {
+                record = record.key(k.as_str());
+            }
+            let fut = self
+                .producer
+                .send(record, Timeout::After(self.send_timeout));
+            async move {
+                match fut.await {
+                    Ok(_) => Outcome::Delivered {
+                        latency: start.elapsed(),
+                    },
+                    Err((e, _msg)) => Outcome::Failed {
+                        error: describe_failure(&ev.topic, &e),
+                    },
+                }
+            }
+        });
+        join_all(sends).await
+    }
+
+    /// Waits for whatever is still queued in librdkafka.
+    pub fn flush(&self) {
+        if let Err(e) = self.producer.flush(Timeout::After(self.send_timeout)) {
+            tracing::warn!("flushing the producer: {e}");
+        }
+    }
+}
+
+/// `event_id`, `event_type`, `event_key`, then the row's own headers (reserved names skipped;
+/// non-string values sent as their JSON text).
+pub fn build_headers(ev: &Event) -> OwnedHeaders {
+    let id = ev.id.to_string();
+    let mut h = OwnedHeaders::new().insert(Header {
+        key: "event_id",
+        value: Some(id.as_str()),
+    });
+    if let Some(t) = &ev.event_type {
+        h = h.insert(Header {
+            key: "event_type",
+            value: Some(t.as_str()),
+        });
+    }
+    if let Some(k) = &ev.key {
+        h = h.insert(Header {
+            key: "event_key",
+            value: Some(k.as_str()),
+        });
+    }
+    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&ev.headers) {
+        for (k, v) in map {
+            if RESERVED_HEADERS.contains(&k.as_str()) {
+                continue;
+            }
+            let text = match v {
+                serde_json::Value::String(s) => s,
+                serde_json::Value::Null => continue,
+                other => other.to_string(),
+            };
+            h = h.insert(Header {
+                key: &k,
+                value: Some(text.as_str()),
+            });
+        }
+    }
+    h
+}
+
+/// An error text for `outbox_nack` that always names the topic.
+pub fn describe_failure(topic: &str, e: &KafkaError) -> String {
+    let code = e.rdkafka_error_code();
+    match code {
+        Some(RDKafkaErrorCode::UnknownTopicOrPartition) | Some(RDKafkaErrorCode::UnknownTopic) => {
+            format!("topic {topic} does not exist on the broker: {e}")
+        }
+        Some(RDKafkaErrorCode::MessageTimedOut) => format!(
+            "publish to topic {topic} timed out (broker unreachable, or topic {topic} missing?): {e}"
+        ),
+        _ => format!("publish to topic {topic} failed: {e}"),
+    }
+}

@@ -1,0 +1,140 @@
+//! End to end: events committed in many transactions reach the broker exactly as enqueued;
+//! rolled-back ones never do.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use outbox_tests::broker::Broker;
+use outbox_tests::db::TestDb;
+use outbox_tests::events::{enqueue, wait_counts, Expected};
+use outbox_tests::worker::Worker;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_events_arrive_exactly_with_key_value_and_headers() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    broker.create_topic("payments");
+    let mut client = db.connect().await;
+
+    // The worker runs while events are committed, with a short poll so the test does not depend
+    // on NOTIFY (tested separately).
+    let worker = Worker::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+
+    let mut expected: BTreeMap<i64, Expected> = BTreeMap::new();
+    let mut rolled_back = BTreeSet::new();
+    for t in 0..60i64 {
+        let tx = client.transaction().await.expect("begin");
+        for i in 0..5i64 {
+            let n = t * 5 + i;
+            let topic = if n % 3 == 0 { "payments" } else { "orders" };
+            let mut headers = BTreeMap::new();
+            headers.insert("trace".to_string(), format!("trace-{n}"));
+            headers.insert("tenant".to_string(), "acme".to_string());
+            let e = enqueue(
+                &tx,
+                topic,
+                &format!("ORD-{}", n % 17),
+                "OrderCreated",
+                &json!({"order": n, "lines": [1, 2, 3], "note": "ünïcode \"quoted\""}),
+                &headers,
+            )
+            .await;
+            expected.insert(e.id, e);
+        }
+        tx.commit().await.expect("commit");
+        if t % 10 == 0 {
+            let tx = client.transaction().await.expect("begin");
+            let e = enqueue(
+                &tx,
+                "orders",
+                "ROLLED-BACK",
+                "OrderCreated",
+                &json!({"rolled_back": true}),
+                &BTreeMap::new(),
+            )
+            .await;
+            rolled_back.insert(e.id);
+            tx.rollback().await.expect("rollback");
+        }
+    }
+    let n = expected.len() as i64;
+
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+    assert_eq!(
+        counts["SUCCESS"],
+        n,
+        "all committed events acked: {counts:?}\n{}",
+        worker.logs()
+    );
+    assert_eq!(
+        counts["WAIT"] + counts["SENDING"] + counts["FAIL"],
+        0,
+        "{counts:?}"
+    );
+
+    let mut seen = BTreeMap::new();
+    for topic in ["orders", "payments"] {
+        for m in broker.consume_all(topic, Duration::from_secs(3)) {
+            let id = m.event_id();
+            assert!(
+                !rolled_back.contains(&id),
+                "rolled-back event {id} was published"
+            );
+            let e = expected
+                .get(&id)
+                .unwrap_or_else(|| panic!("unexpected event {id} on the broker: {m:?}"));
+            assert_eq!(e.topic, topic, "event {id} went to the wrong topic");
+            assert_eq!(m.key.as_deref(), Some(e.key.as_str()), "key of {id}");
+            let value: serde_json::Value = serde_json::from_str(&m.value).expect("value is JSON");
+            assert_eq!(value, e.payload, "value of {id}");
+            assert_eq!(m.headers.get("event_id"), Some(&id.to_string()));
+            assert_eq!(
+                m.headers.get("event_type").map(String::as_str),
+                Some("OrderCreated")
+            );
+            assert_eq!(
+                m.headers.get("event_key"),
+                Some(&e.key),
+                "event_key header of {id}"
+            );
+            for (k, v) in &e.headers {
+                assert_eq!(m.headers.get(k), Some(v), "header {k} of {id}");
+            }
+            *seen.entry(id).or_insert(0) += 1;
+        }
+    }
+    let want: BTreeSet<i64> = expected.keys().copied().collect();
+    let have: BTreeSet<i64> = seen.keys().copied().collect();
+    assert_eq!(have, want, "exactly the committed event ids arrive");
+    let dups: Vec<_> = seen.iter().filter(|(_, c)| **c > 1).collect();
+    assert!(dups.is_empty(), "duplicates in a clean run: {dups:?}");
+
+    // Metrics tell the same story.
+    let published = worker.wait_metric("outbox_published_total", Duration::from_secs(5), |v| {
+        v >= n as f64
+    });
+    assert_eq!(published, Some(n as f64));
+    assert_eq!(worker.metric("outbox_failed_total"), Some(0.0));
+    assert!(
+        worker
+            .metric("outbox_claim_batch_size_count")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    assert!(
+        worker
+            .metric("outbox_publish_latency_seconds_count")
+            .unwrap_or(0.0)
+            >= n as f64
+    );
+    assert!(
+        worker
+            .metric("outbox_commit_to_ack_lag_seconds_count")
+            .unwrap_or(0.0)
+            >= n as f64
+    );
+    let (status, body) = worker.http_get("/health").expect("health endpoint");
+    assert!(status.contains("200"), "{status} {body}");
+}

@@ -1,0 +1,274 @@
+//! Faults: broker down (retries with backoff, dead letters, requeue), graceful stop during a
+//! burst, and a crashed relay whose claims another relay reclaims.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use outbox_tests::broker::{free_port, Broker};
+use outbox_tests::db::TestDb;
+use outbox_tests::events::{enqueue, enqueue_burst, ids_in, status_counts, wait_counts};
+use outbox_tests::worker::{run_cmd, Worker};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_retries_then_dead_letters_then_requeue_delivers() {
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.max_retry = 2",
+        db.name
+    ));
+    let client = db.connect().await;
+    // Nothing listens on this port yet: the broker is "down".
+    let port = free_port();
+    let brokers = format!("127.0.0.1:{port}");
+    let worker = Worker::spawn(
+        &db.url(),
+        &brokers,
+        &[
+            "--poll-interval",
+            "50ms",
+            "--send-timeout",
+            "500ms",
+            "--lease",
+            "10s",
+            // Reconnect quickly once the broker is back.
+            "--kafka-property",
+            "reconnect.backoff.max.ms=200",
+            "--stats-interval",
+            "100ms",
+        ],
+    );
+    let mut ids = BTreeSet::new();
+    for i in 0..5 {
+        let e = enqueue(
+            &client,
+            "orders",
+            &format!("K{i}"),
+            "OrderCreated",
+            &json!({"i": i}),
+            &BTreeMap::new(),
+        )
+        .await;
+        ids.insert(e.id);
+    }
+
+    // First the events go back to WAIT with a retry count, an error naming the topic, and a
+    // next retry time in the future (backoff).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut saw_backoff = false;
+    while Instant::now() < deadline && !saw_backoff {
+        let rows = client
+            .query(
+                "SELECT count(*) FROM outbox_event WHERE status::text = 'WAIT' AND retry_count >= 1 \
+                 AND next_retry_time > now() AND last_error LIKE '%orders%'",
+                &[],
+            )
+            .await
+            .expect("query");
+        saw_backoff = rows[0].get::<_, i64>(0) > 0;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        saw_backoff,
+        "never saw WAIT rows backing off: {}",
+        worker.logs()
+    );
+
+    // Then, after max_retry + 1 attempts, they are dead letters.
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| c["FAIL"] == 5).await;
+    assert_eq!(counts["FAIL"], 5, "{counts:?}\n{}", worker.logs());
+    let attempts: Vec<i32> = client
+        .query("SELECT retry_count FROM outbox_event ORDER BY id", &[])
+        .await
+        .expect("query")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(attempts, vec![3; 5], "max_retry 2 = 3 attempts");
+
+    // Metrics and the error log say so.
+    let dead = worker.wait_metric("outbox_dead_lettered_total", Duration::from_secs(5), |v| {
+        v >= 5.0
+    });
+    assert_eq!(dead, Some(5.0));
+    assert!(worker.metric("outbox_failed_total").unwrap_or(0.0) >= 15.0);
+    let gauge = worker.wait_metric("outbox_dead_letter_events", Duration::from_secs(5), |v| {
+        v >= 5.0
+    });
+    assert_eq!(gauge, Some(5.0));
+    for id in &ids {
+        let line = worker
+            .wait_log(
+                &["ERROR", "dead letter", &format!("event {id} "), "orders"],
+                Duration::from_secs(5),
+            )
+            .unwrap_or_else(|| {
+                panic!("no dead-letter error log for event {id}: {}", worker.logs())
+            });
+        assert!(line.contains("orders"), "{line}");
+    }
+    assert!(
+        worker
+            .wait_log(
+                &["WARN", "publish failed", "orders"],
+                Duration::from_secs(1)
+            )
+            .is_some(),
+        "failed publishes are warnings"
+    );
+
+    // dead-letters lists them.
+    let out = run_cmd(&["dead-letters", "--json", "--database-url", &db.url()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: BTreeSet<i64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json line")["id"]
+                .as_i64()
+                .expect("id")
+        })
+        .collect();
+    assert_eq!(listed, ids);
+
+    // The broker comes up (with the topic); requeue brings the events back and they arrive.
+    let broker = Broker::start_on(port);
+    broker.create_topic("orders");
+    let out = run_cmd(&["requeue", "--all", "--database-url", &db.url()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("requeued 5 of 5"));
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] == 5).await;
+    assert_eq!(counts["SUCCESS"], 5, "{counts:?}\n{}", worker.logs());
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert_eq!(got, ids);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_burst_settles_every_claimed_row() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let n = 20_000i64;
+    enqueue_burst(&client, "orders", n).await;
+    let mut worker = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &["--batch-size", "500", "--concurrency", "2"],
+    );
+    let c = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] > 0).await;
+    assert!(c["SUCCESS"] > 0, "nothing delivered: {}", worker.logs());
+    worker.signal(libc::SIGTERM);
+    let st = worker
+        .wait_exit(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("worker did not exit after SIGTERM: {}", worker.logs()));
+    assert!(st.success(), "exit status {st}: {}", worker.logs());
+    let counts = status_counts(&client).await;
+    assert_eq!(
+        counts["SENDING"], 0,
+        "SENDING rows left after a graceful stop: {counts:?}"
+    );
+    assert_eq!(counts["SUCCESS"] + counts["WAIT"], n, "{counts:?}");
+    assert!(
+        counts["WAIT"] > 0,
+        "the burst should not have finished before SIGTERM: {counts:?}"
+    );
+    assert!(worker.logs().contains("relay stopped"), "{}", worker.logs());
+
+    // Every acked row really is on the broker.
+    let acked: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    let missing: Vec<_> = acked.difference(&got).take(10).collect();
+    assert!(
+        missing.is_empty(),
+        "acked but not on the broker: {missing:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let n = 300i64;
+    enqueue_burst(&client, "orders", n).await;
+
+    // Worker A claims while the broker is frozen, so its claims stay open; then it is killed.
+    broker.freeze();
+    let mut a = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--owner",
+            "relay-a",
+            "--batch-size",
+            "100",
+            "--send-timeout",
+            "30s",
+            "--lease",
+            "10m",
+        ],
+    );
+    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] > 0).await;
+    assert!(c["SENDING"] > 0, "worker A claimed nothing: {}", a.logs());
+    a.signal(libc::SIGKILL);
+    a.wait_exit(Duration::from_secs(5)).expect("A killed");
+    let held = status_counts(&client).await["SENDING"];
+    broker.thaw();
+
+    // Worker B with a short lease reclaims them (one failed attempt each) and delivers everything.
+    let b = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--owner",
+            "relay-b",
+            "--lease",
+            "2s",
+            "--send-timeout",
+            "500ms",
+            "--reclaim-interval",
+            "300ms",
+            "--poll-interval",
+            "200ms",
+        ],
+    );
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] == n).await;
+    assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", b.logs());
+    let reclaimed = b.wait_metric("outbox_reclaimed_total", Duration::from_secs(5), |v| {
+        v >= held as f64
+    });
+    assert_eq!(reclaimed, Some(held as f64), "B reclaimed what A held");
+    let retried: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE retry_count = 1",
+            &[],
+        )
+        .await
+        .expect("query")
+        .get(0);
+    assert_eq!(retried, held, "a reclaim counts as one attempt");
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
+    assert_eq!(got, all, "every event arrives (at least once)");
+}
