@@ -174,7 +174,11 @@ pub async fn purge(args: PurgeArgs) -> Result<(), Fatal> {
 /// Reads every partition of a topic from offset 0 (no consumer group) and prints each message.
 pub fn tail(args: TailArgs) -> Result<(), Fatal> {
     let mut cfg = ClientConfig::new();
+    // A group id is required by librdkafka even for assigned partitions; no group is joined and
+    // no offset is committed.
+    let group = format!("outbox-worker-tail-{}", std::process::id());
     cfg.set("bootstrap.servers", &args.brokers)
+        .set("group.id", &group)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
