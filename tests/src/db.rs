@@ -35,7 +35,10 @@ pub struct TestDb {
 impl TestDb {
     pub fn create() -> TestDb {
         static SEQ: AtomicU32 = AtomicU32::new(0);
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
         let name = format!(
             "outbox_test_{}_{}_{}",
             std::process::id(),
@@ -78,7 +81,10 @@ impl Drop for TestDb {
         let _ = Command::new("psql")
             .arg(format!("{} dbname=postgres", server_params()))
             .args(["-X", "-q", "-c"])
-            .arg(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+            .arg(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
             .output();
     }
 }

@@ -28,7 +28,10 @@ async fn concurrent_claimers_never_receive_the_same_row() {
             let mut mine = Vec::new();
             loop {
                 let rows = c
-                    .query("SELECT id, claim_token FROM outbox_claim($1, 37)", &[&owner])
+                    .query(
+                        "SELECT id, claim_token FROM outbox_claim($1, 37)",
+                        &[&owner],
+                    )
                     .await
                     .unwrap();
                 if rows.is_empty() {
@@ -61,7 +64,10 @@ async fn concurrent_claimers_never_receive_the_same_row() {
     assert_eq!(claimed as i64, total);
     assert!(busy_claimers > 1, "the claimers really ran side by side");
     let succeeded: i64 = setup
-        .query_one("SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'", &[])
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -73,17 +79,28 @@ async fn a_claimer_skips_rows_locked_by_another_instead_of_waiting() {
     let db = TestDb::create();
     let mut a = db.connect().await;
     let b = db.connect().await;
-    a.execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 4)", &[])
+    a.execute(
+        "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 4)",
+        &[],
+    )
+    .await
+    .unwrap();
+    let tx = a.transaction().await.unwrap();
+    let first = tx
+        .query("SELECT id FROM outbox_claim('a', 2)", &[])
         .await
         .unwrap();
-    let tx = a.transaction().await.unwrap();
-    let first = tx.query("SELECT id FROM outbox_claim('a', 2)", &[]).await.unwrap();
     assert_eq!(first.len(), 2);
     // While a's claim is uncommitted, b gets the other rows at once (a lock wait would hit the timeout).
     b.batch_execute("SET lock_timeout = '2s'").await.unwrap();
     let started = Instant::now();
-    let second: Vec<i64> =
-        b.query("SELECT id FROM outbox_claim('b', 10)", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let second: Vec<i64> = b
+        .query("SELECT id FROM outbox_claim('b', 10)", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     assert!(started.elapsed() < Duration::from_secs(1));
     let first: Vec<i64> = first.iter().map(|r| r.get(0)).collect();
     assert_eq!(second.len(), 2);
@@ -96,7 +113,11 @@ async fn a_reclaim_racing_an_ack_never_overwrites_success() {
     let db = TestDb::create();
     let mut relay = db.connect().await;
     let reclaimer = db.connect().await;
-    let id: i64 = relay.query_one("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap().get(0);
+    let id: i64 = relay
+        .query_one("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap()
+        .get(0);
     let token: i64 = relay
         .query_one("SELECT claim_token FROM outbox_claim('relay-a', 1)", &[])
         .await
@@ -107,23 +128,43 @@ async fn a_reclaim_racing_an_ack_never_overwrites_success() {
     // The ack is in flight (row locked, not committed) when the reclaim of an expired lease starts.
     let tx = relay.transaction().await.unwrap();
     let n: i32 = tx
-        .query_one("SELECT outbox_ack('relay-a', $1, ARRAY[$2::bigint])", &[&token, &id])
+        .query_one(
+            "SELECT outbox_ack('relay-a', $1, ARRAY[$2::bigint])",
+            &[&token, &id],
+        )
         .await
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
     let reclaim = tokio::spawn(async move {
-        reclaimer.query_one("SELECT outbox_reclaim('1 millisecond')", &[]).await.unwrap().get::<_, i32>(0)
+        reclaimer
+            .query_one("SELECT outbox_reclaim('1 millisecond')", &[])
+            .await
+            .unwrap()
+            .get::<_, i32>(0)
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!reclaim.is_finished(), "the reclaim waits for the ack's row lock");
+    assert!(
+        !reclaim.is_finished(),
+        "the reclaim waits for the ack's row lock"
+    );
     tx.commit().await.unwrap();
-    assert_eq!(reclaim.await.unwrap(), 0, "the re-checked row is SUCCESS, not reclaimable");
+    assert_eq!(
+        reclaim.await.unwrap(),
+        0,
+        "the re-checked row is SUCCESS, not reclaimable"
+    );
     let r = relay
-        .query_one("SELECT status::text, retry_count FROM outbox_event WHERE id = $1", &[&id])
+        .query_one(
+            "SELECT status::text, retry_count FROM outbox_event WHERE id = $1",
+            &[&id],
+        )
         .await
         .unwrap();
-    assert_eq!((r.get::<_, String>(0), r.get::<_, i32>(1)), ("SUCCESS".into(), 0));
+    assert_eq!(
+        (r.get::<_, String>(0), r.get::<_, i32>(1)),
+        ("SUCCESS".into(), 0)
+    );
 }
 
 /// Counts `NOTIFY outbox` messages received by a listening session until `quiet` passes without one.
@@ -141,7 +182,8 @@ async fn listen_while<F: std::future::Future<Output = ()>>(db: &TestDb, work: F)
     listener.batch_execute("LISTEN outbox").await.unwrap();
     work.await;
     let mut count = 0;
-    while let Ok(Some(channel)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
+    while let Ok(Some(channel)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await
+    {
         assert_eq!(channel, "outbox");
         count += 1;
     }
@@ -156,10 +198,14 @@ async fn notify_is_one_per_committing_transaction_and_none_on_rollback() {
     let n = listen_while(&db, async {
         let tx = c.transaction().await.unwrap();
         for _ in 0..50 {
-            tx.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+            tx.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+                .await
+                .unwrap();
         }
         // A savepoint level too: still one notification at commit.
-        tx.batch_execute("SAVEPOINT s; SELECT outbox_enqueue('orders', '{}'); RELEASE s").await.unwrap();
+        tx.batch_execute("SAVEPOINT s; SELECT outbox_enqueue('orders', '{}'); RELEASE s")
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
     })
     .await;
@@ -167,7 +213,9 @@ async fn notify_is_one_per_committing_transaction_and_none_on_rollback() {
 
     let n = listen_while(&db, async {
         let tx = c.transaction().await.unwrap();
-        tx.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+        tx.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+            .await
+            .unwrap();
         tx.rollback().await.unwrap();
     })
     .await;
@@ -185,7 +233,9 @@ async fn notify_is_one_per_committing_transaction_and_none_on_rollback() {
 
     let n = listen_while(&db, async {
         for _ in 0..3 {
-            c.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+            c.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+                .await
+                .unwrap();
         }
     })
     .await;

@@ -19,7 +19,11 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
     let snapshot = "SELECT string_agg(format('%s|%s|%s|%s|%s', id, status, payload, event_key, claim_token), ';' ORDER BY id) \
                     FROM outbox_event";
     let before: String = c.query_one(snapshot, &[]).await.unwrap().get(0);
-    let max_token: i64 = c.query_one("SELECT max(claim_token) FROM outbox_event", &[]).await.unwrap().get(0);
+    let max_token: i64 = c
+        .query_one("SELECT max(claim_token) FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .get(0);
 
     let dump = std::env::temp_dir().join(format!("{}.dump", source.name));
     let out = Command::new("pg_dump")
@@ -28,7 +32,11 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
         .arg(source.url())
         .output()
         .unwrap();
-    assert!(out.status.success(), "pg_dump: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "pg_dump: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let target = TestDb {
         name: format!("{}_restored", source.name),
@@ -41,15 +49,39 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
         .output()
         .unwrap();
     let _ = std::fs::remove_file(&dump);
-    assert!(out.status.success(), "pg_restore: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "pg_restore: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let r = target.connect().await;
     let after: String = r.query_one(snapshot, &[]).await.unwrap().get(0);
     assert_eq!(after, before, "every outbox row survives the round trip");
-    let new_id: i64 = r.query_one("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap().get(0);
-    assert!(new_id > 5, "ids continue after the restored ones, got {new_id}");
-    let claimed = r.query("SELECT id, claim_token FROM outbox_claim('relay-b', 10)", &[]).await.unwrap();
+    let new_id: i64 = r
+        .query_one("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        new_id > 5,
+        "ids continue after the restored ones, got {new_id}"
+    );
+    let claimed = r
+        .query(
+            "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
+            &[],
+        )
+        .await
+        .unwrap();
     let ids: Vec<i64> = claimed.iter().map(|row| row.get(0)).collect();
-    assert_eq!(ids, vec![3, 4, new_id], "the restored database still owes events 3 and 4");
-    assert!(claimed[0].get::<_, i64>(1) > max_token, "fencing tokens are never reissued");
+    assert_eq!(
+        ids,
+        vec![3, 4, new_id],
+        "the restored database still owes events 3 and 4"
+    );
+    assert!(
+        claimed[0].get::<_, i64>(1) > max_token,
+        "fencing tokens are never reissued"
+    );
 }

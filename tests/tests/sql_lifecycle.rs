@@ -14,11 +14,17 @@ async fn enqueue(c: &Client, topic: &str) -> i64 {
 /// Claims up to `max` rows; returns (token, ids in claim order).
 async fn claim(c: &Client, owner: &str, max: i32) -> (Option<i64>, Vec<i64>) {
     let rows = c
-        .query("SELECT id, claim_token FROM outbox_claim($1, $2)", &[&owner, &max])
+        .query(
+            "SELECT id, claim_token FROM outbox_claim($1, $2)",
+            &[&owner, &max],
+        )
         .await
         .unwrap();
     let token = rows.first().map(|r| r.get::<_, i64>(1));
-    assert!(rows.iter().all(|r| Some(r.get::<_, i64>(1)) == token), "one token per call");
+    assert!(
+        rows.iter().all(|r| Some(r.get::<_, i64>(1)) == token),
+        "one token per call"
+    );
     (token, rows.iter().map(|r| r.get(0)).collect())
 }
 
@@ -67,7 +73,10 @@ async fn enqueue_stores_a_due_wait_row_with_all_fields() {
         .unwrap();
     assert_eq!(r.get::<_, String>(0), "orders");
     assert_eq!(r.get::<_, Option<String>>(1).as_deref(), Some("A-1"));
-    assert_eq!(r.get::<_, Option<String>>(2).as_deref(), Some("OrderCreated"));
+    assert_eq!(
+        r.get::<_, Option<String>>(2).as_deref(),
+        Some("OrderCreated")
+    );
     assert_eq!(r.get::<_, String>(3), "{\"id\": 1}");
     assert_eq!(r.get::<_, String>(4), "{\"trace\": \"t-1\"}");
     assert_eq!(r.get::<_, String>(5), "WAIT");
@@ -81,9 +90,15 @@ async fn enqueue_rolled_back_leaves_nothing() {
     let db = TestDb::create();
     let mut c = db.connect().await;
     let tx = c.transaction().await.unwrap();
-    tx.execute("SELECT outbox_enqueue('orders', '{}')", &[]).await.unwrap();
+    tx.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
-    let n: i64 = c.query_one("SELECT count(*) FROM outbox_event", &[]).await.unwrap().get(0);
+    let n: i64 = c
+        .query_one("SELECT count(*) FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(n, 0);
 }
 
@@ -142,11 +157,18 @@ async fn ack_settles_only_rows_held_with_the_same_owner_and_token() {
         ("SELECT outbox_renew($1, $2, $3)", "relay-b", token),
         ("SELECT outbox_renew($1, $2, $3)", "relay-a", stale),
     ] {
-        let n: i32 = c.query_one(sql, &[&owner, &tok, &both]).await.unwrap().get(0);
+        let n: i32 = c
+            .query_one(sql, &[&owner, &tok, &both])
+            .await
+            .unwrap()
+            .get(0);
         assert_eq!(n, 0, "{sql} as {owner}/{tok} must count 0");
     }
     for id in [a, b] {
-        assert_eq!(status_of(&c, id).await, ("SENDING".into(), 0, Some("relay-a".into())));
+        assert_eq!(
+            status_of(&c, id).await,
+            ("SENDING".into(), 0, Some("relay-a".into()))
+        );
     }
 
     let n: i32 = c
@@ -205,7 +227,11 @@ async fn nack_backs_off_5_20_45_seconds_then_dead_letters_after_the_4th_failure(
         match expected_secs {
             Some(secs) => {
                 assert_eq!(r.get::<_, String>(0), "WAIT");
-                assert!((r.get::<_, f64>(2) - secs).abs() < 1e-3, "backoff {}", r.get::<_, f64>(2));
+                assert!(
+                    (r.get::<_, f64>(2) - secs).abs() < 1e-3,
+                    "backoff {}",
+                    r.get::<_, f64>(2)
+                );
                 // Not claimable before its backoff elapsed.
                 assert!(claim(&c, "relay-a", 1).await.1.is_empty());
             }
@@ -229,9 +255,12 @@ async fn backoff_follows_settings_with_cap_and_jitter() {
     for _ in 0..4 {
         make_due(&c, id).await;
         let (token, _) = claim(&c, "r", 1).await;
-        c.execute("SELECT outbox_nack('r', $1, ARRAY[$2::bigint])", &[&token.unwrap(), &id])
-            .await
-            .unwrap();
+        c.execute(
+            "SELECT outbox_nack('r', $1, ARRAY[$2::bigint])",
+            &[&token.unwrap(), &id],
+        )
+        .await
+        .unwrap();
         let secs: f64 = c
             .query_one(
                 "SELECT extract(epoch FROM next_retry_time - updated_at)::float8 FROM outbox_event WHERE id = $1",
@@ -244,7 +273,10 @@ async fn backoff_follows_settings_with_cap_and_jitter() {
     }
     // n^2 * 1s capped at 3s, each within [0.5, 1.5] of its nominal value.
     for (d, nominal) in delays.iter().zip([1.0, 3.0, 3.0, 3.0]) {
-        assert!(*d >= nominal * 0.5 - 1e-3 && *d <= nominal * 1.5 + 1e-3, "{delays:?}");
+        assert!(
+            *d >= nominal * 0.5 - 1e-3 && *d <= nominal * 1.5 + 1e-3,
+            "{delays:?}"
+        );
     }
 }
 
@@ -261,7 +293,10 @@ async fn renew_extends_the_lease_of_held_rows() {
     .await
     .unwrap();
     let n: i32 = c
-        .query_one("SELECT outbox_renew('relay-a', $1, ARRAY[$2::bigint])", &[&token.unwrap(), &id])
+        .query_one(
+            "SELECT outbox_renew('relay-a', $1, ARRAY[$2::bigint])",
+            &[&token.unwrap(), &id],
+        )
         .await
         .unwrap()
         .get(0);
@@ -276,7 +311,11 @@ async fn renew_extends_the_lease_of_held_rows() {
         .get(0);
     assert!(fresh);
     // A renewed lease is not reclaimed.
-    let n: i32 = c.query_one("SELECT outbox_reclaim('10 minutes')", &[]).await.unwrap().get(0);
+    let n: i32 = c
+        .query_one("SELECT outbox_reclaim('10 minutes')", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(n, 0);
 }
 
@@ -300,16 +339,29 @@ async fn reclaim_uses_claimed_at_not_next_retry_time_and_counts_an_attempt() {
     )
     .await
     .unwrap();
-    let n: i32 = c.query_one("SELECT outbox_reclaim()", &[]).await.unwrap().get(0);
-    assert_eq!(n, 1);
-    assert_eq!(status_of(&c, fresh).await, ("SENDING".into(), 0, Some("relay-a".into())));
-    assert_eq!(status_of(&c, stale).await, ("WAIT".into(), 1, None));
-    let err: String = c
-        .query_one("SELECT last_error FROM outbox_event WHERE id = $1", &[&stale])
+    let n: i32 = c
+        .query_one("SELECT outbox_reclaim()", &[])
         .await
         .unwrap()
         .get(0);
-    assert!(err.contains("lease expired") && err.contains("relay-a"), "{err}");
+    assert_eq!(n, 1);
+    assert_eq!(
+        status_of(&c, fresh).await,
+        ("SENDING".into(), 0, Some("relay-a".into()))
+    );
+    assert_eq!(status_of(&c, stale).await, ("WAIT".into(), 1, None));
+    let err: String = c
+        .query_one(
+            "SELECT last_error FROM outbox_event WHERE id = $1",
+            &[&stale],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        err.contains("lease expired") && err.contains("relay-a"),
+        "{err}"
+    );
     // Due now: another relay picks it up at once.
     assert_eq!(claim(&c, "relay-b", 10).await.1, vec![stale]);
 }
@@ -328,7 +380,11 @@ async fn reclaim_dead_letters_an_event_that_keeps_losing_its_lease() {
         )
         .await
         .unwrap();
-        let n: i32 = c.query_one("SELECT outbox_reclaim('1 minute')", &[]).await.unwrap().get(0);
+        let n: i32 = c
+            .query_one("SELECT outbox_reclaim('1 minute')", &[])
+            .await
+            .unwrap()
+            .get(0);
         assert_eq!(n, 1);
         let expect = if round < 4 { "WAIT" } else { "FAIL" };
         assert_eq!(status_of(&c, id).await.0, expect, "after reclaim {round}");
@@ -357,7 +413,10 @@ async fn requeue_returns_dead_letters_only() {
         .collect();
     assert_eq!(listed, vec![dead]);
     let n: i32 = c
-        .query_one("SELECT outbox_requeue($1)", &[&vec![dead, waiting, 424_242]])
+        .query_one(
+            "SELECT outbox_requeue($1)",
+            &[&vec![dead, waiting, 424_242]],
+        )
         .await
         .unwrap()
         .get(0);
@@ -373,7 +432,11 @@ async fn requeue_returns_dead_letters_only() {
     assert_eq!(r.get::<_, String>(0), "WAIT");
     assert_eq!(r.get::<_, i32>(1), 0);
     assert!(r.get::<_, bool>(2), "due now");
-    assert_eq!(r.get::<_, Option<String>>(3).as_deref(), Some("boom"), "history kept");
+    assert_eq!(
+        r.get::<_, Option<String>>(3).as_deref(),
+        Some("boom"),
+        "history kept"
+    );
     assert_eq!(status_of(&c, waiting).await.0, "WAIT");
 }
 
@@ -385,7 +448,9 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
         enqueue(&c, "orders").await;
     }
     let (token, ids) = claim(&c, "r", 5).await;
-    c.execute("SELECT outbox_ack('r', $1, $2)", &[&token.unwrap(), &ids]).await.unwrap();
+    c.execute("SELECT outbox_ack('r', $1, $2)", &[&token.unwrap(), &ids])
+        .await
+        .unwrap();
     // Every other state, all of them old.
     c.batch_execute(
         "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3); \
@@ -396,12 +461,23 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
     )
     .await
     .unwrap();
-    let n: i64 = c.query_one("SELECT outbox_purge('7 days', 2)", &[]).await.unwrap().get(0);
+    let n: i64 = c
+        .query_one("SELECT outbox_purge('7 days', 2)", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(n, 2, "bounded by max_rows");
-    let n: i64 = c.query_one("SELECT outbox_purge()", &[]).await.unwrap().get(0);
+    let n: i64 = c
+        .query_one("SELECT outbox_purge()", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(n, 3);
     let left: Vec<String> = c
-        .query("SELECT e.status::text FROM outbox_event e ORDER BY e.status", &[])
+        .query(
+            "SELECT e.status::text FROM outbox_event e ORDER BY e.status",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -411,10 +487,17 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
     // Young SUCCESS rows stay.
     let id = enqueue(&c, "orders").await;
     let (token, _) = claim(&c, "r", 1).await;
-    c.execute("SELECT outbox_ack('r', $1, ARRAY[$2::bigint])", &[&token.unwrap(), &id])
+    c.execute(
+        "SELECT outbox_ack('r', $1, ARRAY[$2::bigint])",
+        &[&token.unwrap(), &id],
+    )
+    .await
+    .unwrap();
+    let n: i64 = c
+        .query_one("SELECT outbox_purge('1 hour')", &[])
         .await
-        .unwrap();
-    let n: i64 = c.query_one("SELECT outbox_purge('1 hour')", &[]).await.unwrap().get(0);
+        .unwrap()
+        .get(0);
     assert_eq!(n, 0);
 }
 
@@ -439,12 +522,21 @@ async fn delayed_delivery_is_not_claimable_before_deliver_at() {
         .unwrap()
         .get(0);
     let due_at_enqueue: bool = c
-        .query_one("SELECT next_retry_time >= now() - interval '1 minute' FROM outbox_event WHERE id = $1", &[&past])
+        .query_one(
+            "SELECT next_retry_time >= now() - interval '1 minute' FROM outbox_event WHERE id = $1",
+            &[&past],
+        )
         .await
         .unwrap()
         .get(0);
-    assert!(due_at_enqueue, "a past deliver_at means due now, not in the past");
-    let s = c.query_one("SELECT due_wait, delayed_wait FROM outbox_stats()", &[]).await.unwrap();
+    assert!(
+        due_at_enqueue,
+        "a past deliver_at means due now, not in the past"
+    );
+    let s = c
+        .query_one("SELECT due_wait, delayed_wait FROM outbox_stats()", &[])
+        .await
+        .unwrap();
     assert_eq!((s.get::<_, i64>(0), s.get::<_, i64>(1)), (1, 1));
     assert_eq!(claim(&c, "r", 10).await.1, vec![past]);
     make_due(&c, later).await;
@@ -466,8 +558,18 @@ async fn stats_count_every_state_and_report_ages() {
     .unwrap();
     let (token, ids) = claim(&c, "r", 3).await;
     let token = token.unwrap();
-    c.execute("SELECT outbox_ack('r', $1, $2)", &[&token, &ids[..1].to_vec()]).await.unwrap();
-    c.execute("UPDATE outbox_event SET status = 'FAIL' WHERE id = $1", &[&ids[1]]).await.unwrap();
+    c.execute(
+        "SELECT outbox_ack('r', $1, $2)",
+        &[&token, &ids[..1].to_vec()],
+    )
+    .await
+    .unwrap();
+    c.execute(
+        "UPDATE outbox_event SET status = 'FAIL' WHERE id = $1",
+        &[&ids[1]],
+    )
+    .await
+    .unwrap();
     c.execute(
         "UPDATE outbox_event SET next_retry_time = now() - interval '90 seconds' WHERE status = 'WAIT' \
          AND next_retry_time <= now()",

@@ -25,17 +25,30 @@ impl Roles {
             .arg(format!("relay={}", roles.name("relay")))
             .arg("-v")
             .arg(format!("admin={}", roles.name("admin")))
-            .args(["-f", concat!(env!("CARGO_MANIFEST_DIR"), "/../sql/examples/grant-roles.sql")])
+            .args([
+                "-f",
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/../sql/examples/grant-roles.sql"
+                ),
+            ])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         roles
     }
     fn name(&self, kind: &str) -> String {
         format!("outbox_{kind}_{}", self.suffix)
     }
     fn all(&self) -> Vec<String> {
-        ["producer", "relay", "admin", "nobody"].iter().map(|k| self.name(k)).collect()
+        ["producer", "relay", "admin", "nobody"]
+            .iter()
+            .map(|k| self.name(k))
+            .collect()
     }
 }
 
@@ -43,7 +56,10 @@ impl Drop for Roles {
     fn drop(&mut self) {
         for r in self.all() {
             let _ = Command::new("psql")
-                .arg(format!("{} dbname=postgres", outbox_tests::db::server_params()))
+                .arg(format!(
+                    "{} dbname=postgres",
+                    outbox_tests::db::server_params()
+                ))
                 .args(["-X", "-q", "-c", &format!("DROP ROLE IF EXISTS {r}")])
                 .output();
         }
@@ -60,7 +76,9 @@ async fn each_role_can_do_exactly_its_part() {
 
     // Producer: enqueue only.
     c.batch_execute(&as_role("producer")).await.unwrap();
-    c.execute("SELECT outbox_enqueue('orders', '{\"secret\": 1}')", &[]).await.unwrap();
+    c.execute("SELECT outbox_enqueue('orders', '{\"secret\": 1}')", &[])
+        .await
+        .unwrap();
     for denied in [
         "SELECT * FROM outbox_event",
         "SELECT * FROM outbox_claim('p', 1)",
@@ -68,18 +86,47 @@ async fn each_role_can_do_exactly_its_part() {
         "SELECT outbox_requeue('{1}')",
         "UPDATE outbox_event SET status = 'FAIL'",
     ] {
-        assert_eq!(sqlstate(c.batch_execute(denied).await), "42501", "producer: {denied}");
+        assert_eq!(
+            sqlstate(c.batch_execute(denied).await),
+            "42501",
+            "producer: {denied}"
+        );
     }
 
     // Relay: claim, ack, nack, renew, reclaim, stats; no enqueue, requeue, purge or table access.
-    c.batch_execute(&format!("RESET ROLE; {}", as_role("relay"))).await.unwrap();
-    let r = c.query_one("SELECT id, claim_token FROM outbox_claim('relay-1', 5)", &[]).await.unwrap();
+    c.batch_execute(&format!("RESET ROLE; {}", as_role("relay")))
+        .await
+        .unwrap();
+    let r = c
+        .query_one(
+            "SELECT id, claim_token FROM outbox_claim('relay-1', 5)",
+            &[],
+        )
+        .await
+        .unwrap();
     let (id, token): (i64, i64) = (r.get(0), r.get(1));
-    c.execute("SELECT outbox_renew('relay-1', $1, ARRAY[$2::bigint])", &[&token, &id]).await.unwrap();
-    c.execute("SELECT outbox_nack('relay-1', $1, ARRAY[$2::bigint], 'x')", &[&token, &id]).await.unwrap();
-    c.execute("SELECT outbox_ack('relay-1', $1, ARRAY[$2::bigint])", &[&token, &id]).await.unwrap();
+    c.execute(
+        "SELECT outbox_renew('relay-1', $1, ARRAY[$2::bigint])",
+        &[&token, &id],
+    )
+    .await
+    .unwrap();
+    c.execute(
+        "SELECT outbox_nack('relay-1', $1, ARRAY[$2::bigint], 'x')",
+        &[&token, &id],
+    )
+    .await
+    .unwrap();
+    c.execute(
+        "SELECT outbox_ack('relay-1', $1, ARRAY[$2::bigint])",
+        &[&token, &id],
+    )
+    .await
+    .unwrap();
     c.execute("SELECT outbox_reclaim()", &[]).await.unwrap();
-    c.execute("SELECT * FROM outbox_stats()", &[]).await.unwrap();
+    c.execute("SELECT * FROM outbox_stats()", &[])
+        .await
+        .unwrap();
     for denied in [
         "SELECT outbox_enqueue('orders', '{}')",
         "SELECT outbox_requeue('{1}')",
@@ -87,20 +134,42 @@ async fn each_role_can_do_exactly_its_part() {
         "SELECT * FROM outbox_dead_letters()",
         "SELECT * FROM outbox_event",
     ] {
-        assert_eq!(sqlstate(c.batch_execute(denied).await), "42501", "relay: {denied}");
+        assert_eq!(
+            sqlstate(c.batch_execute(denied).await),
+            "42501",
+            "relay: {denied}"
+        );
     }
 
     // Admin: the relay's rights plus dead letters, requeue and purge.
-    c.batch_execute(&format!("RESET ROLE; {}", as_role("admin"))).await.unwrap();
-    c.execute("SELECT * FROM outbox_dead_letters()", &[]).await.unwrap();
-    c.execute("SELECT outbox_requeue('{1}')", &[]).await.unwrap();
+    c.batch_execute(&format!("RESET ROLE; {}", as_role("admin")))
+        .await
+        .unwrap();
+    c.execute("SELECT * FROM outbox_dead_letters()", &[])
+        .await
+        .unwrap();
+    c.execute("SELECT outbox_requeue('{1}')", &[])
+        .await
+        .unwrap();
     c.execute("SELECT outbox_purge()", &[]).await.unwrap();
-    c.execute("SELECT * FROM outbox_claim('admin', 1)", &[]).await.unwrap();
+    c.execute("SELECT * FROM outbox_claim('admin', 1)", &[])
+        .await
+        .unwrap();
 
     // A role with no grants can call nothing: nothing is granted to PUBLIC.
-    c.batch_execute(&format!("RESET ROLE; {}", as_role("nobody"))).await.unwrap();
-    for denied in ["SELECT outbox_enqueue('orders', '{}')", "SELECT * FROM outbox_stats()", "SELECT * FROM outbox_config()"] {
-        assert_eq!(sqlstate(c.batch_execute(denied).await), "42501", "nobody: {denied}");
+    c.batch_execute(&format!("RESET ROLE; {}", as_role("nobody")))
+        .await
+        .unwrap();
+    for denied in [
+        "SELECT outbox_enqueue('orders', '{}')",
+        "SELECT * FROM outbox_stats()",
+        "SELECT * FROM outbox_config()",
+    ] {
+        assert_eq!(
+            sqlstate(c.batch_execute(denied).await),
+            "42501",
+            "nobody: {denied}"
+        );
     }
     c.batch_execute("RESET ROLE").await.unwrap();
     let public_callable: Vec<String> = c
@@ -116,7 +185,10 @@ async fn each_role_can_do_exactly_its_part() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert!(public_callable.is_empty(), "callable by PUBLIC: {public_callable:?}");
+    assert!(
+        public_callable.is_empty(),
+        "callable by PUBLIC: {public_callable:?}"
+    );
     drop(db);
     drop(roles);
 }
@@ -151,7 +223,10 @@ async fn a_hostile_search_path_changes_nothing() {
     .unwrap();
 
     let id: i64 = c
-        .query_one("SELECT public.outbox_enqueue('orders', '{}', headers => '{\"a\":\"b\"}')", &[])
+        .query_one(
+            "SELECT public.outbox_enqueue('orders', '{}', headers => '{\"a\":\"b\"}')",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -161,7 +236,10 @@ async fn a_hostile_search_path_changes_nothing() {
         .unwrap()
         .get(0);
     let n: i32 = c
-        .query_one("SELECT public.outbox_nack('r', $1, ARRAY[$2::bigint], 'x')", &[&token, &id])
+        .query_one(
+            "SELECT public.outbox_nack('r', $1, ARRAY[$2::bigint], 'x')",
+            &[&token, &id],
+        )
         .await
         .unwrap()
         .get(0);
