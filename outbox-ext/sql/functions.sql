@@ -350,8 +350,9 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
     est real;
-    pages int;
 BEGIN
+    -- Loads the library (and so the outbox.* settings) for relays that read them after this call.
+    PERFORM @extschema@.outbox_config();
     -- Every count below reads a partial index whose size follows the backlog, not the history.
     SELECT count(*) FILTER (WHERE e.next_retry_time <= stamp),
            count(*) FILTER (WHERE e.next_retry_time > stamp),
@@ -364,7 +365,7 @@ BEGIN
     SELECT count(*) INTO failed FROM @extschema@.outbox_event e WHERE e.status = 'FAIL';
     -- SUCCESS rows are the history: count them exactly while the table is small (< 8 MB),
     -- estimate from the planner's statistics beyond that.
-    SELECT c.reltuples, c.relpages INTO est, pages
+    SELECT c.reltuples INTO est
       FROM pg_class c WHERE c.oid = '@extschema@.outbox_event'::regclass;
     IF pg_relation_size('@extschema@.outbox_event'::regclass) < 8 * 1024 * 1024 OR est < 0 THEN
         SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';

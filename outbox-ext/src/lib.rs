@@ -9,7 +9,7 @@ use pgrx::prelude::*;
 
 mod guc;
 
-::pgrx::pg_module_magic!();
+::pgrx::pg_module_magic!(name, version);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
@@ -32,10 +32,9 @@ mod tests {
 
     #[pg_test]
     fn settings_have_contract_defaults() {
-        let row = Spi::get_two::<i32, i64>(
-            "SELECT max_retry, backoff_base_ms FROM outbox_config()",
-        )
-        .unwrap();
+        let row =
+            Spi::get_two::<i32, i64>("SELECT max_retry, backoff_base_ms FROM outbox_config()")
+                .unwrap();
         assert_eq!(row, (Some(3), Some(5_000)));
         assert_eq!(
             Spi::get_one::<i64>("SELECT lease_ms FROM outbox_config()").unwrap(),
@@ -58,7 +57,9 @@ mod tests {
         Spi::run("SET outbox.max_retry = 'many'").unwrap();
     }
 
-    #[pg_test(error = "0 is outside the valid range for parameter \"outbox.lease\" (1 .. 2147483647)")]
+    #[pg_test(
+        error = "0 ms is outside the valid range for parameter \"outbox.lease\" (1 .. 2147483647)"
+    )]
     fn zero_lease_is_an_error() {
         Spi::run("SET outbox.lease = 0").unwrap();
     }
@@ -68,10 +69,9 @@ mod tests {
         let id = Spi::get_one::<i64>("SELECT outbox_enqueue('orders', '{\"id\":1}', key => 'A-1')")
             .unwrap()
             .unwrap();
-        let (claimed, token) = Spi::get_two::<i64, i64>(
-            "SELECT id, claim_token FROM outbox_claim('relay-a', 5)",
-        )
-        .unwrap();
+        let (claimed, token) =
+            Spi::get_two::<i64, i64>("SELECT id, claim_token FROM outbox_claim('relay-a', 5)")
+                .unwrap();
         assert_eq!(claimed, Some(id));
         let acked = Spi::get_one::<i32>(&format!(
             "SELECT outbox_ack('relay-a', {}, ARRAY[{id}]::bigint[])",
