@@ -190,3 +190,31 @@ pub fn db_error(e: &tokio_postgres::Error) -> String {
         None => one_line(e),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(url: &str) -> DbArgs {
+        DbArgs {
+            database_url: Some(url.into()),
+            database_url_file: None,
+        }
+    }
+
+    #[test]
+    fn description_never_contains_the_password() {
+        let (_, d) = config(&args("postgres://relay:s3cret@db.example:6543/app")).expect("url");
+        assert_eq!(d, "host=db.example port=6543 dbname=app user=relay");
+        let (_, d) = config(&args("host=h user=u password=s3cret dbname=x")).expect("kv");
+        assert!(!d.contains("s3cret"), "{d}");
+    }
+
+    #[test]
+    fn parse_errors_do_not_echo_the_input() {
+        let e = config(&args("postgres://u:s3cret@h:notaport/x"))
+            .err()
+            .expect("error");
+        assert!(!e.message.contains("s3cret"), "{}", e.message);
+    }
+}

@@ -180,6 +180,15 @@ impl Publisher {
         join_all(sends).await
     }
 
+    /// A fatal producer error (e.g. the idempotent producer lost its guarantees): the producer
+    /// is unusable and the process should restart.
+    pub fn fatal_error(&self) -> Option<String> {
+        self.producer
+            .client()
+            .fatal_error()
+            .map(|(code, reason)| format!("{code:?}: {reason}"))
+    }
+
     /// Waits for whatever is still queued in librdkafka.
     pub fn flush(&self) {
         if let Err(e) = self.producer.flush(Timeout::After(self.send_timeout)) {
@@ -238,5 +247,80 @@ pub fn describe_failure(topic: &str, e: &KafkaError) -> String {
             "publish to topic {topic} timed out (broker unreachable, or topic {topic} missing?): {e}"
         ),
         _ => format!("publish to topic {topic} failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::message::Headers;
+
+    fn ev(headers: &str) -> Event {
+        Event {
+            id: 42,
+            topic: "orders".into(),
+            key: Some("A-1".into()),
+            event_type: Some("OrderCreated".into()),
+            payload: "{}".into(),
+            headers: headers.into(),
+            retry_count: 0,
+            age_at_claim: 0.0,
+        }
+    }
+
+    fn pairs(h: &OwnedHeaders) -> Vec<(String, String)> {
+        h.iter()
+            .map(|x| {
+                (
+                    x.key.to_string(),
+                    String::from_utf8_lossy(x.value.unwrap_or_default()).into_owned(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn headers_carry_ids_and_row_headers_but_not_spoofed_reserved_ones() {
+        let h = build_headers(&ev(r#"{"trace":"t1","event_id":"999","n":5}"#));
+        let p = pairs(&h);
+        assert_eq!(
+            p,
+            vec![
+                ("event_id".into(), "42".into()),
+                ("event_type".into(), "OrderCreated".into()),
+                ("event_key".into(), "A-1".into()),
+                ("n".into(), "5".into()),
+                ("trace".into(), "t1".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn null_key_and_type_are_omitted() {
+        let mut e = ev("{}");
+        e.key = None;
+        e.event_type = None;
+        assert_eq!(
+            pairs(&build_headers(&e)),
+            vec![("event_id".into(), "42".into())]
+        );
+    }
+
+    #[test]
+    fn failures_name_the_topic() {
+        let e = KafkaError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
+        assert!(describe_failure("orders", &e).contains("topic orders does not exist"));
+        let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
+        assert!(describe_failure("orders", &e).contains("topic orders"));
+    }
+
+    #[test]
+    fn properties_must_be_key_value() {
+        assert!(parse_properties(&["linger.ms=10".into()]).is_ok());
+        let err = parse_properties(&["linger.ms".into()])
+            .err()
+            .expect("error");
+        assert!(err.message.contains("linger.ms"));
+        assert!(parse_properties(&["=1".into()]).is_err());
     }
 }

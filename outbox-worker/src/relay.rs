@@ -1,7 +1,7 @@
 //! `outbox-worker run`: claim loops, the reclaimer, the stats poller, and shutdown.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,8 @@ pub struct Relay {
     poll_interval: Duration,
     /// `outbox.max_retry` as this relay's sessions see it (refreshed by the stats poller).
     max_retry: AtomicI32,
+    /// Set when the producer failed fatally: the process exits non-zero after settling.
+    fatal: AtomicBool,
 }
 
 /// Start-up checks that need no connection: one clear line each.
@@ -139,6 +141,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
         max_retry: AtomicI32::new(max_retry),
+        fatal: AtomicBool::new(false),
     });
 
     shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
@@ -179,6 +182,11 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     server_cancel.cancel();
     if let Some(s) = server {
         let _ = s.await;
+    }
+    if relay.fatal.load(Ordering::Relaxed) {
+        return Err(Fatal::runtime(
+            "the Kafka producer failed fatally (see the log); in-flight events were settled",
+        ));
     }
     tracing::info!("relay stopped: in-flight events settled");
     Ok(())
@@ -229,7 +237,16 @@ async fn claim_loop(
         }
         // Notifications from now on end the wait after this round.
         wake.borrow_and_update();
-        let delay = match relay.round().await {
+        let result = relay.round().await;
+        if let Some(fatal) = relay.publisher.fatal_error() {
+            tracing::error!(
+                "fatal Kafka producer error, stopping so a fresh producer can start: {fatal}"
+            );
+            relay.fatal.store(true, Ordering::Relaxed);
+            cancel.cancel();
+            break;
+        }
+        let delay = match result {
             Ok(claimed) if claimed as i32 >= relay.batch_size => {
                 failures = 0;
                 continue;
@@ -257,6 +274,7 @@ impl Relay {
     /// One round: claim, publish, settle. Returns how many events were claimed; an error means
     /// the claim itself failed (nothing is held).
     async fn round(&self) -> Result<usize, String> {
+        let round_start = Instant::now();
         let client = self.db.pool.get().await;
         self.metrics.db_result(&client);
         let client = client.map_err(|e| format!("no database connection: {e}"))?;
@@ -301,6 +319,7 @@ impl Relay {
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
         let outcomes = self.publisher.publish(&events).await;
+        let published_at = Instant::now();
 
         let mut delivered = Vec::new();
         let mut failed: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -371,6 +390,13 @@ impl Relay {
                 ),
             }
         }
+        tracing::debug!(
+            events = events.len(),
+            claim_ms = claimed_at.duration_since(round_start).as_millis() as u64,
+            publish_ms = published_at.duration_since(claimed_at).as_millis() as u64,
+            settle_ms = published_at.elapsed().as_millis() as u64,
+            "round done"
+        );
         Ok(events.len())
     }
 
@@ -497,5 +523,53 @@ async fn stats_loop(relay: Arc<Relay>, every: Duration, cancel: CancellationToke
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn run_args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec!["outbox-worker", "run", "--database-url", "host=x"];
+        argv.extend_from_slice(extra);
+        match crate::cli::Cli::try_parse_from(argv)
+            .expect("parse")
+            .command
+        {
+            crate::cli::Command::Run(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let a = run_args(&[]);
+        assert_eq!(a.brokers, "localhost:9092");
+        assert_eq!(a.poll_interval, Duration::from_secs(5));
+        assert_eq!(a.lease, Duration::from_secs(600));
+        assert_eq!(a.send_timeout, Duration::from_secs(3));
+        assert_eq!(a.reclaim_interval, Duration::from_secs(60));
+        assert_eq!(a.concurrency, 1);
+        assert!(validate(&a).is_ok());
+    }
+
+    #[test]
+    fn send_timeout_must_be_a_quarter_of_the_lease_at_most() {
+        assert!(validate(&run_args(&["--lease", "4s", "--send-timeout", "1s"])).is_ok());
+        let e = validate(&run_args(&["--lease", "4s", "--send-timeout", "1001ms"]))
+            .err()
+            .expect("error");
+        assert!(e.message.contains("--send-timeout") && e.message.contains("--lease"));
+        assert!(validate(&run_args(&["--send-timeout", "0s"])).is_err());
+    }
+
+    #[test]
+    fn default_owner_is_host_pid_random() {
+        let o = default_owner();
+        assert!(o.contains(&format!("-{}-", std::process::id())), "{o}");
+        assert!(o.len() <= 200 && !o.chars().any(char::is_control));
+        assert_ne!(o, default_owner());
     }
 }
