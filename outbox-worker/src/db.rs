@@ -212,9 +212,7 @@ mod tests {
 
     #[test]
     fn parse_errors_do_not_echo_the_input() {
-        let e = config(&args("postgres://u:s3cret@h:notaport/x"))
-            .err()
-            .expect("error");
+        let e = config(&args("postgres://u:s3cret@h:notaport/x")).expect_err("error");
         assert!(!e.message.contains("s3cret"), "{}", e.message);
     }
 }

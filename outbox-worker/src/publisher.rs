@@ -317,9 +317,7 @@ mod tests {
     #[test]
     fn properties_must_be_key_value() {
         assert!(parse_properties(&["linger.ms=10".into()]).is_ok());
-        let err = parse_properties(&["linger.ms".into()])
-            .err()
-            .expect("error");
+        let err = parse_properties(&["linger.ms".into()]).expect_err("error");
         assert!(err.message.contains("linger.ms"));
         assert!(parse_properties(&["=1".into()]).is_err());
     }

@@ -558,9 +558,8 @@ mod tests {
     #[test]
     fn send_timeout_must_be_a_quarter_of_the_lease_at_most() {
         assert!(validate(&run_args(&["--lease", "4s", "--send-timeout", "1s"])).is_ok());
-        let e = validate(&run_args(&["--lease", "4s", "--send-timeout", "1001ms"]))
-            .err()
-            .expect("error");
+        let e =
+            validate(&run_args(&["--lease", "4s", "--send-timeout", "1001ms"])).expect_err("error");
         assert!(e.message.contains("--send-timeout") && e.message.contains("--lease"));
         assert!(validate(&run_args(&["--send-timeout", "0s"])).is_err());
     }
