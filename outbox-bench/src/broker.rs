@@ -89,7 +89,10 @@ impl Broker {
                 bail!("tansu exited ({st}):\n{}", log_tail(&b.log));
             }
             if Instant::now() > deadline {
-                bail!("tansu did not listen on {port} within 30 s:\n{}", log_tail(&b.log));
+                bail!(
+                    "tansu did not listen on {port} within 30 s:\n{}",
+                    log_tail(&b.log)
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -211,7 +214,10 @@ impl Worker {
         }
         let st = self.child.wait()?;
         if !st.success() {
-            bail!("outbox-worker exited with {st} after SIGTERM; {}", self.log_tail());
+            bail!(
+                "outbox-worker exited with {st} after SIGTERM; {}",
+                self.log_tail()
+            );
         }
         Ok(())
     }
@@ -226,13 +232,16 @@ impl Drop for Worker {
     }
 }
 
+/// (sequence number from the payload, when the consumer got it)
+type Arrival = (i64, Instant);
+
 /// Reads a topic from offset 0 with assigned partitions (no group join) and records when each
 /// message carrying a `"seq"` number in its JSON payload arrived.
 pub struct Arrivals {
     stop: Arc<AtomicBool>,
     pub seen: Arc<AtomicU64>,
     pub warm: Arc<AtomicBool>,
-    handle: Option<std::thread::JoinHandle<Result<Vec<(i64, Instant)>>>>,
+    handle: Option<std::thread::JoinHandle<Result<Vec<Arrival>>>>,
 }
 
 impl Arrivals {
@@ -241,7 +250,7 @@ impl Arrivals {
             .set("bootstrap.servers", brokers)
             .set("group.id", "outbox-bench")
             .set("enable.auto.commit", "false")
-            .set("fetch.wait.max.ms", "10")
+            .set("fetch.wait.max.ms", "1")
             .set("fetch.error.backoff.ms", "10")
             .create()
             .context("creating the Kafka consumer")?;
@@ -254,7 +263,7 @@ impl Arrivals {
         let seen = Arc::new(AtomicU64::new(0));
         let warm = Arc::new(AtomicBool::new(false));
         let (s, n, w) = (stop.clone(), seen.clone(), warm.clone());
-        let handle = std::thread::spawn(move || -> Result<Vec<(i64, Instant)>> {
+        let handle = std::thread::spawn(move || -> Result<Vec<Arrival>> {
             let mut out = Vec::new();
             while !s.load(Ordering::Relaxed) {
                 match consumer.poll(Duration::from_millis(50)) {
@@ -273,7 +282,7 @@ impl Arrivals {
                             None => {}
                         }
                     }
-                    Some(Err(e)) => eprintln!("  consumer: {e}"),
+                    Some(Err(e)) => progress!("  consumer: {e}"),
                     None => {}
                 }
             }
@@ -287,10 +296,12 @@ impl Arrivals {
         })
     }
 
-    pub fn finish(mut self) -> Result<Vec<(i64, Instant)>> {
+    pub fn finish(mut self) -> Result<Vec<Arrival>> {
         self.stop.store(true, Ordering::Relaxed);
         match self.handle.take() {
-            Some(h) => h.join().map_err(|_| anyhow::anyhow!("consumer thread panicked"))?,
+            Some(h) => h
+                .join()
+                .map_err(|_| anyhow::anyhow!("consumer thread panicked"))?,
             None => Ok(Vec::new()),
         }
     }

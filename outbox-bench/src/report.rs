@@ -43,7 +43,7 @@ pub fn num(x: f64) -> String {
     let digits = n.unsigned_abs().to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -95,7 +95,13 @@ pub struct Goal {
 }
 
 pub fn goals_table(goals: &[Goal]) -> String {
-    let mut t = Table::new(&["goal", "target", "measured", "verdict", "by how much / limit"]);
+    let mut t = Table::new(&[
+        "goal",
+        "target",
+        "measured",
+        "verdict",
+        "by how much / limit",
+    ]);
     for g in goals {
         t.row(vec![
             g.name.clone(),
