@@ -426,11 +426,19 @@ impl Relay {
                     continue;
                 }
             };
+            let stmt = match client.prepare_cached(&sql).await {
+                Ok(s) => s,
+                Err(e) => {
+                    self.metrics.db_result::<(), _>(&Err(()));
+                    last = db_error(&e);
+                    continue;
+                }
+            };
             let res = match error {
-                None => client.query_one(&sql, &[&self.owner, &token, &ids]).await,
+                None => client.query_one(&stmt, &[&self.owner, &token, &ids]).await,
                 Some(err) => {
                     client
-                        .query_one(&sql, &[&self.owner, &token, &ids, &err])
+                        .query_one(&stmt, &[&self.owner, &token, &ids, &err])
                         .await
                 }
             };
