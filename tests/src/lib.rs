@@ -6,3 +6,4 @@ pub mod broker;
 pub mod db;
 pub mod events;
 pub mod worker;
+pub mod fault;
