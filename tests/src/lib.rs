@@ -5,5 +5,5 @@
 pub mod broker;
 pub mod db;
 pub mod events;
-pub mod worker;
 pub mod fault;
+pub mod worker;
