@@ -13,10 +13,10 @@ pub fn server_params() -> String {
         .unwrap_or_else(|_| "host=127.0.0.1 port=5432 user=postgres".to_string())
 }
 
-/// Runs one SQL command on the server's `postgres` database with psql; panics with psql's output.
-pub fn psql_admin(sql: &str) {
+/// Runs one SQL command with psql on the database named by `conninfo`; panics with psql's output.
+fn run_psql(conninfo: &str, sql: &str) {
     let out = Command::new("psql")
-        .arg(format!("{} dbname=postgres", server_params()))
+        .arg(conninfo)
         .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
         .output()
         .expect("psql must be installed");
@@ -25,6 +25,11 @@ pub fn psql_admin(sql: &str) {
         "psql failed on {sql}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Runs one SQL command on the server's `postgres` database.
+pub fn psql_admin(sql: &str) {
+    run_psql(&format!("{} dbname=postgres", server_params()), sql);
 }
 
 /// A database created for one test, with `CREATE EXTENSION outbox`, dropped on drop.
@@ -58,16 +63,7 @@ impl TestDb {
 
     /// Runs SQL in this database through psql (for set-up that needs psql features).
     pub fn psql(&self, sql: &str) {
-        let out = Command::new("psql")
-            .arg(self.url())
-            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
-            .output()
-            .expect("psql must be installed");
-        assert!(
-            out.status.success(),
-            "psql failed on {sql}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_psql(&self.url(), sql);
     }
 
     /// A new session (its own backend) on this database.
