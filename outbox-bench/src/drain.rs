@@ -7,7 +7,7 @@ use tokio_postgres::Client;
 
 use crate::db::{self, BenchDb};
 use crate::report::{bytes, ms, num, Table};
-use crate::sys::{host_busy_pct, host_cpu, ProcSnapshot};
+use crate::sys::{HostMeter, ProcSnapshot};
 
 pub struct DrainRun {
     pub loops: usize,
@@ -20,6 +20,8 @@ pub struct DrainRun {
     pub complete: bool,
     pub db_cpu_secs: Option<f64>,
     pub host_busy_pct: f64,
+    /// Share of all CPUs used by other processes on the machine meanwhile.
+    pub other_pct: f64,
     /// Claimed ids seen more than once (must be 0).
     pub duplicates: usize,
     pub claim_hist: Histogram<u64>,
@@ -68,7 +70,7 @@ pub async fn null_sink(
         clients.push(c);
     }
     let cpu0 = ProcSnapshot::take(&pids);
-    let host0 = host_cpu();
+    let host0 = HostMeter::start();
     let start = Instant::now();
     let deadline = start + cap;
     let mut tasks = Vec::new();
@@ -91,12 +93,12 @@ pub async fn null_sink(
     // Before the loops disconnect: an exited backend's CPU is gone from /proc.
     let cpu1 = ProcSnapshot::take(&pids);
     drop(keep);
-    let host1 = host_cpu();
     let db_cpu = if cpu1.0.is_empty() {
         None
     } else {
         Some(cpu1.cpu_secs_since(&cpu0))
     };
+    let (host_busy, other_pct) = host0.stop(db_cpu.unwrap_or(0.0));
 
     let mut all: Vec<i64> = outs.iter().flat_map(|o| o.ids.iter().copied()).collect();
     let claimed = all.len();
@@ -136,7 +138,8 @@ pub async fn null_sink(
         secs,
         complete,
         db_cpu_secs: db_cpu,
-        host_busy_pct: host_busy_pct(host0, host1),
+        host_busy_pct: host_busy,
+        other_pct,
         duplicates,
         claim_hist,
         ack_hist,
@@ -188,7 +191,7 @@ pub fn drain_table(runs: &[DrainRun]) -> String {
         "events",
         "events/s",
         "DB CPU µs/event",
-        "host CPU busy",
+        "host CPU busy (other load)",
         "claim p50 / p99 ms",
         "ack p50 / p99 ms",
         "double claims",
@@ -210,7 +213,7 @@ pub fn drain_table(runs: &[DrainRun]) -> String {
             r.cpu_us_per_event()
                 .map(|c| format!("{c:.1}"))
                 .unwrap_or_else(|| "n/a".into()),
-            format!("{:.0} %", r.host_busy_pct),
+            format!("{:.0} % ({:.0} %)", r.host_busy_pct, r.other_pct),
             format!(
                 "{} / {}",
                 ms(r.claim_hist.value_at_quantile(0.5) as f64),

@@ -678,11 +678,16 @@ async fn environment(
     Ok(t.render())
 }
 
-fn cpu_limit_note(host_busy: f64) -> String {
-    if host_busy >= 85.0 {
+fn cpu_limit_note(host_busy: f64, other: f64) -> String {
+    let base = if host_busy >= 85.0 {
         format!("CPU-bound: the machine's CPUs were {host_busy:.0} % busy")
     } else {
         format!("CPUs {host_busy:.0} % busy: latency-bound (round trips, commits), not CPU")
+    };
+    if other >= 10.0 {
+        format!("{base}, {other:.0} % of it by other processes on the machine")
+    } else {
+        base
     }
 }
 
@@ -708,7 +713,7 @@ fn goals(r: &Results) -> Vec<Goal> {
             note: format!(
                 "{:.2}× the goal; {}; DB CPU {} µs/event",
                 b.rate() / 20_000.0,
-                cpu_limit_note(b.host_busy_pct),
+                cpu_limit_note(b.host_busy_pct, b.other_pct),
                 b.cpu_us_per_event()
                     .map(|c| format!("{c:.0}"))
                     .unwrap_or_else(|| "n/a".into())
@@ -727,7 +732,7 @@ fn goals(r: &Results) -> Vec<Goal> {
             note: format!(
                 "{:.2}× the goal; {}; CPU µs/event DB {} / relay {:.0} / broker {:.0}",
                 b.rate() / 10_000.0,
-                cpu_limit_note(b.host_busy_pct),
+                cpu_limit_note(b.host_busy_pct, b.other_pct),
                 b.db_cpu_secs
                     .map(|c| format!("{:.0}", c * 1e6 / b.drained.max(1) as f64))
                     .unwrap_or_else(|| "n/a".into()),

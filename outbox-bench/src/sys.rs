@@ -69,15 +69,6 @@ pub fn host_cpu() -> (u64, u64) {
     (total - idle, total)
 }
 
-/// Busy share of all CPUs between two `host_cpu()` readings, in percent.
-pub fn host_busy_pct(a: (u64, u64), b: (u64, u64)) -> f64 {
-    let total = b.1.saturating_sub(a.1);
-    if total == 0 {
-        return 0.0;
-    }
-    100.0 * b.0.saturating_sub(a.0) as f64 / total as f64
-}
-
 pub fn cpu_model() -> String {
     fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -134,4 +125,37 @@ pub fn command_line(cmd: &std::path::Path, args: &[&str]) -> Option<String> {
         .next()
         .map(|l| l.trim().to_string())
         .filter(|l| !l.is_empty())
+}
+
+/// Whole-machine CPU over an interval, split into what the measured processes (plus this
+/// process) used and what everything else on the machine used: the machine is shared, and a
+/// row measured while other work ran is marked by a high "other load".
+pub struct HostMeter {
+    host: (u64, u64),
+    me: u64,
+}
+
+impl HostMeter {
+    pub fn start() -> HostMeter {
+        HostMeter {
+            host: host_cpu(),
+            me: proc_ticks(std::process::id() as i32).unwrap_or(0),
+        }
+    }
+
+    /// (busy %, other processes' %) of all CPUs; `ours_secs` is the CPU of the measured processes.
+    pub fn stop(&self, ours_secs: f64) -> (f64, f64) {
+        let h = host_cpu();
+        let me = proc_ticks(std::process::id() as i32).unwrap_or(0);
+        let total = h.1.saturating_sub(self.host.1) as f64;
+        if total == 0.0 {
+            return (0.0, 0.0);
+        }
+        let busy = h.0.saturating_sub(self.host.0) as f64;
+        let ours = ours_secs * clk_tck() + me.saturating_sub(self.me) as f64;
+        (
+            100.0 * busy / total,
+            (100.0 * (busy - ours) / total).max(0.0),
+        )
+    }
 }
