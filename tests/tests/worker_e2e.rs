@@ -138,3 +138,41 @@ async fn committed_events_arrive_exactly_with_key_value_and_headers() {
     let (status, body) = worker.http_get("/health").expect("health endpoint");
     assert!(status.contains("200"), "{status} {body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_share_the_work_without_duplicates() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let n = 6000i64;
+    outbox_tests::events::enqueue_burst(&client, "orders", n).await;
+    let args = [
+        "--batch-size",
+        "100",
+        "--concurrency",
+        "2",
+        "--poll-interval",
+        "100ms",
+    ];
+    let a = Worker::spawn(&db.url(), &broker.addr(), &args);
+    let b = Worker::spawn(&db.url(), &broker.addr(), &args);
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+    assert_eq!(counts["SUCCESS"], n, "{counts:?}");
+    let pa = a
+        .wait_metric("outbox_published_total", Duration::from_secs(5), |_| true)
+        .unwrap_or(0.0);
+    let pb = b
+        .wait_metric("outbox_published_total", Duration::from_secs(5), |_| true)
+        .unwrap_or(0.0);
+    assert_eq!(
+        pa + pb,
+        n as f64,
+        "each event published by exactly one relay"
+    );
+    assert!(pa > 0.0 && pb > 0.0, "both relays worked: {pa} {pb}");
+    let msgs = broker.consume_all("orders", Duration::from_secs(3));
+    let ids: BTreeSet<i64> = msgs.iter().map(|m| m.event_id()).collect();
+    assert_eq!(ids.len() as i64, n);
+    assert_eq!(msgs.len() as i64, n, "no duplicates");
+}

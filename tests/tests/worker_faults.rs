@@ -283,3 +283,89 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
     let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
     assert_eq!(got, all, "every event arrives (at least once)");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.backoff_base = '50ms'; ALTER DATABASE {0} SET outbox.max_retry = 1",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let good = enqueue(
+        &client,
+        "orders",
+        "A",
+        "T",
+        &json!({"ok": true}),
+        &BTreeMap::new(),
+    )
+    .await;
+    let bad = enqueue(
+        &client,
+        "no-such-topic",
+        "B",
+        "T",
+        &json!({"ok": false}),
+        &BTreeMap::new(),
+    )
+    .await;
+    let worker = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--poll-interval",
+            "100ms",
+            "--send-timeout",
+            "1s",
+            "--lease",
+            "10s",
+        ],
+    );
+    let c = wait_counts(&client, Duration::from_secs(30), |c| {
+        c["FAIL"] == 1 && c["SUCCESS"] == 1
+    })
+    .await;
+    assert_eq!(
+        (c["SUCCESS"], c["FAIL"]),
+        (1, 1),
+        "{c:?}\n{}",
+        worker.logs()
+    );
+    let row = client
+        .query_one(
+            "SELECT status::text, last_error FROM outbox_event WHERE id = $1",
+            &[&bad.id],
+        )
+        .await
+        .expect("query");
+    assert_eq!(row.get::<_, String>(0), "FAIL");
+    let err: String = row.get(1);
+    assert!(
+        err.contains("no-such-topic"),
+        "error must name the topic: {err}"
+    );
+    assert!(
+        worker
+            .wait_log(
+                &[
+                    "ERROR",
+                    "dead letter",
+                    &format!("event {} ", bad.id),
+                    "no-such-topic"
+                ],
+                Duration::from_secs(5)
+            )
+            .is_some(),
+        "{}",
+        worker.logs()
+    );
+    let got: Vec<i64> = broker
+        .consume_all("orders", Duration::from_secs(2))
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert_eq!(got, vec![good.id]);
+}
