@@ -1,7 +1,8 @@
 //! Runs the fault suite by hand and prints its report; exits 1 if an invariant broke.
 //!
 //! cargo run --release -p outbox-tests --example fault-runner -- --profile long [--seed N]
-//!     [--events N] [--workers K]
+//!     [--events N] [--workers K] [--send-timeout-ms MS] [--lease-ms MS] [--max-retry N]
+//!     [--batch-size N]
 
 use outbox_tests::fault::{clock_seed, run, Profile};
 
@@ -29,6 +30,19 @@ fn main() {
     }
     if let Some(k) = get("--workers") {
         p.workers = k.parse().expect("--workers K");
+    }
+    let ms = |s: String| std::time::Duration::from_millis(s.parse().expect("milliseconds"));
+    if let Some(v) = get("--send-timeout-ms") {
+        p.send_timeout = ms(v);
+    }
+    if let Some(v) = get("--lease-ms") {
+        p.lease = ms(v);
+    }
+    if let Some(v) = get("--max-retry") {
+        p.max_retry = v.parse().expect("--max-retry N");
+    }
+    if let Some(v) = get("--batch-size") {
+        p.batch_size = v.parse().expect("--batch-size N");
     }
     let report = run(&p);
     println!("{report}");

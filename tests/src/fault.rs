@@ -223,6 +223,10 @@ pub struct Report {
     pub delivered_distinct: usize,
     pub lost: Vec<i64>,
     pub lost_count: usize,
+    /// Of the lost: rows that ended FAIL (dead-lettered, recoverable with outbox_requeue), and
+    /// rows that the database says were delivered (SUCCESS) but the broker does not hold.
+    pub lost_dead_lettered: usize,
+    pub lost_silently: Vec<i64>,
     pub phantoms: usize,
     pub unknown_ids: usize,
     pub corrupt: usize,
@@ -265,8 +269,11 @@ impl Report {
         let mut v = Vec::new();
         if self.lost_count > 0 {
             v.push(format!(
-                "LOST {} committed events (first ids {:?})",
-                self.lost_count, self.lost
+                "LOST {} committed events: {} dead-lettered (FAIL rows, not poison), {} SUCCESS rows missing from the broker (first ids {:?})",
+                self.lost_count,
+                self.lost_dead_lettered,
+                self.lost_silently.len(),
+                self.lost
             ));
         }
         if self.phantoms > 0 {
@@ -346,7 +353,13 @@ impl std::fmt::Display for Report {
             self.messages_generation1,
             self.messages_read - self.messages_generation1
         )?;
-        writeln!(f, "lost (E-P)-D           {}", self.lost_count)?;
+        writeln!(
+            f,
+            "lost (E-P)-D           {} ({} of them dead-lettered FAIL rows, {} acked SUCCESS but not on the broker)",
+            self.lost_count,
+            self.lost_dead_lettered,
+            self.lost_silently.len()
+        )?;
         writeln!(
             f,
             "phantoms               {} rolled-back ids seen, {} unknown ids seen",
@@ -1180,7 +1193,8 @@ fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
         .collect();
     lost.sort();
     rep.lost_count = lost.len();
-    rep.lost = lost.into_iter().take(20).collect();
+    rep.lost = lost.iter().take(20).copied().collect();
+    let lost_all = lost;
 
     // Final rows.
     let rows = r
@@ -1247,6 +1261,13 @@ fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
         .map(|v| *v.0)
         .collect();
     rep.dead_letters = fail.len();
+    for id in &lost_all {
+        if fail.contains(id) {
+            rep.lost_dead_lettered += 1;
+        } else {
+            rep.lost_silently.push(*id);
+        }
+    }
     rep.dead_letters_not_poison = fail.difference(&poison_ids).copied().collect();
     rep.poison_not_dead = poison_ids.difference(&fail).copied().collect();
 
