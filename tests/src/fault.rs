@@ -419,7 +419,7 @@ impl std::fmt::Display for Report {
             )?;
             writeln!(
                 f,
-                "zombie acks rejected   {} of {} late acks (outbox_ack counted {}); {} late nacks; {} rows SUCCESS under its stale token",
+                "zombie acks rejected   {} of {} late acks (outbox_ack counted {}); {} publish failures logged in the 4 s after SIGCONT (stale batch + new claims, nacked); {} rows SUCCESS under its stale token",
                 z.late_acks_attempted - z.late_acks_counted,
                 z.late_acks_attempted,
                 z.late_acks_counted,
