@@ -154,6 +154,14 @@ impl BenchDb {
     pub fn url(&self) -> String {
         url(&self.cfg)
     }
+
+    /// The server runs on this machine (loopback or a Unix socket): one clock for both sides.
+    pub fn is_local(&self) -> bool {
+        match self.cfg.get_hosts().first() {
+            Some(Host::Tcp(h)) => matches!(h.as_str(), "127.0.0.1" | "localhost" | "::1"),
+            Some(Host::Unix(_)) | None => true,
+        }
+    }
 }
 
 /// Empties the outbox and loads `n` due WAIT rows in one statement (oldest first, distinct

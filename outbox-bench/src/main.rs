@@ -102,6 +102,9 @@ pub struct Profile {
     pub seed_loops: Vec<usize>,
     pub seed_delay: Duration,
     pub seed_delay_rounds: u64,
+    /// Runs per drain configuration (null sink and broker); the report keeps the fastest, the
+    /// one least disturbed by other work on the machine.
+    pub repeats: usize,
     pub broker_backlog: i64,
     pub broker_cap: Duration,
     pub broker_loops: Vec<usize>,
@@ -132,8 +135,9 @@ impl Profile {
             seed_loops: vec![1, 4],
             seed_delay: Duration::from_secs(5),
             seed_delay_rounds: 2,
+            repeats: 2,
             broker_backlog: 100_000,
-            broker_cap: Duration::from_secs(60),
+            broker_cap: Duration::from_secs(30),
             broker_loops: vec![1, 2, 4],
             broker_batches: vec![20, 100, 500],
             linger_ms: vec![0, 1, 20],
@@ -154,6 +158,7 @@ impl Profile {
             seed_backlog: 200_000,
             seed_cap: Duration::from_secs(30),
             seed_delay_rounds: 3,
+            repeats: 1,
             broker_backlog: 1_000_000,
             broker_cap: Duration::from_secs(300),
             latency_time: Duration::from_secs(20),
@@ -181,6 +186,7 @@ impl Profile {
             seed_loops: vec![1, 2],
             seed_delay: Duration::from_millis(200),
             seed_delay_rounds: 2,
+            repeats: 1,
             broker_backlog: 2_000,
             broker_cap: Duration::from_secs(30),
             broker_loops: vec![2],
@@ -305,18 +311,24 @@ async fn bench(args: &Args, p: &Profile, db: &BenchDb, workdir: &Path) -> Result
                     "  {} events, {loops} loop(s), batch {batch}",
                     num(p.matrix_backlog as f64)
                 );
-                let run = drain::null_sink(
-                    db,
-                    &monitor,
-                    loops,
-                    batch,
-                    p.matrix_backlog,
-                    p.matrix_cap,
-                    false,
-                )
-                .await?;
-                check_drain(&run, "null-sink drain", &mut r.failures);
-                r.matrix.push(run);
+                let mut best: Option<drain::DrainRun> = None;
+                for _ in 0..p.repeats {
+                    let run = drain::null_sink(
+                        db,
+                        &monitor,
+                        loops,
+                        batch,
+                        p.matrix_backlog,
+                        p.matrix_cap,
+                        false,
+                    )
+                    .await?;
+                    check_drain(&run, "null-sink drain", &mut r.failures);
+                    if best.as_ref().is_none_or(|b| run.rate() > b.rate()) {
+                        best = Some(run);
+                    }
+                }
+                r.matrix.extend(best);
             }
         }
         // The relay may commit its claims and acks without waiting for the WAL flush: a lost
@@ -538,16 +550,27 @@ async fn broker_sections(
                 num(p.broker_backlog as f64),
                 extra.join(" ")
             );
-            let run = relay::drain(
-                &env,
-                p.broker_backlog,
-                p.broker_cap,
-                *loops,
-                extra,
-                &format!("drain-{i}"),
-            )
-            .await?;
-            r.broker.push(run);
+            let mut best: Option<relay::BrokerDrain> = None;
+            for k in 0..p.repeats {
+                let run = relay::drain(
+                    &env,
+                    p.broker_backlog,
+                    p.broker_cap,
+                    *loops,
+                    extra,
+                    &format!("drain-{i}-{k}"),
+                )
+                .await?;
+                let slow = run.rate() < 2_500.0;
+                if best.as_ref().is_none_or(|b| run.rate() > b.rate()) {
+                    best = Some(run);
+                }
+                // A slow configuration (small batches) is not repeated: it is slow, not disturbed.
+                if slow {
+                    break;
+                }
+            }
+            r.broker.extend(best);
         }
         monitor.batch_execute("TRUNCATE outbox_event").await?;
     }
@@ -909,26 +932,45 @@ fn recommendations(r: &Results) -> String {
             .iter()
             .min_by(|a, b| a.commit_to_ack[0].total_cmp(&b.commit_to_ack[0]))
             .expect("non-empty");
+        let default = lat.iter().find(|l| l.settings == "defaults");
+        let verdict = match default {
+            Some(d) if best.settings != "defaults" => {
+                let gain = 1.0 - best.commit_to_ack[0] / d.commit_to_ack[0];
+                if gain >= 0.2 {
+                    format!(
+                        "It cuts the p50 by {:.0} % against the relay's 5 ms default: the relay already \
+                         batches by claim and waits for every delivery report before its next round, so \
+                         lingering only delays each round. Make it the relay's default.",
+                        100.0 * gain
+                    )
+                } else {
+                    format!(
+                        "Only {:.0} % better than the relay's 5 ms default at the p50, within this \
+                         machine's run-to-run noise: no change justified by this run.",
+                        100.0 * gain
+                    )
+                }
+            }
+            _ => "The relay's default is the best setting measured.".to_string(),
+        };
         out.push(format!(
-            "- **producer linger**: {} gives the lowest commit→ack latency at 1,000 events/s. By setting \
-             (commit→ack p50 / p99 ms, one-loop drain events/s): {}. The relay already batches by \
-             claim and waits for every delivery report before the next round, so `linger.ms` only \
-             delays each round; librdkafka's 5 ms default costs both latency and throughput here.",
+            "- **producer linger**: lowest commit→ack p50 at 1,000 events/s with {}. By setting \
+             (commit→ack p50 / p99 ms; one-loop drain events/s): {}. {verdict}",
             if best.settings == "defaults" {
-                "the relay's default".to_string()
+                "the relay's default (`linger.ms=5`)".to_string()
             } else {
                 best.settings.clone()
             },
             lat.iter()
                 .map(|l| format!(
-                    "{} → {} / {} ms, {} ev/s",
+                    "{} → {} / {} ms; {} ev/s",
                     l.settings,
                     ms(l.commit_to_ack[0]),
                     ms(l.commit_to_ack[1]),
                     drain_of(&l.settings)
                 ))
                 .collect::<Vec<_>>()
-                .join("; ")
+                .join(" — ")
         ));
     }
     // Wake-up.
@@ -1007,10 +1049,13 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
         s += &format!(
             "A fresh backlog of {} due events per run (TRUNCATE, INSERT, VACUUM ANALYZE), drained by \
              N claim loops, each its own connection: `outbox_claim(owner, batch)` then `outbox_ack` of \
-             the whole batch, until a claim returns nothing (or the {:.0} s cap). DB CPU is user + \
-             system time of the loops' backends from /proc, per event.\n\n",
+             the whole batch, until a claim returns nothing (or the {:.0} s cap). Best of {} run(s) \
+             per row: other work shares this machine, and \"other load\" is the share of all CPUs \
+             that other processes used during the reported run. DB CPU is user + system time of the \
+             loops' backends from /proc, per event.\n\n",
             num(p.matrix_backlog as f64),
-            p.matrix_cap.as_secs_f64()
+            p.matrix_cap.as_secs_f64(),
+            p.repeats
         );
         s += &drain::drain_table(&r.matrix);
         if let Some(so) = &r.sync_off {
@@ -1041,9 +1086,11 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
              partitions on tansu (memory storage) on the same machine. Events/s from the rows' own \
              timestamps (first `claimed_at` to last ack), so relay start-up is excluded; the end is \
              detected by polling until nothing is due or in flight and confirmed with `outbox_stats()`. \
-             CPU from /proc for the database backends, the relay process and the broker process.\n\n",
+             CPU from /proc for the database backends, the relay process and the broker process. \
+             Best of {} run(s) per row (configurations under 2,500 events/s run once).\n\n",
             num(p.broker_backlog as f64),
-            broker::PARTITIONS
+            broker::PARTITIONS,
+            p.repeats
         );
         s += &relay::drain_table(&r.broker);
     }
@@ -1055,13 +1102,21 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
         );
     } else {
         s += &format!(
-            "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) at a \
-             fixed schedule from up to 8 connections, for {:.0} s per run. Latency = arrival at a Kafka \
-             consumer (assigned partitions, `fetch.wait.max.ms=1`) minus the moment the producer saw \
-             its COMMIT complete, matched by a sequence number in the payload; HdrHistogram, µs \
-             resolution. One relay with default settings (poll interval 5 s) serves all runs of a \
-             settings group. \"Polling only\" sets `outbox.notify = off` in the producers.\n\n",
-            p.latency_time.as_secs_f64()
+            "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) on a \
+             fixed schedule from up to 8 connections, {:.0} s per run, relay with default settings \
+             (poll interval 5 s) unless noted. **commit→ack** ({}): from the moment the producer saw \
+             its COMMIT complete to the row's ack timestamp; the relay acks right after the broker's \
+             delivery reports, so this is the issue's \"commit to delivery report\" plus one ack \
+             statement. **commit→consumer**: arrival at a Kafka consumer (assigned partitions, \
+             `fetch.wait.max.ms=1`), matched by a sequence number in the payload; HdrHistogram, µs \
+             resolution. The split columns come from the rows' own timestamps (`created_at` = \
+             transaction start, `claimed_at`, ack). \"Polling only\" sets `outbox.notify = off` in the \
+             producers.\n\n",
+            p.latency_time.as_secs_f64(),
+            r.latency
+                .first()
+                .map(|l| l.ack_source)
+                .unwrap_or("n/a")
         );
         s += &relay::latency_table(&r.latency);
     }
