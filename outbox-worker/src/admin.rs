@@ -182,9 +182,13 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
-        .set("fetch.wait.max.ms", "100")
+        .set("fetch.wait.max.ms", "10")
         .set("client.id", "outbox-worker-tail");
-    for p in &args.kafka_properties {
+    for p in args
+        .kafka_properties
+        .iter()
+        .filter(|p| !p.trim().is_empty())
+    {
         let (k, v) = parse_property(p).map_err(Fatal::usage)?;
         cfg.set(k, v);
     }

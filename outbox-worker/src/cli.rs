@@ -133,10 +133,10 @@ pub struct DeadLettersArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// At most this many rows.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "OUTBOX_DEAD_LETTERS_LIMIT", default_value_t = 100)]
     pub limit: i32,
     /// Only ids above this one (paging).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "OUTBOX_DEAD_LETTERS_AFTER_ID", default_value_t = 0)]
     pub after_id: i64,
     /// Print JSON lines (with payload and headers) instead of a table.
     #[arg(long, env = "OUTBOX_JSON")]
@@ -150,7 +150,7 @@ pub struct RequeueArgs {
     /// Event ids to requeue.
     #[arg(required_unless_present = "all", conflicts_with = "all")]
     pub ids: Vec<i64>,
-    /// Requeue every dead letter.
+    /// Requeue every dead letter (deliberately no environment variable: command line only).
     #[arg(long)]
     pub all: bool,
 }
@@ -160,10 +160,10 @@ pub struct PurgeArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// Delete SUCCESS rows last updated longer ago than this.
-    #[arg(long, default_value = "7days", value_parser = parse_duration)]
+    #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN", default_value = "7days", value_parser = parse_duration)]
     pub older_than: Duration,
     /// Rows deleted per call; the command repeats calls until none is left.
-    #[arg(long, default_value_t = 10000)]
+    #[arg(long, env = "OUTBOX_PURGE_MAX_ROWS", default_value_t = 10000)]
     pub max_rows: i32,
 }
 
@@ -173,19 +173,25 @@ pub struct TailArgs {
     #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
     pub brokers: String,
     /// Topic to read (every partition, from offset 0).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_TAIL_TOPIC")]
     pub topic: String,
     /// Stop after this long without a new message.
-    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    #[arg(long, env = "OUTBOX_TAIL_IDLE", default_value = "3s", value_parser = parse_duration)]
     pub idle: Duration,
     /// Never stop (ignore --idle).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_TAIL_FOLLOW")]
     pub follow: bool,
     /// Print JSON lines instead of text.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
-    /// librdkafka consumer property KEY=VALUE, repeatable.
-    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    /// librdkafka consumer property KEY=VALUE, repeatable (environment: newline-separated).
+    #[arg(
+        long = "kafka-property",
+        env = "OUTBOX_KAFKA_PROPERTIES",
+        value_name = "KEY=VALUE",
+        value_delimiter = '\n',
+        hide_env_values = true
+    )]
     pub kafka_properties: Vec<String>,
 }
 

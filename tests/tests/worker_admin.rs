@@ -1,0 +1,103 @@
+//! Operator commands: stats, dead-letters, requeue, purge.
+
+use outbox_tests::db::TestDb;
+use outbox_tests::events::status_counts;
+use outbox_tests::worker::run_cmd;
+
+fn ok(args: &[&str]) -> String {
+    let out = run_cmd(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_dead_letters_requeue_and_purge() {
+    let db = TestDb::create();
+    let url = db.url();
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.max_retry = 0",
+        db.name
+    ));
+    let client = db.connect().await;
+    // 3 delivered, 2 dead letters (max_retry 0: the first nack kills), 1 waiting.
+    client
+        .batch_execute(
+            "SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 3) g;
+             SELECT outbox_ack('t', c.claim_token, array_agg(c.id) OVER ()) FROM outbox_claim('t', 3) c LIMIT 1;
+             SELECT outbox_enqueue('bad.topic', '{\"x\":1}', key => 'K1', event_type => 'E');
+             SELECT outbox_enqueue('bad.topic', '{\"x\":2}', key => 'K2', event_type => 'E');
+             SELECT outbox_nack('t', min(c.claim_token), array_agg(c.id), 'topic bad.topic does not exist') FROM outbox_claim('t', 2) c;
+             SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 hour');",
+        )
+        .await
+        .expect("set-up");
+    let c = status_counts(&client).await;
+    assert_eq!((c["SUCCESS"], c["FAIL"], c["WAIT"]), (3, 2, 1), "{c:?}");
+
+    let v: serde_json::Value =
+        serde_json::from_str(ok(&["stats", "--json", "--database-url", &url]).trim())
+            .expect("json");
+    assert_eq!(v["failed"], 2);
+    assert_eq!(v["delayed_wait"], 1);
+    assert_eq!(v["due_wait"], 0);
+    assert_eq!(v["sending"], 0);
+    let text = ok(&["stats", "--database-url", &url]);
+    assert!(
+        text.contains("failed") && text.contains("due_wait"),
+        "{text}"
+    );
+
+    let text = ok(&["dead-letters", "--database-url", &url]);
+    assert!(
+        text.contains("bad.topic") && text.contains("does not exist"),
+        "{text}"
+    );
+    assert!(text.contains("(2 dead letters)"), "{text}");
+    let lines: Vec<serde_json::Value> = ok(&[
+        "dead-letters",
+        "--json",
+        "--limit",
+        "1",
+        "--database-url",
+        &url,
+    ])
+    .lines()
+    .map(|l| serde_json::from_str(l).expect("json"))
+    .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["key"], "K1");
+    assert_eq!(lines[0]["payload"]["x"], 1);
+    let first = lines[0]["id"].as_i64().expect("id");
+
+    // Requeue one by id (an unknown id is not counted), then the rest with --all.
+    let out = ok(&[
+        "requeue",
+        "--database-url",
+        &url,
+        &first.to_string(),
+        "999999",
+    ]);
+    assert!(out.contains("requeued 1 of 2"), "{out}");
+    let out = ok(&["requeue", "--all", "--database-url", &url]);
+    assert!(out.contains("requeued 1 of 1"), "{out}");
+    let c = status_counts(&client).await;
+    assert_eq!((c["FAIL"], c["WAIT"]), (0, 3), "{c:?}");
+
+    // Purge: delivered rows only.
+    let out = ok(&[
+        "purge",
+        "--older-than",
+        "0s",
+        "--max-rows",
+        "2",
+        "--database-url",
+        &url,
+    ]);
+    assert!(out.contains("purged 3"), "{out}");
+    let c = status_counts(&client).await;
+    assert_eq!((c["SUCCESS"], c["WAIT"]), (0, 3), "{c:?}");
+}
