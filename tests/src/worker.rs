@@ -40,6 +40,7 @@ pub fn run_cmd(args: &[&str]) -> Output {
 pub struct Worker {
     child: Child,
     logs: Arc<Mutex<Vec<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
     pub metrics_port: u16,
 }
 
@@ -47,20 +48,20 @@ impl Worker {
     /// `outbox-worker run --database-url URL --brokers BROKERS --metrics-addr 127.0.0.1:<free>`
     /// plus `extra`, logging at debug level.
     pub fn spawn(db_url: &str, brokers: &str, extra: &[&str]) -> Worker {
+        let mut args = vec!["run", "--database-url", db_url, "--brokers", brokers];
+        args.extend_from_slice(extra);
+        Worker::spawn_args(&args)
+    }
+
+    /// `outbox-worker --log-level debug ARGS --metrics-addr 127.0.0.1:<free>` (ARGS start with
+    /// the subcommand, `run`).
+    pub fn spawn_args(args: &[&str]) -> Worker {
         let metrics_port = free_port();
         let mut child = Command::new(worker_bin())
-            .args([
-                "--log-level",
-                "debug",
-                "run",
-                "--database-url",
-                db_url,
-                "--brokers",
-                brokers,
-            ])
+            .args(["--log-level", "debug"])
+            .args(args)
             .arg("--metrics-addr")
             .arg(format!("127.0.0.1:{metrics_port}"))
-            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -70,9 +71,10 @@ impl Worker {
         let pid = child.id();
         let out: Box<dyn Read + Send> = Box::new(child.stdout.take().expect("stdout"));
         let err: Box<dyn Read + Send> = Box::new(child.stderr.take().expect("stderr"));
+        let mut readers = Vec::new();
         for stream in [out, err] {
             let logs = logs.clone();
-            std::thread::spawn(move || {
+            readers.push(std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines() {
                     let Ok(line) = line else { return };
                     if std::env::var_os("OUTBOX_TEST_ECHO").is_some() {
@@ -80,11 +82,12 @@ impl Worker {
                     }
                     logs.lock().expect("logs").push(line);
                 }
-            });
+            }));
         }
         Worker {
             child,
             logs,
+            readers,
             metrics_port,
         }
     }
@@ -130,6 +133,10 @@ impl Worker {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(st) = self.child.try_wait().expect("try_wait") {
+                // Its output is complete once the pipes are drained.
+                for r in self.readers.drain(..) {
+                    let _ = r.join();
+                }
                 return Some(st);
             }
             if Instant::now() >= deadline {

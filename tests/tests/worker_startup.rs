@@ -92,3 +92,58 @@ fn missing_database_url() {
         .expect("run");
     one_line_failure(&out, &["OUTBOX_DATABASE_URL"]);
 }
+
+#[test]
+fn secrets_from_files_are_used_and_never_logged() {
+    use std::time::Duration;
+    let db = TestDb::create();
+    let dir = std::env::temp_dir().join(format!("outbox-secrets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url_file = dir.join("db-url");
+    std::fs::write(&url_file, format!("{} password=topsecret-db\n", db.url())).expect("write");
+    let props = dir.join("kafka.properties");
+    std::fs::write(
+        &props,
+        "# SASL for the broker\nsecurity.protocol=sasl_plaintext\nsasl.mechanism=PLAIN\n\
+         sasl.username=relay\nsasl.password=topsecret-kafka\n",
+    )
+    .expect("write");
+    let brokers = format!("127.0.0.1:{}", free_port());
+    let mut w = outbox_tests::worker::Worker::spawn_args(&[
+        "run",
+        "--brokers",
+        &brokers,
+        "--database-url-file",
+        url_file.to_str().expect("utf-8 path"),
+        "--kafka-properties-file",
+        props.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        w.wait_log(&["relay started"], Duration::from_secs(15))
+            .is_some(),
+        "{}",
+        w.logs()
+    );
+    // Let librdkafka try (and fail) to connect with the SASL settings, then stop.
+    w.wait_log(&["librdkafka"], Duration::from_secs(3));
+    w.signal(libc::SIGTERM);
+    let st = w
+        .wait_exit(Duration::from_secs(10))
+        .expect("exit after SIGTERM");
+    assert!(st.success(), "{}", w.logs());
+    let all = w.logs();
+    assert!(!all.contains("topsecret"), "a secret was logged: {all}");
+
+    // A malformed line in the properties file is reported by line number, not echoed.
+    std::fs::write(&props, "sasl.password topsecret-kafka\n").expect("write");
+    let out = run_cmd(&[
+        "run",
+        "--database-url-file",
+        url_file.to_str().expect("utf-8 path"),
+        "--kafka-properties-file",
+        props.to_str().expect("utf-8 path"),
+    ]);
+    one_line_failure(&out, &["line 1"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("topsecret"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
