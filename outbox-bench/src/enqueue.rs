@@ -55,6 +55,8 @@ impl EnqueueResult {
 pub struct EnqueueSummary {
     pub results: Vec<EnqueueResult>,
     pub markdown: String,
+    /// Server-side µs per row: order insert, plain outbox insert, outbox_enqueue notify off, on.
+    pub per_row_us: Vec<f64>,
 }
 
 impl EnqueueSummary {
@@ -175,11 +177,13 @@ pub async fn run(db: &BenchDb, p: &Profile) -> Result<EnqueueSummary> {
         p.enqueue_time.as_secs_f64(),
         t.render()
     );
-    let markdown = format!(
-        "{markdown}\n{}",
-        breakdown(db, p.enqueue_breakdown_rows).await?
-    );
-    Ok(EnqueueSummary { results, markdown })
+    let (bd, per_row_us) = breakdown(db, p.enqueue_breakdown_rows).await?;
+    let markdown = format!("{markdown}\n{bd}");
+    Ok(EnqueueSummary {
+        results,
+        markdown,
+        per_row_us,
+    })
 }
 
 async fn run_variant(
@@ -281,7 +285,7 @@ async fn client_loop(
 
 /// Where the enqueue time goes, server side: per-row cost of N rows in one statement (one
 /// transaction, so commit and NOTIFY delivery are excluded).
-pub async fn breakdown(db: &BenchDb, n: i64) -> Result<String> {
+pub async fn breakdown(db: &BenchDb, n: i64) -> Result<(String, Vec<f64>)> {
     let c = db.connect().await?;
     let cases: [(&str, &str, bool); 4] = [
         (
@@ -313,6 +317,7 @@ pub async fn breakdown(db: &BenchDb, n: i64) -> Result<String> {
         ),
     ];
     let mut t = Table::new(&["statement, per row", "µs/row"]);
+    let mut per_row = Vec::new();
     for (label, sql, notify) in cases {
         c.batch_execute("TRUNCATE bench_order, outbox_event")
             .await?;
@@ -333,12 +338,16 @@ pub async fn breakdown(db: &BenchDb, n: i64) -> Result<String> {
             best = best.min(t0.elapsed().as_secs_f64() * 1e6 / n as f64);
         }
         t.row(vec![label.into(), format!("{best:.1}")]);
+        per_row.push(best);
     }
     c.batch_execute("RESET outbox.notify; TRUNCATE bench_order, outbox_event")
         .await?;
-    Ok(format!(
-        "Server-side cost per row, {} rows in one statement (best of 3; no commit, no round trips):\n\n{}",
-        num(n as f64),
-        t.render()
+    Ok((
+        format!(
+            "Server-side cost per row, {} rows in one statement (best of 3; no commit, no round trips):\n\n{}",
+            num(n as f64),
+            t.render()
+        ),
+        per_row,
     ))
 }

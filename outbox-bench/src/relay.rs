@@ -218,7 +218,7 @@ pub async fn latency(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let total = (rate * secs).round().max(1.0) as i64;
-    let producers = ((rate / 250.0).ceil() as usize).clamp(1, 8);
+    let producers = ((rate / 100.0).ceil() as usize).clamp(1, 16);
     let mut clients = Vec::new();
     for _ in 0..producers {
         let c = env.db.connect().await?;
