@@ -184,6 +184,28 @@ impl Publisher {
         join_all(sends).await
     }
 
+    /// Connects and reads the cluster metadata once (logged), so the first round does not pay
+    /// for the bootstrap and an unreachable broker shows in the log at start-up.
+    pub async fn probe(self: std::sync::Arc<Self>) {
+        let this = self.clone();
+        let res = tokio::task::spawn_blocking(move || {
+            this.producer
+                .client()
+                .fetch_metadata(None, Duration::from_secs(10))
+                .map(|md| (md.brokers().len(), md.topics().len()))
+        })
+        .await;
+        match res {
+            Ok(Ok((brokers, topics))) => {
+                tracing::info!(brokers, topics, "connected to Kafka")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!("Kafka not reachable yet ({e}); events are retried until it is")
+            }
+            Err(_) => {}
+        }
+    }
+
     /// A fatal producer error (e.g. the idempotent producer lost its guarantees): the producer
     /// is unusable and the process should restart.
     pub fn fatal_error(&self) -> Option<String> {

@@ -17,7 +17,7 @@ use crate::{shutdown, wakeup, Fatal};
 /// Everything the claim loops share.
 pub struct Relay {
     db: Db,
-    publisher: Publisher,
+    publisher: Arc<Publisher>,
     metrics: Arc<Metrics>,
     owner: String,
     batch_size: i32,
@@ -133,6 +133,8 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         "relay started"
     );
 
+    let publisher = Arc::new(publisher);
+    tokio::spawn(publisher.clone().probe());
     let relay = Arc::new(Relay {
         db,
         publisher,
