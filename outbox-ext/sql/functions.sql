@@ -53,13 +53,11 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, @extschema@, pg_temp
 AS $$
 DECLARE
-    cfg record;
     header record;
     payload_bytes int;
+    max_bytes int;
     new_id bigint;
 BEGIN
-    SELECT * INTO cfg FROM @extschema@.outbox_config();
-
     IF topic IS NULL OR topic = '' OR length(topic) > 249 OR topic !~ '^[A-Za-z0-9._-]+$'
        OR topic IN ('.', '..') THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
@@ -89,11 +87,13 @@ BEGIN
             END IF;
         END LOOP;
     END IF;
+    -- Settings through scalar calls, not outbox_config(): this is the producer's hot path.
     payload_bytes := octet_length(payload::text);
-    IF payload_bytes > cfg.max_payload_bytes THEN
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    IF payload_bytes > max_bytes THEN
         RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
             MESSAGE = format('outbox_enqueue: payload is %s bytes, outbox.max_payload_bytes allows at most %s',
-                             payload_bytes, cfg.max_payload_bytes);
+                             payload_bytes, max_bytes);
     END IF;
 
     INSERT INTO @extschema@.outbox_event
@@ -104,7 +104,7 @@ BEGIN
 
     -- PostgreSQL folds identical notifications of one transaction into one, delivered at commit
     -- and dropped on rollback: one wake-up per transaction however many rows it enqueued.
-    IF cfg.notify THEN
+    IF @extschema@.outbox_notify_enabled() THEN
         PERFORM pg_notify('outbox', '');
     END IF;
     RETURN new_id;

@@ -5,6 +5,8 @@ REVOKE ALL ON TABLE @extschema@.outbox_event FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_config(),
+    @extschema@.outbox_max_payload_bytes(),
+    @extschema@.outbox_notify_enabled(),
     @extschema@.outbox_check_owner(text, text),
     @extschema@.outbox_check_ids(text, bigint[]),
     @extschema@.outbox_check_token(text, bigint),

@@ -124,3 +124,16 @@ pub fn outbox_config() -> TableIterator<
         NOTIFY.get(),
     ))
 }
+
+/// `outbox.max_payload_bytes`, for `outbox_enqueue`: a scalar call is several times cheaper than
+/// the `outbox_config()` row on the producer's hot path.
+#[pg_extern(stable, parallel_safe)]
+pub fn outbox_max_payload_bytes() -> i32 {
+    MAX_PAYLOAD_BYTES.get()
+}
+
+/// `outbox.notify`, for `outbox_enqueue`.
+#[pg_extern(stable, parallel_safe)]
+pub fn outbox_notify_enabled() -> bool {
+    NOTIFY.get()
+}

@@ -21,7 +21,12 @@ extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!(
     "../sql/functions.sql",
     name = "functions",
-    requires = ["schema", guc::outbox_config],
+    requires = [
+        "schema",
+        guc::outbox_config,
+        guc::outbox_max_payload_bytes,
+        guc::outbox_notify_enabled
+    ],
 );
 extension_sql_file!("../sql/privileges.sql", name = "privileges", finalize);
 
