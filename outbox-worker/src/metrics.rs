@@ -22,6 +22,7 @@ pub struct Metrics {
     pub dead_lettered: IntCounter,
     pub reclaimed: IntCounter,
     pub database_errors: IntCounter,
+    pub producer_restarts: IntCounter,
     pub claim_batch_size: Histogram,
     pub publish_latency: Histogram,
     pub commit_to_ack_lag: Histogram,
@@ -89,6 +90,11 @@ impl Metrics {
                 &r,
                 "outbox_database_errors_total",
                 "Failed database calls (claim, ack, nack, reclaim, stats)",
+            ),
+            producer_restarts: counter(
+                &r,
+                "outbox_producer_restarts_total",
+                "Kafka producers replaced because they became unusable (fenced, fatal error)",
             ),
             claim_batch_size: histogram(
                 &r,

@@ -2,6 +2,7 @@
 //! outbox row, and concurrent publishing of a batch with one outcome per row.
 
 use std::path::Path;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
@@ -107,14 +108,47 @@ pub fn parse_properties(raw: &[String]) -> Result<Vec<(String, String)>, Fatal> 
         .collect()
 }
 
+type Relayer = FutureProducer<LogContext>;
+
 pub struct Publisher {
-    producer: FutureProducer<LogContext>,
+    /// Kept to build a replacement producer. Never print it: its Debug output includes secrets
+    /// such as sasl.password.
+    config: ClientConfig,
+    producer: RwLock<Arc<Relayer>>,
     send_timeout: Duration,
 }
 
+/// Delivery errors after which the idempotent producer cannot go on (its producer id/epoch is
+/// rejected): every later send would fail the same way, so the producer is replaced.
+fn producer_unusable(code: Option<RDKafkaErrorCode>) -> bool {
+    matches!(
+        code,
+        Some(
+            RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+                | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                | RDKafkaErrorCode::UnknownProducerId
+                | RDKafkaErrorCode::InvalidProducerIdMapping
+                | RDKafkaErrorCode::Fatal
+        )
+    )
+}
+
+fn create(cfg: &ClientConfig) -> Result<Relayer, Fatal> {
+    cfg.create_with_context(LogContext).map_err(|e| match e {
+        KafkaError::ClientConfig(_, desc, key, _value) => {
+            Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
+        }
+        KafkaError::ClientCreation(desc) => {
+            Fatal::usage(format!("cannot create the Kafka producer: {desc}"))
+        }
+        other => Fatal::usage(format!("cannot create the Kafka producer: {other}")),
+    })
+}
+
 impl Publisher {
-    /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send timeout, then the
-    /// user's properties on top. Nothing is connected yet.
+    /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send
+    /// timeout, then the user's properties on top. Nothing is connected yet.
     pub fn new(
         brokers: &str,
         send_timeout: Duration,
@@ -138,26 +172,24 @@ impl Publisher {
             cfg.set(k, v);
         }
         cfg.set_log_level(RDKafkaLogLevel::Warning);
-        // Never print `cfg`: its Debug output includes secrets such as sasl.password.
-        let producer: FutureProducer<LogContext> =
-            cfg.create_with_context(LogContext).map_err(|e| match e {
-                KafkaError::ClientConfig(_, desc, key, _value) => {
-                    Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
-                }
-                KafkaError::ClientCreation(desc) => {
-                    Fatal::usage(format!("cannot create the Kafka producer: {desc}"))
-                }
-                other => Fatal::usage(format!("cannot create the Kafka producer: {other}")),
-            })?;
+        let producer = create(&cfg)?;
         Ok(Publisher {
-            producer,
+            config: cfg,
+            producer: RwLock::new(Arc::new(producer)),
             send_timeout,
         })
     }
 
+    fn current(&self) -> Arc<Relayer> {
+        self.producer.read().expect("producer lock").clone()
+    }
+
     /// Publishes every event concurrently and waits for each delivery report; the outcome of
-    /// `events[i]` is at index `i`. Returns within about the send timeout.
-    pub async fn publish(&self, events: &[Event]) -> Vec<Outcome> {
+    /// `events[i]` is at index `i`. Returns within about the send timeout. When the producer
+    /// turned out unusable (fenced, fatal), it is replaced for the next round and the reason is
+    /// returned.
+    pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<String>) {
+        let producer = self.current();
         let start = Instant::now();
         let sends = events.iter().map(|ev| {
             let headers = build_headers(ev);
@@ -167,29 +199,69 @@ impl Publisher {
             if let Some(k) = &ev.key {
                 record = record.key(k.as_str());
             }
-            let fut = self
-                .producer
-                .send(record, Timeout::After(self.send_timeout));
+            let fut = producer.send(record, Timeout::After(self.send_timeout));
             async move {
                 match fut.await {
-                    Ok(_) => Outcome::Delivered {
-                        latency: start.elapsed(),
-                    },
-                    Err((e, _msg)) => Outcome::Failed {
-                        error: describe_failure(&ev.topic, &e),
-                    },
+                    Ok(_) => (
+                        Outcome::Delivered {
+                            latency: start.elapsed(),
+                        },
+                        None,
+                    ),
+                    Err((e, _msg)) => {
+                        let unusable =
+                            producer_unusable(e.rdkafka_error_code()).then(|| e.to_string());
+                        (
+                            Outcome::Failed {
+                                error: describe_failure(&ev.topic, &e),
+                            },
+                            unusable,
+                        )
+                    }
                 }
             }
         });
-        join_all(sends).await
+        let results = join_all(sends).await;
+        let mut broken = results.iter().find_map(|(_, u)| u.clone());
+        if broken.is_none() {
+            broken = producer
+                .client()
+                .fatal_error()
+                .map(|(code, reason)| format!("fatal error {code:?}: {reason}"));
+        }
+        let outcomes = results.into_iter().map(|(o, _)| o).collect();
+        let replaced = match broken {
+            Some(reason) => self.replace(&producer).map(|()| reason),
+            None => None,
+        };
+        (outcomes, replaced)
+    }
+
+    /// Swaps in a new producer unless another claim loop already did. Returns `Some` when this
+    /// call replaced it.
+    fn replace(&self, old: &Arc<Relayer>) -> Option<()> {
+        let mut cur = self.producer.write().expect("producer lock");
+        if !Arc::ptr_eq(&cur, old) {
+            return None;
+        }
+        match create(&self.config) {
+            Ok(p) => {
+                *cur = Arc::new(p);
+                Some(())
+            }
+            Err(e) => {
+                tracing::error!("cannot create a replacement Kafka producer: {}", e.message);
+                None
+            }
+        }
     }
 
     /// Connects and reads the cluster metadata once (logged), so the first round does not pay
     /// for the bootstrap and an unreachable broker shows in the log at start-up.
-    pub async fn probe(self: std::sync::Arc<Self>) {
-        let this = self.clone();
+    pub async fn probe(self: Arc<Self>) {
+        let producer = self.current();
         let res = tokio::task::spawn_blocking(move || {
-            this.producer
+            producer
                 .client()
                 .fetch_metadata(None, Duration::from_secs(10))
                 .map(|md| (md.brokers().len(), md.topics().len()))
@@ -206,18 +278,9 @@ impl Publisher {
         }
     }
 
-    /// A fatal producer error (e.g. the idempotent producer lost its guarantees): the producer
-    /// is unusable and the process should restart.
-    pub fn fatal_error(&self) -> Option<String> {
-        self.producer
-            .client()
-            .fatal_error()
-            .map(|(code, reason)| format!("{code:?}: {reason}"))
-    }
-
     /// Waits for whatever is still queued in librdkafka.
     pub fn flush(&self) {
-        if let Err(e) = self.producer.flush(Timeout::After(self.send_timeout)) {
+        if let Err(e) = self.current().flush(Timeout::After(self.send_timeout)) {
             tracing::warn!("flushing the producer: {e}");
         }
     }

@@ -1,7 +1,7 @@
 //! `outbox-worker run`: claim loops, the reclaimer, the stats poller, and shutdown.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,8 +24,6 @@ pub struct Relay {
     poll_interval: Duration,
     /// `outbox.max_retry` as this relay's sessions see it (refreshed by the stats poller).
     max_retry: AtomicI32,
-    /// Set when the producer failed fatally: the process exits non-zero after settling.
-    fatal: AtomicBool,
 }
 
 /// Start-up checks that need no connection: one clear line each.
@@ -90,6 +88,10 @@ pub fn default_owner() -> String {
 
 pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     validate(&args)?;
+    // Signals from here on stop the relay cleanly (exit 0), even during start-up.
+    let metrics = Metrics::new();
+    let cancel = CancellationToken::new();
+    shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
     let mut props = Vec::new();
     if let Some(p) = &args.kafka_properties_file {
         props.extend(publisher::read_properties_file(p)?);
@@ -98,7 +100,20 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let (pg_cfg, desc) = db::config(&args.db)?;
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
     let db = Db::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
-    let (max_retry, max_claim) = read_settings(&db).await?;
+    // Retried: a connection terminated right at start-up (failover, pg_terminate_backend) is
+    // no reason to exit.
+    let mut attempt = 0;
+    let (max_retry, max_claim) = loop {
+        attempt += 1;
+        match read_settings(&db).await {
+            Ok(v) => break v,
+            Err(e) if attempt >= 3 => return Err(e),
+            Err(e) => {
+                tracing::warn!("{}; retrying", e.message);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    };
     if let Some(max_claim) = max_claim {
         if args.batch_size > max_claim {
             return Err(Fatal::usage(format!(
@@ -111,8 +126,6 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     // Created after the database checks: librdkafka starts connecting at once.
     let publisher = Publisher::new(&args.brokers, args.send_timeout, &props)?;
 
-    let metrics = Metrics::new();
-    let cancel = CancellationToken::new();
     let server_cancel = CancellationToken::new();
     let server = match args.metrics_addr {
         Some(addr) => Some(metrics::serve(addr, metrics.clone(), server_cancel.clone()).await?),
@@ -143,10 +156,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
         max_retry: AtomicI32::new(max_retry),
-        fatal: AtomicBool::new(false),
     });
-
-    shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
     let listener = tokio::spawn(wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone()));
@@ -184,11 +194,6 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     server_cancel.cancel();
     if let Some(s) = server {
         let _ = s.await;
-    }
-    if relay.fatal.load(Ordering::Relaxed) {
-        return Err(Fatal::runtime(
-            "the Kafka producer failed fatally (see the log); in-flight events were settled",
-        ));
     }
     tracing::info!("relay stopped: in-flight events settled");
     Ok(())
@@ -240,14 +245,6 @@ async fn claim_loop(
         // Notifications from now on end the wait after this round.
         wake.borrow_and_update();
         let result = relay.round().await;
-        if let Some(fatal) = relay.publisher.fatal_error() {
-            tracing::error!(
-                "fatal Kafka producer error, stopping so a fresh producer can start: {fatal}"
-            );
-            relay.fatal.store(true, Ordering::Relaxed);
-            cancel.cancel();
-            break;
-        }
         let delay = match result {
             Ok(claimed) if claimed as i32 >= relay.batch_size => {
                 failures = 0;
@@ -320,7 +317,13 @@ impl Relay {
         }
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
-        let outcomes = self.publisher.publish(&events).await;
+        let (outcomes, replaced) = self.publisher.publish(&events).await;
+        if let Some(reason) = replaced {
+            self.metrics.producer_restarts.inc();
+            tracing::warn!(
+                "the Kafka producer became unusable ({reason}): replaced by a new producer; this round's failed events are retried"
+            );
+        }
         let published_at = Instant::now();
 
         let mut delivered = Vec::new();

@@ -369,3 +369,84 @@ async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
         .collect();
     assert_eq!(got, vec![good.id]);
 }
+
+/// A broker pause longer than the send timeout makes librdkafka bump its idempotent producer's
+/// epoch, which some brokers (tansu) then answer with ProducerFenced forever: the relay must
+/// replace its producer instead of nacking every event until they are all dead letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.backoff_max = '1s'; \
+         ALTER DATABASE {0} SET outbox.max_retry = 20",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let worker = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--send-timeout",
+            "1s",
+            "--lease",
+            "5s",
+            "--poll-interval",
+            "100ms",
+        ],
+    );
+    let n = 80i64;
+    let producer = {
+        let url = db.url();
+        tokio::spawn(async move {
+            let c = outbox_tests::db::connect(&url).await;
+            for i in 0..n {
+                enqueue(
+                    &c,
+                    "orders",
+                    &format!("k{}", i % 7),
+                    "T",
+                    &json!({"i": i}),
+                    &BTreeMap::new(),
+                )
+                .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    broker.freeze();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    broker.thaw();
+    producer.await.expect("producer task");
+
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+    assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", worker.logs());
+    let max_retry: i32 = client
+        .query_one("SELECT max(retry_count) FROM outbox_event", &[])
+        .await
+        .expect("query")
+        .get(0);
+    assert!(
+        max_retry <= 4,
+        "events churned through {max_retry} attempts: {}",
+        worker.logs()
+    );
+    let logs = worker.logs();
+    if logs.contains("ProducerFenced") || logs.contains("InvalidProducerEpoch") {
+        assert!(logs.contains("replaced by a new producer"), "{logs}");
+        assert!(
+            worker
+                .metric("outbox_producer_restarts_total")
+                .unwrap_or(0.0)
+                >= 1.0
+        );
+    }
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert_eq!(got.len() as i64, n, "every event arrives");
+}
