@@ -238,6 +238,10 @@ impl Drop for Broker {
             let _ = c.kill();
             let _ = c.wait();
         }
+        // Keep the broker's log when the test failed.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 
