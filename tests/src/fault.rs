@@ -260,6 +260,8 @@ pub struct Report {
     /// events they failed that way.
     pub fenced_workers: Vec<String>,
     pub fenced_failures: u64,
+    /// How often a worker replaced its unusable (fenced) producer and went on.
+    pub producer_replacements: u64,
     pub notes: Vec<String>,
 }
 
@@ -458,9 +460,10 @@ impl std::fmt::Display for Report {
         if !self.fenced_workers.is_empty() {
             writeln!(
                 f,
-                "fenced producers       {} workers failed {} publishes with ProducerFenced (stuck until killed): {}",
+                "fenced producers       {} workers failed {} publishes with ProducerFenced, replaced their producer {} times: {}",
                 self.fenced_workers.len(),
                 self.fenced_failures,
+                self.producer_replacements,
                 self.fenced_workers.join(", ")
             )?;
         }
@@ -569,6 +572,9 @@ impl Runner<'_> {
         for l in logs.lines() {
             if l.contains("publish failed") && l.contains("ProducerFenced") {
                 fenced += field(l, "count=").unwrap_or(0);
+            }
+            if l.contains("replaced by a new producer") {
+                self.report.producer_replacements += 1;
             }
         }
         if fenced > 0 {
