@@ -2,6 +2,7 @@
 //! outbox row, and concurrent publishing of a batch with one outcome per row.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -37,8 +38,14 @@ pub struct Event {
 
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    Delivered { latency: Duration },
-    Failed { error: String },
+    Delivered {
+        latency: Duration,
+    },
+    Failed {
+        error: String,
+        /// The delivery report said MessageTimedOut (no answer within --send-timeout).
+        timed_out: bool,
+    },
 }
 
 /// Routes librdkafka's own log lines and client errors into tracing.
@@ -116,7 +123,15 @@ pub struct Publisher {
     config: ClientConfig,
     producer: RwLock<Arc<Relayer>>,
     send_timeout: Duration,
+    /// Rounds in a row in which every publish timed out.
+    timed_out_rounds: AtomicU32,
 }
+
+/// After this many rounds in a row without a single delivery, only timeouts, the producer is
+/// replaced: measured in the fault suite, a producer that lived through a broker restart kept
+/// timing out for good while freshly started relays delivered at once. If the broker is really
+/// down, the new producer times out too and nothing is lost but a reconnect.
+const TIMED_OUT_ROUNDS_BEFORE_REPLACING: u32 = 3;
 
 /// Delivery errors after which the idempotent producer cannot go on (its producer id/epoch is
 /// rejected): every later send would fail the same way, so the producer is replaced.
@@ -177,6 +192,7 @@ impl Publisher {
             config: cfg,
             producer: RwLock::new(Arc::new(producer)),
             send_timeout,
+            timed_out_rounds: AtomicU32::new(0),
         })
     }
 
@@ -214,6 +230,8 @@ impl Publisher {
                         (
                             Outcome::Failed {
                                 error: describe_failure(&ev.topic, &e),
+                                timed_out: e.rdkafka_error_code()
+                                    == Some(RDKafkaErrorCode::MessageTimedOut),
                             },
                             unusable,
                         )
@@ -229,12 +247,38 @@ impl Publisher {
                 .fatal_error()
                 .map(|(code, reason)| format!("fatal error {code:?}: {reason}"));
         }
+        if broken.is_none() {
+            broken = self.note_timeouts(&results);
+        }
         let outcomes = results.into_iter().map(|(o, _)| o).collect();
         let replaced = match broken {
             Some(reason) => self.replace(&producer).map(|()| reason),
             None => None,
         };
         (outcomes, replaced)
+    }
+
+    /// Counts rounds that timed out entirely; names the reason once there were too many in a row.
+    fn note_timeouts(&self, results: &[(Outcome, Option<String>)]) -> Option<String> {
+        let all_timed_out = !results.is_empty()
+            && results.iter().all(|(o, _)| {
+                matches!(
+                    o,
+                    Outcome::Failed {
+                        timed_out: true,
+                        ..
+                    }
+                )
+            });
+        if !all_timed_out {
+            self.timed_out_rounds.store(0, Ordering::Relaxed);
+            return None;
+        }
+        let rounds = self.timed_out_rounds.fetch_add(1, Ordering::Relaxed) + 1;
+        (rounds >= TIMED_OUT_ROUNDS_BEFORE_REPLACING).then(|| {
+            self.timed_out_rounds.store(0, Ordering::Relaxed);
+            format!("{rounds} rounds in a row without a delivery, every publish timed out")
+        })
     }
 
     /// Swaps in a new producer unless another claim loop already did. Returns `Some` when this

@@ -334,7 +334,7 @@ impl Relay {
                     self.metrics.publish_latency.observe(latency.as_secs_f64());
                     delivered.push(i);
                 }
-                Outcome::Failed { error } => failed.entry(error.clone()).or_default().push(i),
+                Outcome::Failed { error, .. } => failed.entry(error.clone()).or_default().push(i),
             }
         }
         if !delivered.is_empty() {
