@@ -4,6 +4,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use tokio_postgres::types::{FromSqlOwned, ToSql};
 use tokio_postgres::{Client, NoTls};
 
 /// libpq-style parameters of the server the tests use, without a database name.
@@ -113,4 +114,12 @@ pub fn db_error<T: std::fmt::Debug>(result: Result<T, tokio_postgres::Error>) ->
 /// The SQLSTATE of a failed statement.
 pub fn sqlstate<T: std::fmt::Debug>(result: Result<T, tokio_postgres::Error>) -> String {
     db_error(result).0
+}
+
+/// The first column of the single row `sql` returns; panics (failing the test) on any error.
+pub async fn scalar<T: FromSqlOwned>(c: &Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> T {
+    c.query_one(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
 }

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
-use outbox_tests::db::{self, TestDb};
+use outbox_tests::db::{self, scalar, TestDb};
 use tokio_postgres::{AsyncMessage, NoTls};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -39,11 +39,8 @@ async fn concurrent_claimers_never_receive_the_same_row() {
                 }
                 let token: i64 = rows[0].get(1);
                 let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-                let n: i32 = c
-                    .query_one("SELECT outbox_ack($1, $2, $3)", &[&owner, &token, &ids])
-                    .await
-                    .unwrap()
-                    .get(0);
+                let n: i32 =
+                    scalar(&c, "SELECT outbox_ack($1, $2, $3)", &[&owner, &token, &ids]).await;
                 assert_eq!(n as usize, ids.len(), "every claimed row is ours to ack");
                 mine.extend(ids);
             }
@@ -63,14 +60,12 @@ async fn concurrent_claimers_never_receive_the_same_row() {
     }
     assert_eq!(claimed as i64, total);
     assert!(busy_claimers > 1, "the claimers really ran side by side");
-    let succeeded: i64 = setup
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let succeeded: i64 = scalar(
+        &setup,
+        "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
+        &[],
+    )
+    .await;
     assert_eq!(succeeded, total);
 }
 
@@ -113,16 +108,13 @@ async fn a_reclaim_racing_an_ack_never_overwrites_success() {
     let db = TestDb::create();
     let mut relay = db.connect().await;
     let reclaimer = db.connect().await;
-    let id: i64 = relay
-        .query_one("SELECT outbox_enqueue('orders', '{}')", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let token: i64 = relay
-        .query_one("SELECT claim_token FROM outbox_claim('relay-a', 1)", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let id: i64 = scalar(&relay, "SELECT outbox_enqueue('orders', '{}')", &[]).await;
+    let token: i64 = scalar(
+        &relay,
+        "SELECT claim_token FROM outbox_claim('relay-a', 1)",
+        &[],
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(20)).await;
 
     // The ack is in flight (row locked, not committed) when the reclaim of an expired lease starts.

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use outbox_tests::db::{psql_admin, TestDb};
+use outbox_tests::db::{psql_admin, scalar, TestDb};
 
 #[tokio::test]
 async fn dump_and_restore_keep_owed_events_and_sequences() {
@@ -18,12 +18,8 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
     .unwrap();
     let snapshot = "SELECT string_agg(format('%s|%s|%s|%s|%s', id, status, payload, event_key, claim_token), ';' ORDER BY id) \
                     FROM outbox_event";
-    let before: String = c.query_one(snapshot, &[]).await.unwrap().get(0);
-    let max_token: i64 = c
-        .query_one("SELECT max(claim_token) FROM outbox_event", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let before: String = scalar(&c, snapshot, &[]).await;
+    let max_token: i64 = scalar(&c, "SELECT max(claim_token) FROM outbox_event", &[]).await;
 
     let dump = std::env::temp_dir().join(format!("{}.dump", source.name));
     let out = Command::new("pg_dump")
@@ -56,13 +52,9 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
     );
 
     let r = target.connect().await;
-    let after: String = r.query_one(snapshot, &[]).await.unwrap().get(0);
+    let after: String = scalar(&r, snapshot, &[]).await;
     assert_eq!(after, before, "every outbox row survives the round trip");
-    let new_id: i64 = r
-        .query_one("SELECT outbox_enqueue('orders', '{}')", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let new_id: i64 = scalar(&r, "SELECT outbox_enqueue('orders', '{}')", &[]).await;
     assert!(
         new_id > 5,
         "ids continue after the restored ones, got {new_id}"

@@ -1,15 +1,12 @@
 //! Every row of CONTRACT.md section 3: bad input gets its SQLSTATE, a message naming the argument,
 //! and changes nothing.
 
-use outbox_tests::db::{db_error, sqlstate, TestDb};
+use outbox_tests::db::{db_error, scalar, sqlstate, TestDb};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
 
 async fn row_count(c: &Client) -> i64 {
-    c.query_one("SELECT count(*) FROM outbox_event", &[])
-        .await
-        .unwrap()
-        .get(0)
+    scalar(c, "SELECT count(*) FROM outbox_event", &[]).await
 }
 
 /// Runs `sql` expecting `code`, a message containing `needle`, and no change to the table.
@@ -248,17 +245,9 @@ async fn reclaim_purge_and_id_lists_reject_nonsense() {
     .await;
     rejects(&c, "SELECT outbox_requeue(NULL)", &[], "22023", "ids").await;
     // Unknown ids are not an error, just not counted.
-    let n: i32 = c
-        .query_one("SELECT outbox_requeue('{1,2,3}')", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(&c, "SELECT outbox_requeue('{1,2,3}')", &[]).await;
     assert_eq!(n, 0);
-    let n: i32 = c
-        .query_one("SELECT outbox_ack('r', 7, '{1,2,3}')", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(&c, "SELECT outbox_ack('r', 7, '{1,2,3}')", &[]).await;
     assert_eq!(n, 0);
 }
 

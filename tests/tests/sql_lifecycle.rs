@@ -1,14 +1,16 @@
 //! The event life cycle through the SQL API, one session at a time: enqueue, claim, ack, nack
 //! with backoff, renew, reclaim, requeue, purge, delayed delivery and stats.
 
-use outbox_tests::db::TestDb;
+use outbox_tests::db::{scalar, TestDb};
 use tokio_postgres::Client;
 
 async fn enqueue(c: &Client, topic: &str) -> i64 {
-    c.query_one("SELECT outbox_enqueue($1, '{\"n\":1}'::jsonb)", &[&topic])
-        .await
-        .unwrap()
-        .get(0)
+    scalar(
+        c,
+        "SELECT outbox_enqueue($1, '{\"n\":1}'::jsonb)",
+        &[&topic],
+    )
+    .await
 }
 
 /// Claims up to `max` rows; returns (token, ids in claim order).
@@ -53,15 +55,9 @@ async fn make_due(c: &Client, id: i64) {
 async fn enqueue_stores_a_due_wait_row_with_all_fields() {
     let db = TestDb::create();
     let c = db.connect().await;
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox_enqueue('orders', '{\"id\":1}', key => 'A-1', event_type => 'OrderCreated', \
+    let id: i64 = scalar(&c, "SELECT outbox_enqueue('orders', '{\"id\":1}', key => 'A-1', event_type => 'OrderCreated', \
              headers => '{\"trace\":\"t-1\"}')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+            &[]).await;
     let r = c
         .query_one(
             "SELECT topic, event_key, event_type, payload::text, headers::text, status::text, \
@@ -94,11 +90,7 @@ async fn enqueue_rolled_back_leaves_nothing() {
         .await
         .unwrap();
     tx.rollback().await.unwrap();
-    let n: i64 = c
-        .query_one("SELECT count(*) FROM outbox_event", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i64 = scalar(&c, "SELECT count(*) FROM outbox_event", &[]).await;
     assert_eq!(n, 0);
 }
 
@@ -157,11 +149,7 @@ async fn ack_settles_only_rows_held_with_the_same_owner_and_token() {
         ("SELECT outbox_renew($1, $2, $3)", "relay-b", token),
         ("SELECT outbox_renew($1, $2, $3)", "relay-a", stale),
     ] {
-        let n: i32 = c
-            .query_one(sql, &[&owner, &tok, &both])
-            .await
-            .unwrap()
-            .get(0);
+        let n: i32 = scalar(&c, sql, &[&owner, &tok, &both]).await;
         assert_eq!(n, 0, "{sql} as {owner}/{tok} must count 0");
     }
     for id in [a, b] {
@@ -171,25 +159,18 @@ async fn ack_settles_only_rows_held_with_the_same_owner_and_token() {
         );
     }
 
-    let n: i32 = c
-        .query_one("SELECT outbox_ack('relay-a', $1, $2)", &[&token, &unknown])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('relay-a', $1, $2)",
+        &[&token, &unknown],
+    )
+    .await;
     assert_eq!(n, 1, "unknown ids are not counted");
     assert_eq!(status_of(&c, a).await.0, "SUCCESS");
     // A late second ack of the same row is a no-op.
-    let n: i32 = c
-        .query_one("SELECT outbox_ack('relay-a', $1, $2)", &[&token, &both])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, $2)", &[&token, &both]).await;
     assert_eq!(n, 1);
-    let n: i32 = c
-        .query_one("SELECT outbox_ack('relay-a', $1, $2)", &[&token, &both])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, $2)", &[&token, &both]).await;
     assert_eq!(n, 0);
 }
 
@@ -202,14 +183,12 @@ async fn nack_backs_off_5_20_45_seconds_then_dead_letters_after_the_4th_failure(
         make_due(&c, id).await;
         let (token, got) = claim(&c, "relay-a", 1).await;
         assert_eq!(got, vec![id], "attempt {attempt} claims the row");
-        let n: i32 = c
-            .query_one(
-                "SELECT outbox_nack('relay-a', $1, ARRAY[$2::bigint], $3)",
-                &[&token.unwrap(), &id, &format!("boom {attempt}")],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let n: i32 = scalar(
+            &c,
+            "SELECT outbox_nack('relay-a', $1, ARRAY[$2::bigint], $3)",
+            &[&token.unwrap(), &id, &format!("boom {attempt}")],
+        )
+        .await;
         assert_eq!(n, 1);
         let r = c
             .query_one(
@@ -261,14 +240,8 @@ async fn backoff_follows_settings_with_cap_and_jitter() {
         )
         .await
         .unwrap();
-        let secs: f64 = c
-            .query_one(
-                "SELECT extract(epoch FROM next_retry_time - updated_at)::float8 FROM outbox_event WHERE id = $1",
-                &[&id],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let secs: f64 = scalar(&c, "SELECT extract(epoch FROM next_retry_time - updated_at)::float8 FROM outbox_event WHERE id = $1",
+                &[&id]).await;
         delays.push(secs);
     }
     // n^2 * 1s capped at 3s, each within [0.5, 1.5] of its nominal value.
@@ -292,30 +265,18 @@ async fn renew_extends_the_lease_of_held_rows() {
     )
     .await
     .unwrap();
-    let n: i32 = c
-        .query_one(
-            "SELECT outbox_renew('relay-a', $1, ARRAY[$2::bigint])",
-            &[&token.unwrap(), &id],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_renew('relay-a', $1, ARRAY[$2::bigint])",
+        &[&token.unwrap(), &id],
+    )
+    .await;
     assert_eq!(n, 1);
-    let fresh: bool = c
-        .query_one(
-            "SELECT claimed_at > clock_timestamp() - interval '1 minute' FROM outbox_event WHERE id = $1",
-            &[&id],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let fresh: bool = scalar(&c, "SELECT claimed_at > clock_timestamp() - interval '1 minute' FROM outbox_event WHERE id = $1",
+            &[&id]).await;
     assert!(fresh);
     // A renewed lease is not reclaimed.
-    let n: i32 = c
-        .query_one("SELECT outbox_reclaim('10 minutes')", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(&c, "SELECT outbox_reclaim('10 minutes')", &[]).await;
     assert_eq!(n, 0);
 }
 
@@ -339,25 +300,19 @@ async fn reclaim_uses_claimed_at_not_next_retry_time_and_counts_an_attempt() {
     )
     .await
     .unwrap();
-    let n: i32 = c
-        .query_one("SELECT outbox_reclaim()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(&c, "SELECT outbox_reclaim()", &[]).await;
     assert_eq!(n, 1);
     assert_eq!(
         status_of(&c, fresh).await,
         ("SENDING".into(), 0, Some("relay-a".into()))
     );
     assert_eq!(status_of(&c, stale).await, ("WAIT".into(), 1, None));
-    let err: String = c
-        .query_one(
-            "SELECT last_error FROM outbox_event WHERE id = $1",
-            &[&stale],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let err: String = scalar(
+        &c,
+        "SELECT last_error FROM outbox_event WHERE id = $1",
+        &[&stale],
+    )
+    .await;
     assert!(
         err.contains("lease expired") && err.contains("relay-a"),
         "{err}"
@@ -380,11 +335,7 @@ async fn reclaim_dead_letters_an_event_that_keeps_losing_its_lease() {
         )
         .await
         .unwrap();
-        let n: i32 = c
-            .query_one("SELECT outbox_reclaim('1 minute')", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let n: i32 = scalar(&c, "SELECT outbox_reclaim('1 minute')", &[]).await;
         assert_eq!(n, 1);
         let expect = if round < 4 { "WAIT" } else { "FAIL" };
         assert_eq!(status_of(&c, id).await.0, expect, "after reclaim {round}");
@@ -412,14 +363,12 @@ async fn requeue_returns_dead_letters_only() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(listed, vec![dead]);
-    let n: i32 = c
-        .query_one(
-            "SELECT outbox_requeue($1)",
-            &[&vec![dead, waiting, 424_242]],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_requeue($1)",
+        &[&vec![dead, waiting, 424_242]],
+    )
+    .await;
     assert_eq!(n, 1);
     let r = c
         .query_one(
@@ -461,17 +410,9 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
     )
     .await
     .unwrap();
-    let n: i64 = c
-        .query_one("SELECT outbox_purge('7 days', 2)", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i64 = scalar(&c, "SELECT outbox_purge('7 days', 2)", &[]).await;
     assert_eq!(n, 2, "bounded by max_rows");
-    let n: i64 = c
-        .query_one("SELECT outbox_purge()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i64 = scalar(&c, "SELECT outbox_purge()", &[]).await;
     assert_eq!(n, 3);
     let left: Vec<String> = c
         .query(
@@ -493,11 +434,7 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
     )
     .await
     .unwrap();
-    let n: i64 = c
-        .query_one("SELECT outbox_purge('1 hour')", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n: i64 = scalar(&c, "SELECT outbox_purge('1 hour')", &[]).await;
     assert_eq!(n, 0);
 }
 
@@ -505,30 +442,24 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
 async fn delayed_delivery_is_not_claimable_before_deliver_at() {
     let db = TestDb::create();
     let c = db.connect().await;
-    let later: i64 = c
-        .query_one(
-            "SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 hour')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let past: i64 = c
-        .query_one(
-            "SELECT outbox_enqueue('orders', '{}', deliver_at => now() - interval '1 hour')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let due_at_enqueue: bool = c
-        .query_one(
-            "SELECT next_retry_time >= now() - interval '1 minute' FROM outbox_event WHERE id = $1",
-            &[&past],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let later: i64 = scalar(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 hour')",
+        &[],
+    )
+    .await;
+    let past: i64 = scalar(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}', deliver_at => now() - interval '1 hour')",
+        &[],
+    )
+    .await;
+    let due_at_enqueue: bool = scalar(
+        &c,
+        "SELECT next_retry_time >= now() - interval '1 minute' FROM outbox_event WHERE id = $1",
+        &[&past],
+    )
+    .await;
     assert!(
         due_at_enqueue,
         "a past deliver_at means due now, not in the past"

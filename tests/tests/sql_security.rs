@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use outbox_tests::db::{psql_admin, sqlstate, TestDb};
+use outbox_tests::db::{psql_admin, scalar, sqlstate, TestDb};
 
 /// Three roles of the recipe plus one with no grants; dropped after the test database.
 struct Roles {
@@ -222,27 +222,24 @@ async fn a_hostile_search_path_changes_nothing() {
     .await
     .unwrap();
 
-    let id: i64 = c
-        .query_one(
-            "SELECT public.outbox_enqueue('orders', '{}', headers => '{\"a\":\"b\"}')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let token: i64 = c
-        .query_one("SELECT claim_token FROM public.outbox_claim('r', 5)", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let n: i32 = c
-        .query_one(
-            "SELECT public.outbox_nack('r', $1, ARRAY[$2::bigint], 'x')",
-            &[&token, &id],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let id: i64 = scalar(
+        &c,
+        "SELECT public.outbox_enqueue('orders', '{}', headers => '{\"a\":\"b\"}')",
+        &[],
+    )
+    .await;
+    let token: i64 = scalar(
+        &c,
+        "SELECT claim_token FROM public.outbox_claim('r', 5)",
+        &[],
+    )
+    .await;
+    let n: i32 = scalar(
+        &c,
+        "SELECT public.outbox_nack('r', $1, ARRAY[$2::bigint], 'x')",
+        &[&token, &id],
+    )
+    .await;
     assert_eq!(n, 1);
     c.batch_execute(
         "SELECT public.outbox_reclaim(); SELECT * FROM public.outbox_stats(); \
