@@ -29,15 +29,19 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION @extschema@.outbox_check_token(fn text, claim_token bigint) RETURNS void
+-- The arguments that name a held claim (ack, nack, renew): owner, token and ids.
+CREATE FUNCTION @extschema@.outbox_check_claim_args(fn text, owner text, claim_token bigint, ids bigint[])
+RETURNS void
 LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
+SET search_path = pg_catalog, @extschema@, pg_temp
 AS $$
 BEGIN
+    PERFORM @extschema@.outbox_check_owner(fn, owner);
     IF claim_token IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
             MESSAGE = format('%s: claim_token must be the token returned by outbox_claim, not NULL', fn);
     END IF;
+    PERFORM @extschema@.outbox_check_ids(fn, ids);
 END
 $$;
 
@@ -160,9 +164,7 @@ AS $$
 DECLARE
     done int;
 BEGIN
-    PERFORM @extschema@.outbox_check_owner('outbox_ack', owner);
-    PERFORM @extschema@.outbox_check_token('outbox_ack', claim_token);
-    PERFORM @extschema@.outbox_check_ids('outbox_ack', ids);
+    PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
     UPDATE @extschema@.outbox_event e
        SET status = 'SUCCESS', updated_at = clock_timestamp()
      WHERE e.id = ANY (ids) AND e.status = 'SENDING'
@@ -183,9 +185,7 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
 BEGIN
-    PERFORM @extschema@.outbox_check_owner('outbox_nack', owner);
-    PERFORM @extschema@.outbox_check_token('outbox_nack', claim_token);
-    PERFORM @extschema@.outbox_check_ids('outbox_nack', ids);
+    PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
     UPDATE @extschema@.outbox_event e
@@ -214,9 +214,7 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
 BEGIN
-    PERFORM @extschema@.outbox_check_owner('outbox_renew', owner);
-    PERFORM @extschema@.outbox_check_token('outbox_renew', claim_token);
-    PERFORM @extschema@.outbox_check_ids('outbox_renew', ids);
+    PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
     UPDATE @extschema@.outbox_event e
        SET claimed_at = stamp, updated_at = stamp
      WHERE e.id = ANY (ids) AND e.status = 'SENDING'

@@ -9,7 +9,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_notify_enabled(),
     @extschema@.outbox_check_owner(text, text),
     @extschema@.outbox_check_ids(text, bigint[]),
-    @extschema@.outbox_check_token(text, bigint),
+    @extschema@.outbox_check_claim_args(text, text, bigint, bigint[]),
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
     @extschema@.outbox_claim(text, int),
     @extschema@.outbox_ack(text, bigint, bigint[]),
