@@ -23,16 +23,7 @@ FROM generate_series(1, 10000) g;
 VACUUM ANALYZE outbox_event;
 
 \echo '### Partial indexes (shipped)'
-SELECT indexrelid::regclass AS index, pg_size_pretty(pg_relation_size(indexrelid)) AS size
-FROM pg_index WHERE indrelid = 'outbox_event'::regclass ORDER BY 1;
-\echo '#### Claim candidates'
-EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)
-SELECT id FROM outbox_event
-WHERE status = 'WAIT' AND next_retry_time <= now()
-ORDER BY next_retry_time, id LIMIT 100 FOR UPDATE SKIP LOCKED;
-\echo '#### Expired leases'
-EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)
-SELECT id FROM outbox_event WHERE status = 'SENDING' AND claimed_at < now() - interval '10 minutes';
+\ir hot-paths.sql
 
 DROP INDEX outbox_event_wait_due_idx, outbox_event_sending_claimed_idx;
 CREATE INDEX seed_status_next_retry_idx ON outbox_event (status, next_retry_time);
@@ -40,13 +31,4 @@ CREATE INDEX seed_status_claimed_idx ON outbox_event (status, claimed_at);
 ANALYZE outbox_event;
 
 \echo '### Composite indexes (seed design)'
-SELECT indexrelid::regclass AS index, pg_size_pretty(pg_relation_size(indexrelid)) AS size
-FROM pg_index WHERE indrelid = 'outbox_event'::regclass ORDER BY 1;
-\echo '#### Claim candidates'
-EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)
-SELECT id FROM outbox_event
-WHERE status = 'WAIT' AND next_retry_time <= now()
-ORDER BY next_retry_time, id LIMIT 100 FOR UPDATE SKIP LOCKED;
-\echo '#### Expired leases'
-EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)
-SELECT id FROM outbox_event WHERE status = 'SENDING' AND claimed_at < now() - interval '10 minutes';
+\ir hot-paths.sql
