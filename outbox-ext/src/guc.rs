@@ -76,12 +76,13 @@ pub fn register() {
     );
     GucRegistry::define_int_guc(
         c"outbox.max_payload_bytes",
-        c"Largest payload (as JSON text) that outbox_enqueue accepts.",
+        c"Largest message outbox_enqueue accepts: payload (as JSON text) + key + headers, in bytes.",
         c"Keep it below the broker's message.max.bytes: oversize messages fail late and obscurely.",
         &MAX_PAYLOAD_BYTES,
         1,
         i32::MAX,
-        GucContext::Userset,
+        // A producer guard: only superusers and roles granted SET on it may change it.
+        GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
     GucRegistry::define_bool_guc(
@@ -90,6 +91,15 @@ pub fn register() {
         c"",
         &NOTIFY,
         GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.allowed_topics",
+        c"Topics outbox_enqueue accepts: comma-separated names or prefix* patterns; empty = any.",
+        c"The relay publishes with its own broker credentials: this keeps producers off other teams' and internal topics.",
+        &crate::producer::ALLOWED_TOPICS,
+        // A producer guard, like outbox.max_payload_bytes.
+        GucContext::Suset,
         GucFlags::default(),
     );
     // After loading, a misspelt `outbox.*` name is an error instead of a silent placeholder.

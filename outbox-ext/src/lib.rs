@@ -1,13 +1,15 @@
 //! `outbox`: the transactional outbox as a PostgreSQL extension.
 //!
 //! The data path (enqueue, claim, ack, nack, renew, reclaim, requeue, purge, stats) is plain SQL in
-//! `sql/`, each call a single guarded statement whose plan PL/pgSQL caches per session. Rust owns
-//! what SQL cannot do well: registering and validating the `outbox.*` settings (`guc.rs`) and
-//! handing them to the SQL layer in one typed call (`outbox_config()`).
+//! the repository's top-level `sql/`, each call a single guarded statement. Rust owns what SQL
+//! cannot do well: registering and validating the `outbox.*` settings (`guc.rs`) and handing them
+//! to the SQL layer in one typed call (`outbox_config()`), and the producer's per-event guards and
+//! identity (`producer.rs`: topic names and allow-list, UUID version 7).
 
 use pgrx::prelude::*;
 
 mod guc;
+mod producer;
 
 ::pgrx::pg_module_magic!(name, version);
 
@@ -17,18 +19,23 @@ pub extern "C-unwind" fn _PG_init() {
 }
 
 // Order matters: the table and types first, then functions that read the settings.
-extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!(
-    "../sql/functions.sql",
+    "../../sql/schema.sql",
+    name = "schema",
+    requires = [producer::outbox_uuidv7]
+);
+extension_sql_file!(
+    "../../sql/functions.sql",
     name = "functions",
     requires = [
         "schema",
         guc::outbox_config,
         guc::outbox_max_payload_bytes,
-        guc::outbox_notify_enabled
+        guc::outbox_notify_enabled,
+        producer::outbox_check_topic
     ],
 );
-extension_sql_file!("../sql/privileges.sql", name = "privileges", finalize);
+extension_sql_file!("../../sql/privileges.sql", name = "privileges", finalize);
 
 #[cfg(any(test, feature = "pg_test"))]
 #[pg_schema]

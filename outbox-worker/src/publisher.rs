@@ -18,12 +18,15 @@ use crate::cli::parse_property;
 use crate::Fatal;
 
 /// Headers the relay sets itself; a row header with one of these names is not sent.
-pub const RESERVED_HEADERS: [&str; 3] = ["event_id", "event_type", "event_key"];
+pub const RESERVED_HEADERS: [&str; 4] = ["event_id", "outbox_id", "event_type", "event_key"];
 
 /// One claimed outbox row.
 #[derive(Debug, Clone)]
 pub struct Event {
+    /// The row's bigint key in this database (sent as `outbox_id`, for operators).
     pub id: i64,
+    /// The event's global UUID (sent as `event_id`): what consumers deduplicate on.
+    pub event_id: String,
     pub topic: String,
     pub key: Option<String>,
     pub event_type: Option<String>,
@@ -330,14 +333,20 @@ impl Publisher {
     }
 }
 
-/// `event_id`, `event_type`, `event_key`, then the row's own headers (reserved names skipped;
-/// non-string values sent as their JSON text).
+/// `event_id` (the UUID consumers dedupe on), `outbox_id` (the row's id), `event_type`,
+/// `event_key`, then the row's own headers (reserved names skipped; non-string values sent as
+/// their JSON text).
 pub fn build_headers(ev: &Event) -> OwnedHeaders {
     let id = ev.id.to_string();
-    let mut h = OwnedHeaders::new().insert(Header {
-        key: "event_id",
-        value: Some(id.as_str()),
-    });
+    let mut h = OwnedHeaders::new()
+        .insert(Header {
+            key: "event_id",
+            value: Some(ev.event_id.as_str()),
+        })
+        .insert(Header {
+            key: "outbox_id",
+            value: Some(id.as_str()),
+        });
     if let Some(t) = &ev.event_type {
         h = h.insert(Header {
             key: "event_type",
@@ -388,9 +397,12 @@ mod tests {
     use super::*;
     use rdkafka::message::Headers;
 
+    const UUID: &str = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b";
+
     fn ev(headers: &str) -> Event {
         Event {
             id: 42,
+            event_id: UUID.into(),
             topic: "orders".into(),
             key: Some("A-1".into()),
             event_type: Some("OrderCreated".into()),
@@ -414,12 +426,13 @@ mod tests {
 
     #[test]
     fn headers_carry_ids_and_row_headers_but_not_spoofed_reserved_ones() {
-        let h = build_headers(&ev(r#"{"trace":"t1","event_id":"999","n":5}"#));
+        let h = build_headers(&ev(r#"{"trace":"t1","event_id":"999","outbox_id":"7","n":5}"#));
         let p = pairs(&h);
         assert_eq!(
             p,
             vec![
-                ("event_id".into(), "42".into()),
+                ("event_id".into(), UUID.into()),
+                ("outbox_id".into(), "42".into()),
                 ("event_type".into(), "OrderCreated".into()),
                 ("event_key".into(), "A-1".into()),
                 ("n".into(), "5".into()),
@@ -435,7 +448,10 @@ mod tests {
         e.event_type = None;
         assert_eq!(
             pairs(&build_headers(&e)),
-            vec![("event_id".into(), "42".into())]
+            vec![
+                ("event_id".into(), UUID.into()),
+                ("outbox_id".into(), "42".into())
+            ]
         );
     }
 

@@ -279,7 +279,7 @@ impl Relay {
         let client = client.map_err(|e| format!("no database connection: {e}"))?;
         let sql = format!(
             "SELECT id, topic, event_key, event_type, payload::text, headers::text, claim_token, retry_count, \
-             extract(epoch from (clock_timestamp() - created_at))::float8 \
+             extract(epoch from (clock_timestamp() - created_at))::float8, event_id::text \
              FROM {}($1, $2)",
             self.db.func("claim")
         );
@@ -307,6 +307,7 @@ impl Relay {
                 headers: r.get(5),
                 retry_count: r.get(7),
                 age_at_claim: r.get::<_, Option<f64>>(8).unwrap_or(0.0),
+                event_id: r.get(9),
             })
             .collect();
         if events.len() < self.batch_size as usize {
@@ -378,7 +379,8 @@ impl Relay {
                         if ev.retry_count + 1 > max_retry {
                             self.metrics.dead_lettered.inc();
                             tracing::error!(
-                                event_id = ev.id,
+                                outbox_id = ev.id,
+                                event_id = %ev.event_id,
                                 topic = %ev.topic,
                                 attempts = ev.retry_count + 1,
                                 "dead letter: event {} for topic {} failed {} times: {error}",

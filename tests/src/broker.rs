@@ -44,12 +44,20 @@ pub struct Msg {
 }
 
 impl Msg {
-    pub fn event_id(&self) -> i64 {
+    /// The row id of the event in its database (the `outbox_id` header).
+    pub fn outbox_id(&self) -> i64 {
+        self.headers
+            .get("outbox_id")
+            .unwrap_or_else(|| panic!("message without outbox_id header: {self:?}"))
+            .parse()
+            .expect("numeric outbox_id")
+    }
+
+    /// The event's global UUID (the `event_id` header), what consumers deduplicate on.
+    pub fn event_id(&self) -> &str {
         self.headers
             .get("event_id")
             .unwrap_or_else(|| panic!("message without event_id header: {self:?}"))
-            .parse()
-            .expect("numeric event_id")
     }
 
     /// Parses one line of `outbox-worker tail --json`.
@@ -262,12 +270,12 @@ pub struct Follower {
 
 impl Follower {
     /// Waits for the message with this event id; returns when it arrived.
-    pub fn wait_for(&self, event_id: i64, timeout: Duration) -> Option<(Instant, Msg)> {
+    pub fn wait_for(&self, outbox_id: i64, timeout: Duration) -> Option<(Instant, Msg)> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.checked_duration_since(Instant::now())?;
             match self.rx.recv_timeout(left) {
-                Ok((t, m)) if m.event_id() == event_id => return Some((t, m)),
+                Ok((t, m)) if m.outbox_id() == outbox_id => return Some((t, m)),
                 Ok(_) => continue,
                 Err(_) => return None,
             }

@@ -33,13 +33,25 @@ pub fn psql_admin(sql: &str) {
     run_psql(&format!("{} dbname=postgres", server_params()), sql);
 }
 
-/// A database created for one test, with `CREATE EXTENSION outbox`, dropped on drop.
+/// A database created for one test (with `CREATE EXTENSION outbox` unless `empty`), dropped on drop.
 pub struct TestDb {
     pub name: String,
 }
 
 impl TestDb {
+    /// `OUTBOX_TEST_EXT_VERSION` installs that version instead of the default one (to show a
+    /// test failing on an earlier release).
     pub fn create() -> TestDb {
+        let db = TestDb::empty();
+        match std::env::var("OUTBOX_TEST_EXT_VERSION") {
+            Ok(v) => db.psql(&format!("CREATE EXTENSION outbox VERSION '{v}'")),
+            Err(_) => db.psql("CREATE EXTENSION outbox"),
+        }
+        db
+    }
+
+    /// A database without the extension (for installing a given version).
+    pub fn empty() -> TestDb {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -52,9 +64,7 @@ impl TestDb {
             nanos
         );
         psql_admin(&format!("CREATE DATABASE {name}"));
-        let db = TestDb { name };
-        db.psql("CREATE EXTENSION outbox");
-        db
+        TestDb { name }
     }
 
     /// Connection string for this database (libpq key=value form, accepted by tokio-postgres).
@@ -122,4 +132,39 @@ pub async fn scalar<T: FromSqlOwned>(c: &Client, sql: &str, params: &[&(dyn ToSq
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
         .get(0)
+}
+
+/// Rows in the outbox table.
+pub async fn row_count(c: &Client) -> i64 {
+    scalar(c, "SELECT count(*) FROM outbox_event", &[]).await
+}
+
+/// A fingerprint of every outbox row (count and hash), to prove a failed call changed nothing.
+async fn table_fingerprint(c: &Client) -> (i64, i64) {
+    let row = c
+        .query_one(
+            "SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Runs `sql` expecting SQLSTATE `code`, a message containing `needle`, and no change to the table.
+pub async fn rejects(
+    c: &Client,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+    code: &str,
+    needle: &str,
+) {
+    let before = table_fingerprint(c).await;
+    let (state, message) = db_error(c.query(sql, params).await);
+    assert_eq!(state, code, "{sql}: {message}");
+    assert!(
+        message.contains(needle),
+        "{sql}: message {message:?} should name {needle:?}"
+    );
+    assert_eq!(before, table_fingerprint(c).await, "{sql} changed the table");
 }

@@ -9,6 +9,8 @@ use tokio_postgres::Client;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Expected {
     pub id: i64,
+    /// The event's UUID, expected in the `event_id` header.
+    pub event_id: String,
     pub topic: String,
     pub key: String,
     pub event_type: String,
@@ -27,16 +29,25 @@ pub async fn enqueue(
 ) -> Expected {
     let payload_text = payload.to_string();
     let headers_text = serde_json::to_string(headers).expect("headers json");
-    let row = client
+    let id: i64 = client
         .query_one(
             "SELECT outbox_enqueue(topic => $1::text, payload => $2::text::jsonb, key => $3::text, \
              event_type => $4::text, headers => $5::text::jsonb)",
             &[&topic, &payload_text, &key, &event_type, &headers_text],
         )
         .await
-        .expect("outbox_enqueue");
+        .expect("outbox_enqueue")
+        .get(0);
+    let row = client
+        .query_one(
+            "SELECT id, event_id::text FROM outbox_event WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .expect("read back the event_id");
     Expected {
         id: row.get(0),
+        event_id: row.get(1),
         topic: topic.to_string(),
         key: key.to_string(),
         event_type: event_type.to_string(),

@@ -1,5 +1,6 @@
 //! pg_dump / pg_restore keeps the outbox: a restored order database still publishes what it owed,
-//! and keeps issuing ids and fencing tokens above the ones it held.
+//! keeps issuing ids and fencing tokens above the ones it held, and never reissues an event_id,
+//! even when it is restored to a state older than events already published.
 
 use std::process::Command;
 
@@ -16,7 +17,7 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
     )
     .await
     .unwrap();
-    let snapshot = "SELECT string_agg(format('%s|%s|%s|%s|%s', id, status, payload, event_key, claim_token), ';' ORDER BY id) \
+    let snapshot = "SELECT string_agg(format('%s|%s|%s|%s|%s|%s', id, status, payload, event_key, claim_token, event_id), ';' ORDER BY id) \
                     FROM outbox_event";
     let before: String = scalar(&c, snapshot, &[]).await;
     let max_token: i64 = scalar(&c, "SELECT max(claim_token) FROM outbox_event", &[]).await;
@@ -33,6 +34,19 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
         "pg_dump: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+    // After the dump the source goes on publishing; the restore then rewinds to the dump, as a
+    // point-in-time recovery would. Consumers have already seen these event_ids.
+    c.batch_execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3)")
+        .await
+        .unwrap();
+    let published_after_dump: Vec<String> = c
+        .query("SELECT event_id::text FROM outbox_event WHERE id > 5", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
 
     let target = TestDb {
         name: format!("{}_restored", source.name),
@@ -58,6 +72,16 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
     assert!(
         new_id > 5,
         "ids continue after the restored ones, got {new_id}"
+    );
+    let new_event_id: String = scalar(
+        &r,
+        "SELECT event_id::text FROM outbox_event WHERE id = $1",
+        &[&new_id],
+    )
+    .await;
+    assert!(
+        !published_after_dump.contains(&new_event_id),
+        "the restored database reissued event_id {new_event_id} (outbox_id {new_id})"
     );
     let claimed = r
         .query(

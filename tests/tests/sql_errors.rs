@@ -1,42 +1,7 @@
-//! Every row of CONTRACT.md section 3: bad input gets its SQLSTATE, a message naming the argument,
+//! Every row of the error table (docs/reference.md, "Errors"): bad input gets its SQLSTATE, a message naming the argument,
 //! and changes nothing.
 
-use outbox_tests::db::{db_error, scalar, sqlstate, TestDb};
-use tokio_postgres::types::ToSql;
-use tokio_postgres::Client;
-
-async fn row_count(c: &Client) -> i64 {
-    scalar(c, "SELECT count(*) FROM outbox_event", &[]).await
-}
-
-/// Runs `sql` expecting `code`, a message containing `needle`, and no change to the table.
-async fn rejects(c: &Client, sql: &str, params: &[&(dyn ToSql + Sync)], code: &str, needle: &str) {
-    let before = c
-        .query_one(
-            "SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (state, message) = db_error(c.query(sql, params).await);
-    assert_eq!(state, code, "{sql}: {message}");
-    assert!(
-        message.contains(needle),
-        "{sql}: message {message:?} should name {needle:?}"
-    );
-    let after = c
-        .query_one(
-            "SELECT count(*), coalesce(sum(hashtext(e::text)), 0) FROM outbox_event e",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        (before.get::<_, i64>(0), before.get::<_, i64>(1)),
-        (after.get::<_, i64>(0), after.get::<_, i64>(1)),
-        "{sql} changed the table"
-    );
-}
+use outbox_tests::db::{rejects, row_count, scalar, sqlstate, TestDb};
 
 #[tokio::test]
 async fn enqueue_rejects_bad_topics() {
@@ -207,7 +172,8 @@ async fn claim_rejects_out_of_range_batch_sizes() {
 async fn reclaim_purge_and_id_lists_reject_nonsense() {
     let db = TestDb::create();
     let c = db.connect().await;
-    for lease in ["0", "-1 minute"] {
+    // '300000 years' used to escape as 22008 (timestamp out of range) from deep inside reclaim.
+    for lease in ["0", "-1 minute", "300000 years"] {
         rejects(
             &c,
             "SELECT outbox_reclaim($1::text::interval)",
@@ -226,6 +192,14 @@ async fn reclaim_purge_and_id_lists_reject_nonsense() {
     )
     .await;
     rejects(&c, "SELECT outbox_purge(NULL)", &[], "22023", "older_than").await;
+    rejects(
+        &c,
+        "SELECT outbox_purge('300000 years')",
+        &[],
+        "22023",
+        "older_than",
+    )
+    .await;
     rejects(
         &c,
         "SELECT outbox_purge('1 day', 0)",

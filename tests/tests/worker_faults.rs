@@ -149,7 +149,7 @@ async fn broker_down_retries_then_dead_letters_then_requeue_delivers() {
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()
-        .map(|m| m.event_id())
+        .map(|m| m.outbox_id())
         .collect();
     assert_eq!(got, ids);
 }
@@ -191,7 +191,7 @@ async fn sigterm_during_a_burst_settles_every_claimed_row() {
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()
-        .map(|m| m.event_id())
+        .map(|m| m.outbox_id())
         .collect();
     let missing: Vec<_> = acked.difference(&got).take(10).collect();
     assert!(
@@ -278,7 +278,7 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()
-        .map(|m| m.event_id())
+        .map(|m| m.outbox_id())
         .collect();
     let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
     assert_eq!(got, all, "every event arrives (at least once)");
@@ -365,7 +365,7 @@ async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
     let got: Vec<i64> = broker
         .consume_all("orders", Duration::from_secs(2))
         .iter()
-        .map(|m| m.event_id())
+        .map(|m| m.outbox_id())
         .collect();
     assert_eq!(got, vec![good.id]);
 }
@@ -446,7 +446,7 @@ async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()
-        .map(|m| m.event_id())
+        .map(|m| m.outbox_id())
         .collect();
     assert_eq!(got.len() as i64, n, "every event arrives");
 }

@@ -1,12 +1,15 @@
--- Nothing is granted to PUBLIC (CONTRACT.md section 4): PostgreSQL grants EXECUTE on new
+-- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): PostgreSQL grants EXECUTE on new
 -- functions to PUBLIC by default, so take it back from every function of the extension.
--- README.md has the GRANT recipe for producer, relay and admin roles.
+-- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
 REVOKE ALL ON TABLE @extschema@.outbox_event FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_config(),
     @extschema@.outbox_max_payload_bytes(),
     @extschema@.outbox_notify_enabled(),
+    @extschema@.outbox_check_topic(text),
+    @extschema@.outbox_uuidv7(),
+    @extschema@.outbox_check_isolation(text),
     @extschema@.outbox_check_owner(text, text),
     @extschema@.outbox_check_ids(text, bigint[]),
     @extschema@.outbox_check_claim_args(text, text, bigint, bigint[]),

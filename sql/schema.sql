@@ -1,5 +1,5 @@
--- Data model of the outbox (CONTRACT.md section 1). Every object carries the outbox_ prefix and
--- lives in the extension's schema.
+-- Data model of the outbox (docs/reference.md, "Data model"). Every object carries the outbox_
+-- prefix and lives in the extension's schema.
 
 CREATE TYPE @extschema@.outbox_status AS ENUM ('WAIT', 'SENDING', 'SUCCESS', 'FAIL');
 
@@ -23,7 +23,12 @@ CREATE TABLE @extschema@.outbox_event (
     claimed_at      timestamptz,
     last_error      text,
     created_at      timestamptz NOT NULL DEFAULT now(),
-    updated_at      timestamptz NOT NULL DEFAULT now()
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    -- The event's global identity, sent as the event_id header: consumers dedupe on it. The
+    -- bigint id is only this table's key; a restore, a sequence reset or a second database
+    -- publishing to the same topic reissues ids, never UUIDs. Last column: 0.1.0 tables get it
+    -- by ALTER TABLE ADD COLUMN, and both must have the same row type.
+    event_id        uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7()
 ) WITH (
     -- A queue table churns: vacuum and analyze it long before the default 20 % of dead rows.
     autovacuum_vacuum_scale_factor = 0.02,
@@ -41,6 +46,10 @@ CREATE INDEX outbox_event_sending_claimed_idx
 -- Dead letters for operators (outbox_dead_letters, outbox_stats); FAIL rows are few.
 CREATE INDEX outbox_event_fail_idx
     ON @extschema@.outbox_event (id) WHERE status = 'FAIL';
+
+-- Purge: delivered rows by age, so a purge reads the rows it deletes, not the whole history.
+CREATE INDEX outbox_event_success_updated_idx
+    ON @extschema@.outbox_event (updated_at) WHERE status = 'SUCCESS';
 
 -- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event', '');

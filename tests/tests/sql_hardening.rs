@@ -1,0 +1,446 @@
+//! Safe in a production order database: producer guards that producers cannot lift, the
+//! isolation rule of the row-locking calls, one lock order, purge cost, and the small contract
+//! fixes (nack keeps its last error, error-raising helpers are not IMMUTABLE).
+
+use std::time::{Duration, Instant};
+
+use outbox_tests::db::{db_error, psql_admin, rejects, row_count, scalar, sqlstate, TestDb};
+use tokio_postgres::Client;
+
+/// A role that may only enqueue, as in sql/examples/grant-roles.sql; dropped with the test.
+struct Producer {
+    name: String,
+}
+
+impl Producer {
+    fn create(db: &TestDb) -> Producer {
+        let name = format!("{}_producer", db.name);
+        psql_admin(&format!("CREATE ROLE {name} NOLOGIN"));
+        db.psql(&format!(
+            "GRANT USAGE ON SCHEMA public TO {name}; \
+             GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz) TO {name}"
+        ));
+        Producer { name }
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        // Declared before the database, so this runs after the database (and its grants) is gone.
+        let _ = std::process::Command::new("psql")
+            .arg(format!(
+                "{} dbname=postgres",
+                outbox_tests::db::server_params()
+            ))
+            .args(["-X", "-q", "-c"])
+            .arg(format!("DROP ROLE IF EXISTS {}", self.name))
+            .output();
+    }
+}
+
+#[tokio::test]
+async fn producers_cannot_lift_the_producer_guards() {
+    let producer;
+    let db = TestDb::create();
+    producer = Producer::create(&db);
+    let c = db.connect().await;
+    c.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap();
+    c.batch_execute(&format!("SET ROLE {}", producer.name))
+        .await
+        .unwrap();
+    for set in [
+        "SET outbox.max_payload_bytes = '100MB'",
+        "SET outbox.allowed_topics = ''",
+    ] {
+        assert_eq!(sqlstate(c.batch_execute(set).await), "42501", "{set}");
+    }
+
+    // Set before the library is loaded (a placeholder): the value must not survive the load.
+    let fresh = db.connect().await;
+    fresh
+        .batch_execute(&format!(
+            "SET ROLE {}; SET outbox.max_payload_bytes = 100000000",
+            producer.name
+        ))
+        .await
+        .unwrap();
+    let big = format!("{{\"blob\": \"{}\"}}", "x".repeat(2_000_000));
+    let (code, message) = db_error(
+        fresh
+            .query("SELECT outbox_enqueue('orders', $1::text::jsonb)", &[&big])
+            .await,
+    );
+    assert_eq!(code, "54000", "{message}");
+    assert!(message.contains("allows at most 1000000"), "{message}");
+    assert_eq!(row_count(&db.connect().await).await, 1, "nothing written");
+}
+
+#[tokio::test]
+async fn the_size_limit_counts_payload_key_and_headers_exactly() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.max_payload_bytes = 100")
+        .await
+        .unwrap();
+    // payload {"a": "xx…"} is 9 + n bytes as JSON text, key "k1" 2 bytes, headers {"h": "v"} 10.
+    let payload = |n: usize| format!("{{\"a\": \"{}\"}}", "x".repeat(n));
+    let at_limit = payload(100 - 9 - 2 - 10);
+    assert_eq!(at_limit.len() + 2 + 10, 100);
+    let enqueue = "SELECT outbox_enqueue('orders', $1::text::jsonb, key => 'k1', headers => '{\"h\": \"v\"}')";
+    c.execute(enqueue, &[&at_limit]).await.unwrap();
+    let over = payload(100 - 9 - 2 - 10 + 1);
+    rejects(&c, enqueue, &[&over], "54000", "message is 101 bytes").await;
+
+    // A huge key or header under a small payload limit is refused like a huge payload.
+    c.batch_execute("SET outbox.max_payload_bytes = '1MB'")
+        .await
+        .unwrap();
+    let five_mb = "k".repeat(5_000_000);
+    rejects(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}', key => $1)",
+        &[&five_mb],
+        "54000",
+        "key 5000000",
+    )
+    .await;
+    let header = serde_json::json!({ "trace": five_mb }).to_string();
+    rejects(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}', headers => $1::text::jsonb)",
+        &[&header],
+        "54000",
+        "headers 50000",
+    )
+    .await;
+    assert_eq!(row_count(&c).await, 1);
+}
+
+#[tokio::test]
+async fn deliver_at_must_be_finite() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    for at in ["infinity", "-infinity"] {
+        rejects(
+            &c,
+            "SELECT outbox_enqueue('orders', '{}', deliver_at => $1::text::timestamptz)",
+            &[&at],
+            "22023",
+            "deliver_at",
+        )
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn the_topic_allow_list_is_enforced_at_enqueue() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.allowed_topics = 'orders, payments.*'")
+        .await
+        .unwrap();
+    for ok in ["orders", "payments.v1", "payments.refunds"] {
+        c.execute("SELECT outbox_enqueue($1, '{}')", &[&ok])
+            .await
+            .unwrap_or_else(|e| panic!("{ok}: {e}"));
+    }
+    for refused in ["payments", "orders.v2", "__consumer_offsets", "billing"] {
+        rejects(
+            &c,
+            "SELECT outbox_enqueue($1, '{}')",
+            &[&refused],
+            "22023",
+            &format!("topic \"{refused}\" is not in outbox.allowed_topics"),
+        )
+        .await;
+    }
+    c.batch_execute("SET outbox.allowed_topics = 'orders, or*ders'")
+        .await
+        .unwrap();
+    rejects(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}')",
+        &[],
+        "22023",
+        "entry \"or*ders\"",
+    )
+    .await;
+    c.batch_execute("RESET outbox.allowed_topics").await.unwrap();
+    c.execute("SELECT outbox_enqueue('billing', '{}')", &[])
+        .await
+        .unwrap();
+    assert_eq!(row_count(&c).await, 4);
+}
+
+#[tokio::test]
+async fn row_locking_calls_require_read_committed() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute(
+        "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3);
+         SELECT outbox_claim('relay-a', 1);",
+    )
+    .await
+    .unwrap();
+    for call in [
+        "SELECT * FROM outbox_claim('relay-a', 10)",
+        "SELECT outbox_ack('relay-a', 1, '{1}')",
+        "SELECT outbox_nack('relay-a', 1, '{1}', 'e')",
+        "SELECT outbox_renew('relay-a', 1, '{1}')",
+        "SELECT outbox_reclaim('1 second')",
+        "SELECT outbox_requeue('{1}')",
+        "SELECT outbox_purge('0 seconds')",
+    ] {
+        for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+            c.batch_execute(&format!("BEGIN ISOLATION LEVEL {level}"))
+                .await
+                .unwrap();
+            let (code, message) = db_error(c.query(call, &[]).await);
+            c.batch_execute("ROLLBACK").await.unwrap();
+            assert_eq!(code, "25000", "{call} at {level}: {message}");
+            assert!(
+                message.contains("READ COMMITTED") && message.contains(level),
+                "{call}: {message}"
+            );
+        }
+    }
+    // Producers may use any isolation level: enqueue only inserts.
+    c.batch_execute(
+        "BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT outbox_enqueue('orders', '{}'); COMMIT",
+    )
+    .await
+    .unwrap();
+    assert_eq!(row_count(&c).await, 4);
+}
+
+/// Polls until `pid` waits for a lock (or `done()` says its call returned).
+async fn until_blocked_or_done(watch: &Client, pid: i32, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if done() {
+            return;
+        }
+        let waiting: bool = scalar(
+            watch,
+            "SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1",
+            &[&pid],
+        )
+        .await;
+        if waiting {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("backend {pid} neither blocked nor finished within 20 s");
+}
+
+/// Ack takes rows in id order; reclaim used to take them in claimed_at order and wait, which
+/// deadlocked (40P01) when an ack held a row that reclaim wanted and waited for one it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaim_and_ack_never_deadlock() {
+    let db = TestDb::create();
+    let setup = db.connect().await;
+    setup
+        .batch_execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3)")
+        .await
+        .unwrap();
+    let token: i64 = scalar(
+        &setup,
+        "SELECT max(claim_token) FROM outbox_claim('relay-a', 3)",
+        &[],
+    )
+    .await;
+    // Their leases expired, oldest first: 3, then 1, then 2. Around them, 2,000 live claims of
+    // another relay, so that the planner picks the plans of a production-sized table: ack by
+    // primary key (id order), the old reclaim by the lease index (claimed_at order).
+    setup
+        .batch_execute(
+            "UPDATE outbox_event SET claimed_at = now() - interval '30 min' WHERE id = 3;
+             UPDATE outbox_event SET claimed_at = now() - interval '20 min' WHERE id = 1;
+             UPDATE outbox_event SET claimed_at = now() - interval '10 min' WHERE id = 2;
+             SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 2000);
+             SELECT count(*) FROM outbox_claim('relay-b', 2000);",
+        )
+        .await
+        .unwrap();
+    setup.batch_execute("ANALYZE outbox_event").await.unwrap();
+
+    // A third session holds row 2 so that the ack stops between its rows.
+    let blocker = db.connect().await;
+    blocker
+        .batch_execute("BEGIN; SELECT 1 FROM outbox_event WHERE id = 2 FOR UPDATE")
+        .await
+        .unwrap();
+    let acker = db.connect().await;
+    let reclaimer = db.connect().await;
+    let acker_pid: i32 = scalar(&acker, "SELECT pg_backend_pid()", &[]).await;
+    let reclaimer_pid: i32 = scalar(&reclaimer, "SELECT pg_backend_pid()", &[]).await;
+
+    let ack = tokio::spawn(async move {
+        acker
+            .query_one("SELECT outbox_ack('relay-a', $1, '{1,2,3}')", &[&token])
+            .await
+            .map(|r| r.get::<_, i32>(0))
+    });
+    until_blocked_or_done(&setup, acker_pid, || ack.is_finished()).await;
+    let reclaim = tokio::spawn(async move {
+        reclaimer
+            .query_one("SELECT outbox_reclaim('1 second')", &[])
+            .await
+            .map(|r| r.get::<_, i32>(0))
+    });
+    until_blocked_or_done(&setup, reclaimer_pid, || reclaim.is_finished()).await;
+    blocker.batch_execute("COMMIT").await.unwrap();
+
+    let acked = ack.await.unwrap().expect("ack must not deadlock");
+    let reclaimed = reclaim.await.unwrap().expect("reclaim must not deadlock");
+    assert_eq!(acked + reclaimed, 3, "every row settled exactly once");
+    let success: i64 = scalar(
+        &setup,
+        "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
+        &[],
+    )
+    .await;
+    let back: i64 = scalar(
+        &setup,
+        "SELECT count(*) FROM outbox_event WHERE status = 'WAIT' AND retry_count = 1 AND id <= 3",
+        &[],
+    )
+    .await;
+    assert_eq!((success, back), (acked as i64, reclaimed as i64));
+}
+
+/// Rows an `outbox_purge` call read from the table in this transaction: (sequential, by index).
+async fn purge_reads(c: &Client, call: &str) -> (i64, i64, i64) {
+    c.batch_execute("BEGIN").await.unwrap();
+    let deleted: i64 = scalar(c, call, &[]).await;
+    let row = c
+        .query_one(
+            "SELECT seq_tup_read, coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables \
+             WHERE relid = 'outbox_event'::regclass",
+            &[],
+        )
+        .await
+        .unwrap();
+    c.batch_execute("COMMIT").await.unwrap();
+    (deleted, row.get(0), row.get(1))
+}
+
+#[tokio::test]
+async fn purge_reads_only_the_rows_it_deletes() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute(
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 20000) g;
+         UPDATE outbox_event SET status = 'SUCCESS', updated_at = now() - interval '1 hour';
+         UPDATE outbox_event SET updated_at = now() - interval '8 days' WHERE id <= 100;",
+    )
+    .await
+    .unwrap();
+    c.batch_execute("VACUUM ANALYZE outbox_event").await.unwrap();
+    let (deleted, seq, fetched) = purge_reads(&c, "SELECT outbox_purge('7 days', 1000)").await;
+    assert_eq!(deleted, 100);
+    assert_eq!(seq, 0, "purge scanned the table");
+    assert!(fetched <= 2 * 100 + 10, "purge fetched {fetched} rows to delete 100");
+    // Nothing left to delete among 19,900 rows: the call only steps over the index entries of
+    // the rows just deleted (dead until vacuum), not over the history.
+    let (deleted, seq, fetched) = purge_reads(&c, "SELECT outbox_purge('7 days', 1000)").await;
+    assert_eq!((deleted, seq), (0, 0));
+    assert!(
+        fetched <= 2 * 100 + 10,
+        "a purge with nothing to do fetched {fetched} rows"
+    );
+}
+
+#[tokio::test]
+async fn a_nack_without_a_reason_keeps_the_last_error() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.backoff_base = '1ms'; SELECT outbox_enqueue('orders', '{}')")
+        .await
+        .unwrap();
+    for error in [Some("broker down"), None] {
+        let token: i64 = scalar(
+            &c,
+            "SELECT claim_token FROM outbox_claim('relay-a', 1)",
+            &[],
+        )
+        .await;
+        let n: i32 = scalar(
+            &c,
+            "SELECT outbox_nack('relay-a', $1, '{1}', $2)",
+            &[&token, &error],
+        )
+        .await;
+        assert_eq!(n, 1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let last: Option<String> =
+        scalar(&c, "SELECT last_error FROM outbox_event WHERE id = 1", &[]).await;
+    assert_eq!(last.as_deref(), Some("broker down"));
+}
+
+#[tokio::test]
+async fn no_extension_function_that_raises_is_immutable() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let immutable: Vec<String> = c
+        .query(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p \
+             JOIN pg_depend d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e' \
+             JOIN pg_extension x ON x.oid = d.refobjid AND x.extname = 'outbox' \
+             WHERE p.provolatile = 'i' AND p.prosrc ~* 'RAISE'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        immutable.is_empty(),
+        "IMMUTABLE functions may be folded at plan time, raising errors out of place: {immutable:?}"
+    );
+}
+
+#[tokio::test]
+async fn truncate_restart_identity_never_reissues_an_event_id() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let first: Vec<(i64, String)> = enqueue_and_read(&c, 3).await;
+    c.batch_execute("TRUNCATE outbox_event RESTART IDENTITY")
+        .await
+        .unwrap();
+    let second = enqueue_and_read(&c, 3).await;
+    let ids = |v: &[(i64, String)]| v.iter().map(|(i, _)| *i).collect::<Vec<_>>();
+    assert_eq!(ids(&first), ids(&second), "the bigint ids are reissued");
+    for (_, uuid) in &second {
+        assert!(
+            !first.iter().any(|(_, u)| u == uuid),
+            "event_id {uuid} reissued"
+        );
+        assert_eq!(&uuid[14..15], "7", "UUID version 7: {uuid}");
+    }
+}
+
+/// Enqueues `n` events and returns their (id, event_id) in id order.
+pub async fn enqueue_and_read(c: &Client, n: i64) -> Vec<(i64, String)> {
+    c.execute(
+        "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, $1::bigint)",
+        &[&n],
+    )
+    .await
+    .unwrap();
+    c.query(
+        "SELECT id, event_id::text FROM outbox_event ORDER BY id DESC LIMIT $1",
+        &[&n],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .rev()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}

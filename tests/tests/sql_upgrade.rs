@@ -1,0 +1,134 @@
+//! The upgrade chain (sql/outbox--A--B.sql): a database on the first release with events in
+//! flight is updated with `ALTER EXTENSION outbox UPDATE`, the relay's held claims still settle,
+//! everything drains, and the updated catalog is exactly what a fresh install creates.
+//! Every schema change adds its step to the chain, and this test starts from the first release.
+
+use std::collections::BTreeMap;
+
+use outbox_tests::db::{scalar, TestDb};
+use tokio_postgres::Client;
+
+const FIRST_RELEASE: &str = "0.1.0";
+const CURRENT: &str = env!("CARGO_PKG_VERSION");
+
+/// Everything the extension defines, as text keyed by object, for comparing two databases.
+async fn catalog(c: &Client) -> BTreeMap<String, String> {
+    let queries = [
+        // Functions with their whole definition (body, volatility, SET clauses) and grants.
+        "SELECT 'function ' || p.oid::regprocedure::text, \
+                pg_get_functiondef(p.oid) || coalesce(p.proacl::text, '') \
+           FROM pg_proc p JOIN pg_depend d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid \
+           JOIN pg_extension x ON x.oid = d.refobjid AND d.deptype = 'e' AND x.extname = 'outbox'",
+        "SELECT 'column ' || a.attnum || ' ' || a.attname, \
+                format_type(a.atttypid, a.atttypmod) || ' notnull=' || a.attnotnull \
+                || ' default=' || coalesce(pg_get_expr(ad.adbin, ad.adrelid), '') \
+           FROM pg_attribute a LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum \
+          WHERE a.attrelid = 'outbox_event'::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+        "SELECT 'index ' || c.relname, pg_get_indexdef(c.oid) \
+           FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+          WHERE i.indrelid = 'outbox_event'::regclass",
+        "SELECT 'table options', coalesce(array_to_string(reloptions, ','), '') || ' acl=' || coalesce(relacl::text, '') \
+           FROM pg_class WHERE oid = 'outbox_event'::regclass",
+        "SELECT 'type ' || t.typname, string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder) \
+           FROM pg_type t JOIN pg_enum e ON e.enumtypid = t.oid \
+          WHERE t.typname = 'outbox_status' GROUP BY t.typname",
+        "SELECT 'dumped with pg_dump', array_to_string(ARRAY(SELECT c::regclass::text FROM unnest(extconfig) c ORDER BY 1), ',') \
+           FROM pg_extension WHERE extname = 'outbox'",
+    ];
+    let mut out = BTreeMap::new();
+    for q in queries {
+        for row in c.query(q, &[]).await.unwrap_or_else(|e| panic!("{q}: {e}")) {
+            out.insert(row.get(0), row.get(1));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn update_from_the_first_release_with_events_in_flight() {
+    let db = TestDb::empty();
+    let c = db.connect().await;
+    c.batch_execute(&format!("CREATE EXTENSION outbox VERSION '{FIRST_RELEASE}'"))
+        .await
+        .unwrap();
+    c.batch_execute(
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || (g % 3)) \
+         FROM generate_series(1, 6) g",
+    )
+    .await
+    .unwrap();
+    let token: i64 = scalar(
+        &c,
+        "SELECT max(claim_token) FROM outbox_claim('relay-a', 4)",
+        &[],
+    )
+    .await;
+
+    c.batch_execute("ALTER EXTENSION outbox UPDATE").await.unwrap();
+    let version: String = scalar(
+        &c,
+        "SELECT extversion FROM pg_extension WHERE extname = 'outbox'",
+        &[],
+    )
+    .await;
+    assert_eq!(version, CURRENT);
+    let distinct_ids: i64 = scalar(
+        &c,
+        "SELECT count(DISTINCT event_id) FROM outbox_event",
+        &[],
+    )
+    .await;
+    assert_eq!(distinct_ids, 6, "rows from before the update get their own event_id");
+
+    // The claim taken before the update is still held: ack, nack and renew it.
+    let settle = |sql: &'static str| {
+        let c = &c;
+        async move { scalar::<i32>(c, sql, &[&token]).await }
+    };
+    assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{1,2}')").await, 2);
+    assert_eq!(settle("SELECT outbox_nack('relay-a', $1, '{3}', 'x')").await, 1);
+    assert_eq!(settle("SELECT outbox_renew('relay-a', $1, '{4}')").await, 1);
+    assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{4}')").await, 1);
+
+    // Drain what is left (event 3 after its backoff, 5 and 6) through the new code.
+    c.batch_execute("UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'")
+        .await
+        .unwrap();
+    let claimed = c
+        .query("SELECT id, claim_token FROM outbox_claim('relay-b', 10)", &[])
+        .await
+        .unwrap();
+    let mut ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
+    ids.sort();
+    assert_eq!(ids, vec![3, 5, 6]);
+    let t: i64 = claimed[0].get(1);
+    let n: i32 = scalar(&c, "SELECT outbox_ack('relay-b', $1, '{3,5,6}')", &[&t]).await;
+    assert_eq!(n, 3);
+    let success: i64 = scalar(
+        &c,
+        "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
+        &[],
+    )
+    .await;
+    assert_eq!(success, 6);
+
+    let fresh = TestDb::create();
+    let upgraded = catalog(&c).await;
+    let installed = catalog(&fresh.connect().await).await;
+    assert!(
+        installed.len() > 40,
+        "the catalog query found too little to compare: {installed:?}"
+    );
+    for (object, definition) in &installed {
+        assert_eq!(
+            upgraded.get(object),
+            Some(definition),
+            "{object} differs between the updated and a fresh install"
+        );
+    }
+    let extra: Vec<_> = upgraded
+        .keys()
+        .filter(|k| !installed.contains_key(*k))
+        .collect();
+    assert!(extra.is_empty(), "left over by the update: {extra:?}");
+}
