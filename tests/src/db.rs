@@ -2,10 +2,12 @@
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use futures_util::{stream, StreamExt};
 use tokio_postgres::types::{FromSqlOwned, ToSql};
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::{AsyncMessage, Client, NoTls};
 
 /// libpq-style parameters of the server the tests use, without a database name.
 /// `OUTBOX_TEST_PG` overrides the default local superuser connection.
@@ -105,6 +107,26 @@ pub async fn connect(url: &str) -> Client {
         let _ = conn.await;
     });
     client
+}
+
+/// Connects like [`connect`] and collects the session's notices and warnings (RAISE NOTICE,
+/// RAISE WARNING) as "SEVERITY: message" lines, in arrival order.
+pub async fn connect_with_notices(url: &str) -> (Client, Arc<Mutex<Vec<String>>>) {
+    let (client, mut conn) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    let notices = Arc::new(Mutex::new(Vec::new()));
+    let sink = notices.clone();
+    let mut messages = stream::poll_fn(move |cx| conn.poll_message(cx));
+    tokio::spawn(async move {
+        while let Some(Ok(msg)) = messages.next().await {
+            if let AsyncMessage::Notice(n) = msg {
+                let line = format!("{}: {}", n.severity(), n.message());
+                sink.lock().unwrap().push(line);
+            }
+        }
+    });
+    (client, notices)
 }
 
 /// The SQLSTATE (e.g. "22023") and message of a failed statement; panics if the call succeeded

@@ -1,76 +1,13 @@
 //! Privileges (CONTRACT.md section 4) with the README's GRANT recipe, and a hostile search_path.
 
-use std::process::Command;
-
-use outbox_tests::db::{psql_admin, scalar, sqlstate, TestDb};
-
-/// Three roles of the recipe plus one with no grants; dropped after the test database.
-struct Roles {
-    suffix: String,
-}
-
-impl Roles {
-    fn create(db: &TestDb) -> Roles {
-        let suffix = db.name.trim_start_matches("outbox_test_").to_string();
-        let roles = Roles { suffix };
-        for r in roles.all() {
-            psql_admin(&format!("CREATE ROLE {r} NOLOGIN"));
-        }
-        let out = Command::new("psql")
-            .arg(db.url())
-            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
-            .arg("-v")
-            .arg(format!("producer={}", roles.name("producer")))
-            .arg("-v")
-            .arg(format!("relay={}", roles.name("relay")))
-            .arg("-v")
-            .arg(format!("admin={}", roles.name("admin")))
-            .args([
-                "-f",
-                concat!(
-                    env!("CARGO_MANIFEST_DIR"),
-                    "/../sql/examples/grant-roles.sql"
-                ),
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        roles
-    }
-    fn name(&self, kind: &str) -> String {
-        format!("outbox_{kind}_{}", self.suffix)
-    }
-    fn all(&self) -> Vec<String> {
-        ["producer", "relay", "admin", "nobody"]
-            .iter()
-            .map(|k| self.name(k))
-            .collect()
-    }
-}
-
-impl Drop for Roles {
-    fn drop(&mut self) {
-        for r in self.all() {
-            let _ = Command::new("psql")
-                .arg(format!(
-                    "{} dbname=postgres",
-                    outbox_tests::db::server_params()
-                ))
-                .args(["-X", "-q", "-c", &format!("DROP ROLE IF EXISTS {r}")])
-                .output();
-        }
-    }
-}
+use outbox_tests::db::{scalar, sqlstate, TestDb};
+use outbox_tests::roles::Roles;
 
 #[tokio::test]
 async fn each_role_can_do_exactly_its_part() {
     let roles;
     let db = TestDb::create();
-    roles = Roles::create(&db);
+    roles = Roles::create(&db, &["nobody"]);
     let c = db.connect().await;
     let as_role = |kind: &str| format!("SET ROLE {}", roles.name(kind));
 

@@ -1,0 +1,70 @@
+//! The roles of the README's GRANT recipe (sql/examples/grant-roles.sql), created per test database.
+
+use std::process::Command;
+
+use crate::db::{psql_admin, server_params, TestDb};
+
+/// producer, relay and admin with the recipe's grants, plus extra roles with none. Roles belong to
+/// the whole server: declare this before the `TestDb` so it is dropped after the database.
+pub struct Roles {
+    suffix: String,
+    kinds: Vec<&'static str>,
+}
+
+impl Roles {
+    /// Creates the recipe's three roles (NOLOGIN) and runs the recipe, then creates `extra` roles
+    /// (NOLOGIN, no grants).
+    pub fn create(db: &TestDb, extra: &[&'static str]) -> Roles {
+        let mut kinds = vec!["producer", "relay", "admin"];
+        kinds.extend_from_slice(extra);
+        let roles = Roles {
+            suffix: db.name.trim_start_matches("outbox_test_").to_string(),
+            kinds,
+        };
+        for r in roles.all() {
+            psql_admin(&format!("CREATE ROLE {r} NOLOGIN"));
+        }
+        let mut psql = Command::new("psql");
+        psql.arg(db.url())
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"]);
+        for kind in ["producer", "relay", "admin"] {
+            psql.arg("-v").arg(format!("{kind}={}", roles.name(kind)));
+        }
+        let out = psql
+            .args([
+                "-f",
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/../sql/examples/grant-roles.sql"
+                ),
+            ])
+            .output()
+            .expect("psql must be installed");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        roles
+    }
+
+    /// The server-wide name of the role of this kind ("producer", "relay", "admin" or an extra).
+    pub fn name(&self, kind: &str) -> String {
+        format!("outbox_{kind}_{}", self.suffix)
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.kinds.iter().map(|k| self.name(k)).collect()
+    }
+}
+
+impl Drop for Roles {
+    fn drop(&mut self) {
+        for r in self.all() {
+            let _ = Command::new("psql")
+                .arg(format!("{} dbname=postgres", server_params()))
+                .args(["-X", "-q", "-c", &format!("DROP ROLE IF EXISTS {r}")])
+                .output();
+        }
+    }
+}
