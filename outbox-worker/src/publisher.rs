@@ -426,7 +426,9 @@ mod tests {
 
     #[test]
     fn headers_carry_ids_and_row_headers_but_not_spoofed_reserved_ones() {
-        let h = build_headers(&ev(r#"{"trace":"t1","event_id":"999","outbox_id":"7","n":5}"#));
+        let h = build_headers(&ev(
+            r#"{"trace":"t1","event_id":"999","outbox_id":"7","n":5}"#,
+        ));
         let p = pairs(&h);
         assert_eq!(
             p,

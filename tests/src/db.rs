@@ -188,5 +188,9 @@ pub async fn rejects(
         message.contains(needle),
         "{sql}: message {message:?} should name {needle:?}"
     );
-    assert_eq!(before, table_fingerprint(c).await, "{sql} changed the table");
+    assert_eq!(
+        before,
+        table_fingerprint(c).await,
+        "{sql} changed the table"
+    );
 }

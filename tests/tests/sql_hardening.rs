@@ -4,50 +4,21 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_tests::db::{db_error, psql_admin, rejects, row_count, scalar, sqlstate, TestDb};
+use outbox_tests::db::{db_error, rejects, row_count, scalar, sqlstate, TestDb};
+use outbox_tests::roles::Roles;
 use tokio_postgres::Client;
-
-/// A role that may only enqueue, as in sql/examples/grant-roles.sql; dropped with the test.
-struct Producer {
-    name: String,
-}
-
-impl Producer {
-    fn create(db: &TestDb) -> Producer {
-        let name = format!("{}_producer", db.name);
-        psql_admin(&format!("CREATE ROLE {name} NOLOGIN"));
-        db.psql(&format!(
-            "GRANT USAGE ON SCHEMA public TO {name}; \
-             GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz) TO {name}"
-        ));
-        Producer { name }
-    }
-}
-
-impl Drop for Producer {
-    fn drop(&mut self) {
-        // Declared before the database, so this runs after the database (and its grants) is gone.
-        let _ = std::process::Command::new("psql")
-            .arg(format!(
-                "{} dbname=postgres",
-                outbox_tests::db::server_params()
-            ))
-            .args(["-X", "-q", "-c"])
-            .arg(format!("DROP ROLE IF EXISTS {}", self.name))
-            .output();
-    }
-}
 
 #[tokio::test]
 async fn producers_cannot_lift_the_producer_guards() {
-    let producer;
+    let roles;
     let db = TestDb::create();
-    producer = Producer::create(&db);
+    roles = Roles::create(&db, &[]);
+    let producer = roles.name("producer");
     let c = db.connect().await;
     c.execute("SELECT outbox_enqueue('orders', '{}')", &[])
         .await
         .unwrap();
-    c.batch_execute(&format!("SET ROLE {}", producer.name))
+    c.batch_execute(&format!("SET ROLE {producer}"))
         .await
         .unwrap();
     for set in [
@@ -61,8 +32,7 @@ async fn producers_cannot_lift_the_producer_guards() {
     let fresh = db.connect().await;
     fresh
         .batch_execute(&format!(
-            "SET ROLE {}; SET outbox.max_payload_bytes = 100000000",
-            producer.name
+            "SET ROLE {producer}; SET outbox.max_payload_bytes = 100000000"
         ))
         .await
         .unwrap();
@@ -167,7 +137,9 @@ async fn the_topic_allow_list_is_enforced_at_enqueue() {
         "entry \"or*ders\"",
     )
     .await;
-    c.batch_execute("RESET outbox.allowed_topics").await.unwrap();
+    c.batch_execute("RESET outbox.allowed_topics")
+        .await
+        .unwrap();
     c.execute("SELECT outbox_enqueue('billing', '{}')", &[])
         .await
         .unwrap();
@@ -339,11 +311,16 @@ async fn purge_reads_only_the_rows_it_deletes() {
     )
     .await
     .unwrap();
-    c.batch_execute("VACUUM ANALYZE outbox_event").await.unwrap();
+    c.batch_execute("VACUUM ANALYZE outbox_event")
+        .await
+        .unwrap();
     let (deleted, seq, fetched) = purge_reads(&c, "SELECT outbox_purge('7 days', 1000)").await;
     assert_eq!(deleted, 100);
     assert_eq!(seq, 0, "purge scanned the table");
-    assert!(fetched <= 2 * 100 + 10, "purge fetched {fetched} rows to delete 100");
+    assert!(
+        fetched <= 2 * 100 + 10,
+        "purge fetched {fetched} rows to delete 100"
+    );
     // Nothing left to delete among 19,900 rows: the call only steps over the index entries of
     // the rows just deleted (dead until vacuum), not over the history.
     let (deleted, seq, fetched) = purge_reads(&c, "SELECT outbox_purge('7 days', 1000)").await;

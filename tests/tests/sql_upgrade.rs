@@ -48,9 +48,11 @@ async fn catalog(c: &Client) -> BTreeMap<String, String> {
 async fn update_from_the_first_release_with_events_in_flight() {
     let db = TestDb::empty();
     let c = db.connect().await;
-    c.batch_execute(&format!("CREATE EXTENSION outbox VERSION '{FIRST_RELEASE}'"))
-        .await
-        .unwrap();
+    c.batch_execute(&format!(
+        "CREATE EXTENSION outbox VERSION '{FIRST_RELEASE}'"
+    ))
+    .await
+    .unwrap();
     c.batch_execute(
         "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || (g % 3)) \
          FROM generate_series(1, 6) g",
@@ -64,7 +66,9 @@ async fn update_from_the_first_release_with_events_in_flight() {
     )
     .await;
 
-    c.batch_execute("ALTER EXTENSION outbox UPDATE").await.unwrap();
+    c.batch_execute("ALTER EXTENSION outbox UPDATE")
+        .await
+        .unwrap();
     let version: String = scalar(
         &c,
         "SELECT extversion FROM pg_extension WHERE extname = 'outbox'",
@@ -72,13 +76,12 @@ async fn update_from_the_first_release_with_events_in_flight() {
     )
     .await;
     assert_eq!(version, CURRENT);
-    let distinct_ids: i64 = scalar(
-        &c,
-        "SELECT count(DISTINCT event_id) FROM outbox_event",
-        &[],
-    )
-    .await;
-    assert_eq!(distinct_ids, 6, "rows from before the update get their own event_id");
+    let distinct_ids: i64 =
+        scalar(&c, "SELECT count(DISTINCT event_id) FROM outbox_event", &[]).await;
+    assert_eq!(
+        distinct_ids, 6,
+        "rows from before the update get their own event_id"
+    );
 
     // The claim taken before the update is still held: ack, nack and renew it.
     let settle = |sql: &'static str| {
@@ -86,7 +89,10 @@ async fn update_from_the_first_release_with_events_in_flight() {
         async move { scalar::<i32>(c, sql, &[&token]).await }
     };
     assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{1,2}')").await, 2);
-    assert_eq!(settle("SELECT outbox_nack('relay-a', $1, '{3}', 'x')").await, 1);
+    assert_eq!(
+        settle("SELECT outbox_nack('relay-a', $1, '{3}', 'x')").await,
+        1
+    );
     assert_eq!(settle("SELECT outbox_renew('relay-a', $1, '{4}')").await, 1);
     assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{4}')").await, 1);
 
@@ -95,7 +101,10 @@ async fn update_from_the_first_release_with_events_in_flight() {
         .await
         .unwrap();
     let claimed = c
-        .query("SELECT id, claim_token FROM outbox_claim('relay-b', 10)", &[])
+        .query(
+            "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
+            &[],
+        )
         .await
         .unwrap();
     let mut ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
