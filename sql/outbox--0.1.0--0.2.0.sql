@@ -168,9 +168,6 @@ CREATE OR REPLACE FUNCTION @extschema@.outbox_claim(owner text, max_events int D
 RETURNS SETOF @extschema@.outbox_event
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
--- Plan the claim for each call's own batch size and clock: a cached generic plan may hash-join
--- the whole backlog (docs/reference.md, "Plan stability").
-SET plan_cache_mode = force_custom_plan
 AS $$
 DECLARE
     cfg record;
@@ -189,7 +186,9 @@ BEGIN
     token := nextval('@extschema@.outbox_claim_token_seq');
 
     -- The MATERIALIZED CTE pins LIMIT to the row locks actually taken; SKIP LOCKED means
-    -- concurrent claimers split the due rows instead of queueing behind each other.
+    -- concurrent claimers split the due rows instead of queueing behind each other. The UPDATE
+    -- finds the locked rows through an id array: one primary-key lookup per id in every plan,
+    -- where a join to the CTE may hash the whole backlog (docs/reference.md, "Hardening").
     RETURN QUERY
     WITH due AS MATERIALIZED (
         SELECT c.id
@@ -199,12 +198,15 @@ BEGIN
         LIMIT max_events
         FOR UPDATE SKIP LOCKED
     )
-    UPDATE @extschema@.outbox_event e
-       SET status = 'SENDING', claim_owner = owner, claim_token = token,
-           claimed_at = stamp, updated_at = stamp
-      FROM due
-     WHERE e.id = due.id AND e.status = 'WAIT'
-    RETURNING e.*;
+    , claimed AS (
+        UPDATE @extschema@.outbox_event e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT due.id FROM due)) AND e.status = 'WAIT'
+        RETURNING e.*
+    )
+    -- UPDATE ... RETURNING has no order: give the relay its rows in due order.
+    SELECT * FROM claimed c ORDER BY c.next_retry_time, c.id;
 END
 $$;
 
@@ -229,8 +231,7 @@ BEGIN
     )
     UPDATE @extschema@.outbox_event e
        SET status = 'SUCCESS', updated_at = clock_timestamp()
-      FROM held
-     WHERE e.id = held.id AND e.status = 'SENDING'
+     WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
@@ -270,8 +271,7 @@ BEGIN
            claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
            -- A nack without a reason keeps the last one instead of erasing it.
            last_error = coalesce(error, e.last_error), updated_at = stamp
-      FROM held
-     WHERE e.id = held.id AND e.status = 'SENDING'
+     WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
@@ -300,8 +300,7 @@ BEGIN
     )
     UPDATE @extschema@.outbox_event e
        SET claimed_at = stamp, updated_at = stamp
-      FROM held
-     WHERE e.id = held.id AND e.status = 'SENDING'
+     WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
@@ -346,8 +345,7 @@ BEGIN
            last_error = format('lease expired: claimed by %s at %s, not settled within %s',
                                e.claim_owner, e.claimed_at, lease),
            claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
-      FROM expired
-     WHERE e.id = expired.id AND e.status = 'SENDING' AND e.claimed_at < stamp - lease;
+     WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease;
     GET DIAGNOSTICS done = ROW_COUNT;
     IF done > 0 AND cfg.notify THEN
         PERFORM pg_notify('outbox', '');
@@ -378,8 +376,7 @@ BEGIN
     )
     UPDATE @extschema@.outbox_event e
        SET status = 'WAIT', retry_count = 0, next_retry_time = stamp, updated_at = stamp
-      FROM dead
-     WHERE e.id = dead.id AND e.status = 'FAIL';
+     WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL';
     GET DIAGNOSTICS done = ROW_COUNT;
     IF done > 0 AND cfg.notify THEN
         PERFORM pg_notify('outbox', '');
@@ -392,8 +389,8 @@ CREATE OR REPLACE FUNCTION @extschema@.outbox_purge(older_than interval DEFAULT 
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
--- Planned per call: with the real cutoff and max_rows the planner walks the SUCCESS index and
--- joins by primary key; a generic plan may scan the whole history instead.
+-- Planned per call: with the real cutoff the planner walks the SUCCESS index; a generic plan
+-- (unknown cutoff) may scan the whole history instead (test: purge_reads_only_the_rows_it_deletes).
 SET plan_cache_mode = force_custom_plan
 AS $$
 DECLARE
@@ -421,8 +418,7 @@ BEGIN
          FOR UPDATE SKIP LOCKED
     )
     DELETE FROM @extschema@.outbox_event e
-     USING old
-     WHERE e.id = old.id AND e.status = 'SUCCESS';
+     WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status = 'SUCCESS';
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
 END

@@ -149,7 +149,11 @@ pub fn sqlstate<T: std::fmt::Debug>(result: Result<T, tokio_postgres::Error>) ->
 }
 
 /// The first column of the single row `sql` returns; panics (failing the test) on any error.
-pub async fn scalar<T: FromSqlOwned>(c: &Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> T {
+pub async fn scalar<T: FromSqlOwned>(
+    c: &impl tokio_postgres::GenericClient,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> T {
     c.query_one(sql, params)
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"))

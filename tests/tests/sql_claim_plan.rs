@@ -14,18 +14,15 @@
 //! Buffers are printed but are not the yardstick: the UPDATE's own writes (row lock, new row
 //! version, two index entries) cost ~15 buffers per claimed row, so a 2,000-row batch touches more
 //! buffers than the whole table has pages, whatever the plan. Rows read are proportional or not.
-//!
-//! To try a fix without reinstalling the extension, point `OUTBOX_TEST_CLAIM_PATCH` at a SQL file
-//! (e.g. a `CREATE OR REPLACE FUNCTION outbox_claim ...`); it is run as superuser in each test
-//! database before the claims.
 
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
 
-use futures_util::{stream, StreamExt};
-use outbox_tests::db::{scalar, TestDb};
+use outbox_tests::db::{connect_with_notices, scalar, TestDb};
 use serde_json::Value;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-use tokio_postgres::{AsyncMessage, Client, NoTls};
+use tokio_postgres::Client;
+
+/// The session's notices, as `connect_with_notices` collects them.
+type Notices = Arc<Mutex<Vec<String>>>;
 
 /// Due WAIT rows when the statistics are taken (the only ANALYZE of a test).
 const BACKLOG: i32 = 20_000;
@@ -67,22 +64,10 @@ fn seed(db: &TestDb, history: i32) {
     db.psql("VACUUM ANALYZE outbox_event");
 }
 
-/// Runs the SQL file named by `OUTBOX_TEST_CLAIM_PATCH`, if any (see the module comment).
-fn apply_claim_patch(db: &TestDb) {
-    if let Some(path) = std::env::var("OUTBOX_TEST_CLAIM_PATCH")
-        .ok()
-        .filter(|p| !p.is_empty())
-    {
-        let sql = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        db.psql(&sql);
-    }
-}
-
-/// A test database with `history` SUCCESS rows, the analyzed backlog and the patch if any.
+/// A test database with `history` SUCCESS rows and the analyzed backlog.
 fn queue_db(history: i32) -> TestDb {
     let db = TestDb::create();
     seed(&db, history);
-    apply_claim_patch(&db);
     db
 }
 
@@ -94,21 +79,6 @@ async fn enqueue(c: &Client, n: i32) {
     )
     .await
     .unwrap();
-}
-
-/// A session whose NOTICE messages (auto_explain's plans among them) arrive on the receiver.
-async fn connect_with_notices(db: &TestDb) -> (Client, UnboundedReceiver<String>) {
-    let (client, mut conn) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
-    let (tx, rx) = unbounded_channel();
-    let mut messages = stream::poll_fn(move |cx| conn.poll_message(cx));
-    tokio::spawn(async move {
-        while let Some(Ok(msg)) = messages.next().await {
-            if let AsyncMessage::Notice(n) = msg {
-                let _ = tx.send(n.message().to_string());
-            }
-        }
-    });
-    (client, rx)
 }
 
 /// Every statement of this session, nested ones included, reports its executed plan as a NOTICE.
@@ -128,7 +98,7 @@ async fn log_plans_as_notices(c: &Client) {
 }
 
 /// Claims a batch as 'relay' and returns the plan of the claim's UPDATE, drained from `notices`.
-async fn claim_and_explain(c: &Client, notices: &mut UnboundedReceiver<String>) -> ClaimPlan {
+async fn claim_and_explain(c: &Client, notices: &Notices) -> ClaimPlan {
     let claimed: i64 = scalar(
         c,
         "SELECT count(*) FROM outbox_claim('relay', $1)",
@@ -142,7 +112,7 @@ async fn claim_and_explain(c: &Client, notices: &mut UnboundedReceiver<String>) 
     );
     // Notices precede the statement's result on the wire, so they are all queued by now.
     let mut claim = None;
-    while let Ok(text) = notices.try_recv() {
+    for text in std::mem::take(&mut *notices.lock().unwrap()) {
         let Some(json) = text.find('{').map(|at| &text[at..]) else {
             continue;
         };
@@ -234,7 +204,7 @@ async fn claim_function(c: &Client) -> String {
 async fn claims_stay_proportional(history: i32) {
     let db = queue_db(history);
     let producer = db.connect().await;
-    let (relay, mut notices) = connect_with_notices(&db).await;
+    let (relay, notices) = connect_with_notices(&db.url()).await;
     log_plans_as_notices(&relay).await;
 
     let mut plans = Vec::new();
@@ -249,7 +219,7 @@ async fn claims_stay_proportional(history: i32) {
             &[],
         )
         .await;
-        let plan = claim_and_explain(&relay, &mut notices).await;
+        let plan = claim_and_explain(&relay, &notices).await;
         report += &format!(
             "call {call:2}: backlog {wait:6}, read {:6} rows, {:5} buffers, {:3} temp blocks, \
              {:7} plan: {}\n",
@@ -295,72 +265,4 @@ async fn claims_read_rows_in_proportion_to_the_batch_with_a_long_history() {
 #[tokio::test]
 async fn claims_read_rows_in_proportion_to_the_batch_with_a_short_history() {
     claims_stay_proportional(20_000).await;
-}
-
-/// µs per `outbox_claim('relay', 20)`, averaged over 200 calls in one new session after 10
-/// warm-up calls (so the plan cache has made its custom-or-generic choice). Commits do not wait
-/// for the WAL flush, which would otherwise hide the planning time.
-async fn claim_latency_us(db: &TestDb) -> f64 {
-    let c = db.connect().await;
-    c.batch_execute("SET synchronous_commit = off")
-        .await
-        .unwrap();
-    for _ in 0..10 {
-        c.query("SELECT * FROM outbox_claim('relay', 20)", &[])
-            .await
-            .unwrap();
-    }
-    let start = Instant::now();
-    for _ in 0..200 {
-        let rows = c
-            .query("SELECT * FROM outbox_claim('relay', 20)", &[])
-            .await
-            .unwrap();
-        assert_eq!(rows.len(), 20);
-    }
-    start.elapsed().as_secs_f64() * 1e6 / 200.0
-}
-
-/// Sets (or with None resets) plan_cache_mode on outbox_claim, in this test database only.
-fn set_claim_plan_cache_mode(db: &TestDb, mode: Option<&str>) {
-    db.psql(&match mode {
-        Some(mode) => {
-            format!("ALTER FUNCTION outbox_claim(text, int) SET plan_cache_mode = {mode}")
-        }
-        None => "ALTER FUNCTION outbox_claim(text, int) RESET plan_cache_mode".to_string(),
-    });
-}
-
-/// The price of planning every claim: the claim's latency with each plan_cache_mode set on the
-/// function (default: the plan cache's own choice), over six rounds that rotate which goes first
-/// (later claims skip more dead index entries). A measurement, not a check: run it with
-/// `--ignored` on an idle machine.
-#[tokio::test]
-#[ignore = "measurement: prints per-call latency, asserts nothing"]
-async fn claim_latency_per_plan_cache_mode() {
-    const MODES: [Option<&str>; 3] = [None, Some("force_generic_plan"), Some("force_custom_plan")];
-    const ROUNDS: usize = 6;
-    let db = queue_db(200_000);
-    enqueue(
-        &db.connect().await,
-        (ROUNDS * MODES.len() * 210 * 20) as i32,
-    )
-    .await;
-    let function = claim_function(&db.connect().await).await;
-    let mut us = vec![Vec::new(); MODES.len()];
-    for round in 0..ROUNDS {
-        for m in (0..MODES.len()).map(|i| (i + round) % MODES.len()) {
-            set_claim_plan_cache_mode(&db, MODES[m]);
-            us[m].push(claim_latency_us(&db).await);
-        }
-    }
-    println!("{function}, then for each mode:");
-    for (mode, mut v) in MODES.iter().zip(us) {
-        v.sort_by(f64::total_cmp);
-        let median = (v[ROUNDS / 2 - 1] + v[ROUNDS / 2]) / 2.0;
-        println!(
-            "claim of 20 rows, {:18}: {median:5.0} us/call (median; rounds {v:.0?})",
-            mode.unwrap_or("default")
-        );
-    }
 }

@@ -128,24 +128,37 @@ async fn a_reclaim_racing_an_ack_never_overwrites_success() {
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
-    let reclaim = tokio::spawn(async move {
-        reclaimer
-            .query_one("SELECT outbox_reclaim('1 millisecond')", &[])
-            .await
-            .unwrap()
-            .get::<_, i32>(0)
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !reclaim.is_finished(),
-        "the reclaim waits for the ack's row lock"
-    );
-    tx.commit().await.unwrap();
+    // The reclaim skips the row being settled (SKIP LOCKED: waiting could deadlock) instead of
+    // taking it back from under the ack.
+    let skipped: i32 = scalar(&reclaimer, "SELECT outbox_reclaim('1 millisecond')", &[]).await;
+    assert_eq!(skipped, 0, "a row locked by its ack is not reclaimed");
+    // Skipped is not lost: had the ack rolled back, the next reclaim takes the row.
+    tx.rollback().await.unwrap();
+    let taken: i32 = scalar(&reclaimer, "SELECT outbox_reclaim('1 millisecond')", &[]).await;
     assert_eq!(
-        reclaim.await.unwrap(),
-        0,
-        "the re-checked row is SUCCESS, not reclaimable"
+        taken, 1,
+        "an expired lease whose ack rolled back is reclaimed"
     );
+    let token: i64 = scalar(
+        &relay,
+        "SELECT claim_token FROM outbox_claim('relay-a', 1)",
+        &[],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let tx = relay.transaction().await.unwrap();
+    let n: i32 = scalar(
+        &tx,
+        "SELECT outbox_ack('relay-a', $1, ARRAY[$2::bigint])",
+        &[&token, &id],
+    )
+    .await;
+    assert_eq!(n, 1);
+    let skipped: i32 = scalar(&reclaimer, "SELECT outbox_reclaim('1 millisecond')", &[]).await;
+    assert_eq!(skipped, 0, "a row locked by its ack is not reclaimed");
+    tx.commit().await.unwrap();
+    let after: i32 = scalar(&reclaimer, "SELECT outbox_reclaim('1 millisecond')", &[]).await;
+    assert_eq!(after, 0, "the acked row is SUCCESS, not reclaimable");
     let r = relay
         .query_one(
             "SELECT status::text, retry_count FROM outbox_event WHERE id = $1",
@@ -155,7 +168,8 @@ async fn a_reclaim_racing_an_ack_never_overwrites_success() {
         .unwrap();
     assert_eq!(
         (r.get::<_, String>(0), r.get::<_, i32>(1)),
-        ("SUCCESS".into(), 0)
+        ("SUCCESS".into(), 1),
+        "acked once, after one reclaimed attempt"
     );
 }
 
