@@ -1,4 +1,4 @@
--- The privilege recipe of README.md (CONTRACT.md section 4). Run it as the extension's owner, in
+-- The privilege recipe (docs/reference.md, "Privileges"). Run it as the extension's owner, in
 -- the database that has the extension, naming three existing roles:
 --
 --   psql -d orders -v producer=app_writer -v relay=outbox_relay -v admin=outbox_admin \

@@ -1,4 +1,4 @@
-//! Privileges (CONTRACT.md section 4) with the README's GRANT recipe, and a hostile search_path.
+//! Privileges (docs/reference.md) with the GRANT recipe, and a hostile search_path.
 
 use outbox_tests::db::{scalar, sqlstate, TestDb};
 use outbox_tests::roles::Roles;
