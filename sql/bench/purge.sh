@@ -23,11 +23,11 @@ SELECT 'orders', jsonb_build_object('n', g), 'SUCCESS', now(),
 VACUUM ANALYZE outbox_event;
 SQL
   for call in "outbox_purge('30 days', 10000)" "outbox_purge('7 days', 10000)"; do
-    psql -X -q -At -F ' | ' -v ON_ERROR_STOP=1 -d "$db" <<SQL
+    psql -X -q -At -F ' | ' -v ON_ERROR_STOP=1 -v call="\`$call\`" -d "$db" <<SQL
 BEGIN;
 SELECT clock_timestamp() AS t0 \gset
 SELECT $call AS deleted \gset
-SELECT '$version', '\`$call\`', :deleted,
+SELECT '$version', :'call', :deleted,
        round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000, 1),
        seq_tup_read, coalesce(idx_tup_fetch, 0)
   FROM pg_stat_xact_user_tables WHERE relid = 'outbox_event'::regclass;
