@@ -6,4 +6,5 @@ pub mod broker;
 pub mod db;
 pub mod events;
 pub mod fault;
+pub mod kafka;
 pub mod worker;
