@@ -6,7 +6,7 @@ PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
 # Tools installed once per machine and reused by every checkout and CI run.
 OUTBOX_TOOLS=${OUTBOX_TOOLS:-/opt/outbox-tools}
 # The local broker: Apache Kafka from Maven Central (scripts/broker install), run on the system
-# Java 17. The Rust harnesses (tests/src/kafka.rs) read these two lines too.
+# Java 17 (tests/src/kafka.rs reads KAFKA_VERSION from this file too).
 KAFKA_VERSION=4.4.0
 KAFKA_LOG4J_VERSION=2.25.5
 export KAFKA_HOME=${KAFKA_HOME:-$OUTBOX_TOOLS/kafka-$KAFKA_VERSION}
