@@ -503,7 +503,7 @@ async fn broker_restart_keeps_delivered_messages_and_the_relay_resumes() {
     let before: BTreeSet<(i64, i64, i64)> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()
-        .map(|m| (m.partition, m.offset, m.event_id()))
+        .map(|m| (m.partition, m.offset, m.outbox_id()))
         .collect();
     let first_set: BTreeSet<i64> = first.iter().copied().collect();
     let got: BTreeSet<i64> = before.iter().map(|m| m.2).collect();
@@ -531,7 +531,7 @@ async fn broker_restart_keeps_delivered_messages_and_the_relay_resumes() {
     let after = broker.consume_all("orders", Duration::from_secs(3));
     let after_set: BTreeSet<(i64, i64, i64)> = after
         .iter()
-        .map(|m| (m.partition, m.offset, m.event_id()))
+        .map(|m| (m.partition, m.offset, m.outbox_id()))
         .collect();
     let lost: Vec<_> = before.difference(&after_set).collect();
     assert!(
@@ -539,6 +539,6 @@ async fn broker_restart_keeps_delivered_messages_and_the_relay_resumes() {
         "messages gone or moved after the restart: {lost:?}"
     );
     let all: BTreeSet<i64> = first.iter().chain(&second).copied().collect();
-    let got: BTreeSet<i64> = after.iter().map(|m| m.event_id()).collect();
+    let got: BTreeSet<i64> = after.iter().map(|m| m.outbox_id()).collect();
     assert_eq!(got, all, "every event arrives (at least once)");
 }
