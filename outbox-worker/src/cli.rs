@@ -6,12 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-/// Default number of events claimed per round (see README: large enough that a backlog drains at
-/// broker speed, small enough that a round finishes well inside the send timeout).
-pub const DEFAULT_BATCH_SIZE: i32 = 500;
-
-/// `--send-timeout` may be at most this fraction of `--lease` (1/4).
-pub const LEASE_TO_SEND_TIMEOUT_RATIO: u32 = 4;
+use crate::defaults;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,7 +16,7 @@ pub const LEASE_TO_SEND_TIMEOUT_RATIO: u32 = 4;
 )]
 pub struct Cli {
     /// Log level: error, warn, info, debug or trace.
-    #[arg(long, env = "OUTBOX_LOG", default_value = "info", global = true)]
+    #[arg(long, env = "OUTBOX_LOG", default_value = defaults::LOG_LEVEL, global = true)]
     pub log_level: String,
 
     #[command(subcommand)]
@@ -56,13 +51,15 @@ pub struct DbArgs {
     pub database_url_file: Option<PathBuf>,
 }
 
+/// Duration defaults are written as text (that is what `--help` shows); a test keeps them equal to
+/// the constants in `defaults`.
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
     pub db: DbArgs,
 
     /// Kafka bootstrap servers (librdkafka `bootstrap.servers`).
-    #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
+    #[arg(long, env = "OUTBOX_BROKERS", default_value = defaults::BROKERS)]
     pub brokers: String,
 
     /// librdkafka property KEY=VALUE, repeatable; overrides the relay's defaults. In the
@@ -86,11 +83,11 @@ pub struct RunArgs {
     pub owner: Option<String>,
 
     /// Events claimed per round and claim loop.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE)]
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = defaults::BATCH_SIZE)]
     pub batch_size: i32,
 
     /// Claim loops in this process (they share one producer).
-    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 1)]
+    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = defaults::CONCURRENCY)]
     pub concurrency: usize,
 
     /// Wait after a round that claimed less than a full batch (a NOTIFY outbox ends it early).
@@ -133,7 +130,7 @@ pub struct DeadLettersArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// At most this many rows.
-    #[arg(long, env = "OUTBOX_DEAD_LETTERS_LIMIT", default_value_t = 100)]
+    #[arg(long, env = "OUTBOX_DEAD_LETTERS_LIMIT", default_value_t = defaults::DEAD_LETTERS_LIMIT)]
     pub limit: i32,
     /// Only ids above this one (paging).
     #[arg(long, env = "OUTBOX_DEAD_LETTERS_AFTER_ID", default_value_t = 0)]
@@ -163,14 +160,14 @@ pub struct PurgeArgs {
     #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN", default_value = "7days", value_parser = parse_duration)]
     pub older_than: Duration,
     /// Rows deleted per call; the command repeats calls until none is left.
-    #[arg(long, env = "OUTBOX_PURGE_MAX_ROWS", default_value_t = 10000)]
+    #[arg(long, env = "OUTBOX_PURGE_MAX_ROWS", default_value_t = defaults::PURGE_MAX_ROWS)]
     pub max_rows: i32,
 }
 
 #[derive(Args, Debug)]
 pub struct TailArgs {
     /// Kafka bootstrap servers.
-    #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
+    #[arg(long, env = "OUTBOX_BROKERS", default_value = defaults::BROKERS)]
     pub brokers: String,
     /// Topic to read (every partition, from offset 0).
     #[arg(long, env = "OUTBOX_TAIL_TOPIC")]
@@ -206,5 +203,43 @@ pub fn parse_property(s: &str) -> Result<(String, String), String> {
         _ => Err(format!(
             "malformed Kafka property {s:?}: expected KEY=VALUE"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Command {
+        Cli::try_parse_from(argv).expect("parse").command
+    }
+
+    #[test]
+    fn defaults_are_the_exported_constants() {
+        let Command::Run(a) = parse(&["outbox-worker", "run"]) else {
+            unreachable!()
+        };
+        assert_eq!(a.brokers, defaults::BROKERS);
+        assert_eq!(a.batch_size, defaults::BATCH_SIZE);
+        assert_eq!(a.concurrency, defaults::CONCURRENCY);
+        assert_eq!(a.poll_interval, defaults::POLL_INTERVAL);
+        assert_eq!(a.lease, defaults::LEASE);
+        assert_eq!(a.send_timeout, defaults::SEND_TIMEOUT);
+        assert_eq!(a.reclaim_interval, defaults::RECLAIM_INTERVAL);
+        assert_eq!(a.stats_interval, defaults::STATS_INTERVAL);
+        let Command::Purge(p) = parse(&["outbox-worker", "purge"]) else {
+            unreachable!()
+        };
+        assert_eq!(p.older_than, defaults::PURGE_OLDER_THAN);
+        assert_eq!(p.max_rows, defaults::PURGE_MAX_ROWS);
+        let Command::DeadLetters(d) = parse(&["outbox-worker", "dead-letters"]) else {
+            unreachable!()
+        };
+        assert_eq!(d.limit, defaults::DEAD_LETTERS_LIMIT);
+        let Command::Tail(t) = parse(&["outbox-worker", "tail", "--topic", "t"]) else {
+            unreachable!()
+        };
+        assert_eq!(t.idle, defaults::TAIL_IDLE);
+        assert_eq!(t.brokers, defaults::BROKERS);
     }
 }

@@ -58,7 +58,7 @@ pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
         cfg.connect_timeout(Duration::from_secs(10));
     }
     if cfg.get_application_name().is_none() {
-        cfg.application_name("outbox-worker");
+        cfg.application_name(crate::defaults::CLIENT_ID);
     }
     cfg.keepalives(true);
     cfg.keepalives_idle(Duration::from_secs(30));

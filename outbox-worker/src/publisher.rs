@@ -15,6 +15,7 @@ use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
 
 use crate::cli::parse_property;
+use crate::defaults;
 use crate::Fatal;
 
 /// Headers the relay sets itself; a row header with one of these names is not sent.
@@ -174,14 +175,14 @@ impl Publisher {
     ) -> Result<Publisher, Fatal> {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", brokers)
-            .set("client.id", "outbox-worker")
+            .set("client.id", defaults::CLIENT_ID)
             .set("enable.idempotence", "true")
-            .set("acks", "all")
+            .set("acks", defaults::ACKS)
             // A round waits for every delivery report before it acks, and hands the whole
             // batch to librdkafka at once (so it batches anyway): lingering only delays the
             // round. Measured on the 2-core box: idle commit-to-ack 24 ms -> 12 ms, drain rate
             // equal or better. Override with --kafka-property linger.ms=N.
-            .set("linger.ms", "0")
+            .set("linger.ms", defaults::LINGER_MS.to_string())
             .set(
                 "message.timeout.ms",
                 send_timeout.as_millis().max(1).to_string(),

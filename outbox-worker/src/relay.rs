@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{RunArgs, LEASE_TO_SEND_TIMEOUT_RATIO};
+use crate::cli::RunArgs;
 use crate::db::{self, db_error, Db};
+use crate::defaults::{LEASE_TO_SEND_TIMEOUT_RATIO, MAX_CONCURRENCY};
 use crate::metrics::{self, Metrics};
 use crate::publisher::{self, Event, Outcome, Publisher};
 use crate::{shutdown, wakeup, Fatal};
@@ -41,8 +42,10 @@ pub fn validate(args: &RunArgs) -> Result<(), Fatal> {
     if args.batch_size < 1 {
         return Err(Fatal::usage("--batch-size must be at least 1"));
     }
-    if args.concurrency < 1 || args.concurrency > 256 {
-        return Err(Fatal::usage("--concurrency must be between 1 and 256"));
+    if args.concurrency < 1 || args.concurrency > MAX_CONCURRENCY {
+        return Err(Fatal::usage(format!(
+            "--concurrency must be between 1 and {MAX_CONCURRENCY}"
+        )));
     }
     for (name, d) in [
         ("--poll-interval", args.poll_interval),
