@@ -119,13 +119,14 @@ pub fn parse_properties(raw: &[String]) -> Result<Vec<(String, String)>, Fatal> 
         .collect()
 }
 
-type Relayer = FutureProducer<LogContext>;
+/// The relay's Kafka producer: librdkafka's async producer with its log lines routed to tracing.
+pub type KafkaProducer = FutureProducer<LogContext>;
 
 pub struct Publisher {
     /// Kept to build a replacement producer. Never print it: its Debug output includes secrets
     /// such as sasl.password.
     config: ClientConfig,
-    producer: RwLock<Arc<Relayer>>,
+    producer: RwLock<Arc<KafkaProducer>>,
     send_timeout: Duration,
     /// Rounds in a row in which every publish timed out.
     timed_out_rounds: AtomicU32,
@@ -153,7 +154,7 @@ fn producer_unusable(code: Option<RDKafkaErrorCode>) -> bool {
     )
 }
 
-fn create(cfg: &ClientConfig) -> Result<Relayer, Fatal> {
+fn create(cfg: &ClientConfig) -> Result<KafkaProducer, Fatal> {
     cfg.create_with_context(LogContext).map_err(|e| match e {
         KafkaError::ClientConfig(_, desc, key, _value) => {
             Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
@@ -200,7 +201,7 @@ impl Publisher {
         })
     }
 
-    fn current(&self) -> Arc<Relayer> {
+    fn current(&self) -> Arc<KafkaProducer> {
         self.producer.read().expect("producer lock").clone()
     }
 
@@ -287,7 +288,7 @@ impl Publisher {
 
     /// Swaps in a new producer unless another claim loop already did. Returns `Some` when this
     /// call replaced it.
-    fn replace(&self, old: &Arc<Relayer>) -> Option<()> {
+    fn replace(&self, old: &Arc<KafkaProducer>) -> Option<()> {
         let mut cur = self.producer.write().expect("producer lock");
         if !Arc::ptr_eq(&cur, old) {
             return None;
