@@ -10,7 +10,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::json;
 
-use crate::cli::{parse_property, DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
+use crate::cli::{DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
 use crate::db::{admin_session, db_error};
 use crate::Fatal;
 
@@ -177,19 +177,14 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
     // A group id is required by librdkafka even for assigned partitions; no group is joined and
     // no offset is committed.
     let group = format!("outbox-worker-tail-{}", std::process::id());
-    cfg.set("bootstrap.servers", &args.brokers)
+    cfg.set("bootstrap.servers", &args.kafka.brokers)
         .set("group.id", &group)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
         .set("fetch.wait.max.ms", "10")
         .set("client.id", "outbox-worker-tail");
-    for p in args
-        .kafka_properties
-        .iter()
-        .filter(|p| !p.trim().is_empty())
-    {
-        let (k, v) = parse_property(p).map_err(Fatal::usage)?;
+    for (k, v) in args.kafka.properties()? {
         cfg.set(k, v);
     }
     let consumer: BaseConsumer = cfg
@@ -200,7 +195,10 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
         let md = consumer
             .fetch_metadata(Some(&args.topic), Duration::from_secs(5))
             .map_err(|e| {
-                Fatal::runtime(format!("cannot read metadata from {}: {e}", args.brokers))
+                Fatal::runtime(format!(
+                    "cannot read metadata from {}: {e}",
+                    args.kafka.brokers
+                ))
             })?;
         let t = md.topics().iter().find(|t| t.name() == args.topic);
         match t {
@@ -211,7 +209,7 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
             _ => {
                 return Err(Fatal::runtime(format!(
                     "topic {} does not exist on {}",
-                    args.topic, args.brokers
+                    args.topic, args.kafka.brokers
                 )))
             }
         }

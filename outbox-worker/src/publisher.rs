@@ -1,7 +1,6 @@
 //! The Kafka side: one idempotent producer shared by every claim loop, the message built from an
 //! outbox row, and concurrent publishing of a batch with one outcome per row.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -14,7 +13,6 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
 
-use crate::cli::parse_property;
 use crate::defaults;
 use crate::Fatal;
 
@@ -82,41 +80,6 @@ impl ClientContext for LogContext {
             _ => tracing::warn!(target: "librdkafka", "kafka client error: {error}: {reason}"),
         }
     }
-}
-
-/// Reads `KEY=VALUE` lines (blank lines and `#` comments skipped).
-pub fn read_properties_file(path: &Path) -> Result<Vec<(String, String)>, Fatal> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Fatal::usage(format!(
-            "cannot read --kafka-properties-file {}: {e}",
-            path.display()
-        ))
-    })?;
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        // Don't echo the line: it may hold a secret.
-        let (k, v) = parse_property(line).map_err(|_| {
-            Fatal::usage(format!(
-                "malformed Kafka property on line {} of {}: expected KEY=VALUE",
-                n + 1,
-                path.display()
-            ))
-        })?;
-        out.push((k, v));
-    }
-    Ok(out)
-}
-
-/// Validates `--kafka-property` values; the error names the bad one.
-pub fn parse_properties(raw: &[String]) -> Result<Vec<(String, String)>, Fatal> {
-    raw.iter()
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| parse_property(s).map_err(Fatal::usage))
-        .collect()
 }
 
 /// The relay's Kafka producer: librdkafka's async producer with its log lines routed to tracing.
@@ -465,13 +428,5 @@ mod tests {
         assert!(describe_failure("orders", &e).contains("topic orders does not exist"));
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
         assert!(describe_failure("orders", &e).contains("topic orders"));
-    }
-
-    #[test]
-    fn properties_must_be_key_value() {
-        assert!(parse_properties(&["linger.ms=10".into()]).is_ok());
-        let err = parse_properties(&["linger.ms".into()]).expect_err("error");
-        assert!(err.message.contains("linger.ms"));
-        assert!(parse_properties(&["=1".into()]).is_err());
     }
 }

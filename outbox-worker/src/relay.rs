@@ -10,9 +10,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
 use crate::db::{self, db_error, Db};
-use crate::defaults::{LEASE_TO_SEND_TIMEOUT_RATIO, MAX_CONCURRENCY};
 use crate::metrics::{self, Metrics};
-use crate::publisher::{self, Event, Outcome, Publisher};
+use crate::publisher::{Event, Outcome, Publisher};
 use crate::{shutdown, wakeup, Fatal};
 
 /// Everything the claim loops share.
@@ -25,45 +24,6 @@ pub struct Relay {
     poll_interval: Duration,
     /// `outbox.max_retry` as this relay's sessions see it (refreshed by the stats poller).
     max_retry: AtomicI32,
-}
-
-/// Start-up checks that need no connection: one clear line each.
-pub fn validate(args: &RunArgs) -> Result<(), Fatal> {
-    if args.send_timeout.is_zero() {
-        return Err(Fatal::usage("--send-timeout must be greater than 0"));
-    }
-    if args.send_timeout * LEASE_TO_SEND_TIMEOUT_RATIO > args.lease {
-        return Err(Fatal::usage(format!(
-            "--send-timeout ({}) must be at most a quarter of --lease ({}), so a round always ends well before its lease expires",
-            humantime::format_duration(args.send_timeout),
-            humantime::format_duration(args.lease)
-        )));
-    }
-    if args.batch_size < 1 {
-        return Err(Fatal::usage("--batch-size must be at least 1"));
-    }
-    if args.concurrency < 1 || args.concurrency > MAX_CONCURRENCY {
-        return Err(Fatal::usage(format!(
-            "--concurrency must be between 1 and {MAX_CONCURRENCY}"
-        )));
-    }
-    for (name, d) in [
-        ("--poll-interval", args.poll_interval),
-        ("--reclaim-interval", args.reclaim_interval),
-        ("--stats-interval", args.stats_interval),
-    ] {
-        if d.is_zero() {
-            return Err(Fatal::usage(format!("{name} must be greater than 0")));
-        }
-    }
-    if let Some(o) = &args.owner {
-        if o.is_empty() || o.len() > 200 || o.chars().any(char::is_control) {
-            return Err(Fatal::usage(
-                "--owner must be 1 to 200 characters without control characters",
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// hostname-pid-random
@@ -90,16 +50,12 @@ pub fn default_owner() -> String {
 }
 
 pub async fn run(args: RunArgs) -> Result<(), Fatal> {
-    validate(&args)?;
+    args.validate()?;
     // Signals from here on stop the relay cleanly (exit 0), even during start-up.
     let metrics = Metrics::new();
     let cancel = CancellationToken::new();
     shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
-    let mut props = Vec::new();
-    if let Some(p) = &args.kafka_properties_file {
-        props.extend(publisher::read_properties_file(p)?);
-    }
-    props.extend(publisher::parse_properties(&args.kafka_properties)?);
+    let props = args.producer_properties()?;
     let (pg_cfg, desc) = db::config(&args.db)?;
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
     let db = Db::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
@@ -127,7 +83,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     }
 
     // Created after the database checks: librdkafka starts connecting at once.
-    let publisher = Publisher::new(&args.brokers, args.send_timeout, &props)?;
+    let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, &props)?;
 
     let server_cancel = CancellationToken::new();
     let server = match args.metrics_addr {
@@ -139,7 +95,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     tracing::info!(
         owner = %owner,
         database = %desc,
-        brokers = %args.brokers,
+        brokers = %args.kafka.brokers,
         batch_size = args.batch_size,
         concurrency = args.concurrency,
         poll_interval = %humantime::format_duration(args.poll_interval),
@@ -547,40 +503,6 @@ async fn stats_loop(relay: Arc<Relay>, every: Duration, cancel: CancellationToke
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    fn run_args(extra: &[&str]) -> RunArgs {
-        let mut argv = vec!["outbox-worker", "run", "--database-url", "host=x"];
-        argv.extend_from_slice(extra);
-        match crate::cli::Cli::try_parse_from(argv)
-            .expect("parse")
-            .command
-        {
-            crate::cli::Command::Run(a) => a,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn defaults_are_valid() {
-        let a = run_args(&[]);
-        assert_eq!(a.brokers, "localhost:9092");
-        assert_eq!(a.poll_interval, Duration::from_secs(5));
-        assert_eq!(a.lease, Duration::from_secs(600));
-        assert_eq!(a.send_timeout, Duration::from_secs(3));
-        assert_eq!(a.reclaim_interval, Duration::from_secs(60));
-        assert_eq!(a.concurrency, 1);
-        assert!(validate(&a).is_ok());
-    }
-
-    #[test]
-    fn send_timeout_must_be_a_quarter_of_the_lease_at_most() {
-        assert!(validate(&run_args(&["--lease", "4s", "--send-timeout", "1s"])).is_ok());
-        let e =
-            validate(&run_args(&["--lease", "4s", "--send-timeout", "1001ms"])).expect_err("error");
-        assert!(e.message.contains("--send-timeout") && e.message.contains("--lease"));
-        assert!(validate(&run_args(&["--send-timeout", "0s"])).is_err());
-    }
 
     #[test]
     fn default_owner_is_host_pid_random() {
