@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::cli::{DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
 use crate::db::{admin_session, db_error};
+use crate::store::Stats;
 use crate::Fatal;
 
 fn failed(what: &str, e: &tokio_postgres::Error) -> Fatal {
@@ -21,35 +22,32 @@ fn failed(what: &str, e: &tokio_postgres::Error) -> Fatal {
 pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
     let (client, schema) = admin_session(&args.db).await?;
     let row = client
-        .query_one(
-            &format!(
-                "SELECT due_wait, delayed_wait, sending, failed, succeeded, \
-                 extract(epoch from oldest_due_age)::float8, extract(epoch from oldest_lease_age)::float8 \
-                 FROM {schema}.outbox_stats()"
-            ),
-            &[],
-        )
+        .query_one(&Stats::sql(&schema), &[])
         .await
         .map_err(|e| failed("outbox_stats()", &e))?;
-    let names = ["due_wait", "delayed_wait", "sending", "failed", "succeeded"];
-    let counts: Vec<i64> = (0..5).map(|i| row.get(i)).collect();
-    let due_age: Option<f64> = row.get(5);
-    let lease_age: Option<f64> = row.get(6);
+    let s = Stats::from_row(&row).map_err(|e| failed("outbox_stats()", &e))?;
+    let counts = [
+        ("due_wait", s.due_wait),
+        ("delayed_wait", s.delayed_wait),
+        ("sending", s.sending),
+        ("failed", s.failed),
+        ("succeeded", s.succeeded),
+    ];
     if args.json {
         let mut obj = serde_json::Map::new();
-        for (n, c) in names.iter().zip(&counts) {
+        for (n, c) in counts {
             obj.insert(n.to_string(), json!(c));
         }
-        obj.insert("oldest_due_age_seconds".into(), json!(due_age));
-        obj.insert("oldest_lease_age_seconds".into(), json!(lease_age));
+        obj.insert("oldest_due_age_seconds".into(), json!(s.oldest_due_age));
+        obj.insert("oldest_lease_age_seconds".into(), json!(s.oldest_lease_age));
         println!("{}", serde_json::Value::Object(obj));
     } else {
-        for (n, c) in names.iter().zip(&counts) {
+        for (n, c) in counts {
             println!("{n:<22} {c}");
         }
         let fmt = |a: Option<f64>| a.map_or("-".to_string(), |s| format!("{s:.3}s"));
-        println!("{:<22} {}", "oldest_due_age", fmt(due_age));
-        println!("{:<22} {}", "oldest_lease_age", fmt(lease_age));
+        println!("{:<22} {}", "oldest_due_age", fmt(s.oldest_due_age));
+        println!("{:<22} {}", "oldest_lease_age", fmt(s.oldest_lease_age));
     }
     Ok(())
 }

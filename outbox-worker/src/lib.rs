@@ -7,10 +7,12 @@ pub mod admin;
 pub mod cli;
 pub mod db;
 pub mod defaults;
+pub mod error;
 pub mod metrics;
 pub mod publisher;
 pub mod relay;
 pub mod shutdown;
+pub mod store;
 pub mod wakeup;
 
 use std::process::ExitCode;

@@ -14,40 +14,17 @@ use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
 
 use crate::defaults;
+use crate::error::PublishError;
+use crate::store::Event;
 use crate::Fatal;
 
 /// Headers the relay sets itself; a row header with one of these names is not sent.
 pub const RESERVED_HEADERS: [&str; 4] = ["event_id", "outbox_id", "event_type", "event_key"];
 
-/// One claimed outbox row.
-#[derive(Debug, Clone)]
-pub struct Event {
-    /// The row's bigint key in this database (sent as `outbox_id`, for operators).
-    pub id: i64,
-    /// The event's global UUID (sent as `event_id`): what consumers deduplicate on.
-    pub event_id: String,
-    pub topic: String,
-    pub key: Option<String>,
-    pub event_type: Option<String>,
-    /// The payload's JSON text.
-    pub payload: String,
-    /// The row's headers as JSON text (an object of strings).
-    pub headers: String,
-    pub retry_count: i32,
-    /// Seconds between the row's created_at and the claim, by the database clock.
-    pub age_at_claim: f64,
-}
-
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    Delivered {
-        latency: Duration,
-    },
-    Failed {
-        error: String,
-        /// The delivery report said MessageTimedOut (no answer within --send-timeout).
-        timed_out: bool,
-    },
+    Delivered { latency: Duration },
+    Failed(PublishError),
 }
 
 /// Routes librdkafka's own log lines and client errors into tracing.
@@ -100,22 +77,6 @@ pub struct Publisher {
 /// timing out for good while freshly started relays delivered at once. If the broker is really
 /// down, the new producer times out too and nothing is lost but a reconnect.
 const TIMED_OUT_ROUNDS_BEFORE_REPLACING: u32 = 3;
-
-/// Delivery errors after which the idempotent producer cannot go on (its producer id/epoch is
-/// rejected): every later send would fail the same way, so the producer is replaced.
-fn producer_unusable(code: Option<RDKafkaErrorCode>) -> bool {
-    matches!(
-        code,
-        Some(
-            RDKafkaErrorCode::ProducerFenced
-                | RDKafkaErrorCode::InvalidProducerEpoch
-                | RDKafkaErrorCode::OutOfOrderSequenceNumber
-                | RDKafkaErrorCode::UnknownProducerId
-                | RDKafkaErrorCode::InvalidProducerIdMapping
-                | RDKafkaErrorCode::Fatal
-        )
-    )
-}
 
 fn create(cfg: &ClientConfig) -> Result<KafkaProducer, Fatal> {
     cfg.create_with_context(LogContext).map_err(|e| match e {
@@ -193,16 +154,12 @@ impl Publisher {
                         None,
                     ),
                     Err((e, _msg)) => {
-                        let unusable =
-                            producer_unusable(e.rdkafka_error_code()).then(|| e.to_string());
-                        (
-                            Outcome::Failed {
-                                error: describe_failure(&ev.topic, &e),
-                                timed_out: e.rdkafka_error_code()
-                                    == Some(RDKafkaErrorCode::MessageTimedOut),
-                            },
-                            unusable,
-                        )
+                        let error = PublishError {
+                            topic: ev.topic.clone(),
+                            source: e,
+                        };
+                        let unusable = error.producer_unusable().then(|| error.source.to_string());
+                        (Outcome::Failed(error), unusable)
                     }
                 }
             }
@@ -229,15 +186,9 @@ impl Publisher {
     /// Counts rounds that timed out entirely; names the reason once there were too many in a row.
     fn note_timeouts(&self, results: &[(Outcome, Option<String>)]) -> Option<String> {
         let all_timed_out = !results.is_empty()
-            && results.iter().all(|(o, _)| {
-                matches!(
-                    o,
-                    Outcome::Failed {
-                        timed_out: true,
-                        ..
-                    }
-                )
-            });
+            && results
+                .iter()
+                .all(|(o, _)| matches!(o, Outcome::Failed(e) if e.timed_out()));
         if !all_timed_out {
             self.timed_out_rounds.store(0, Ordering::Relaxed);
             return None;
@@ -343,20 +294,6 @@ pub fn build_headers(ev: &Event) -> OwnedHeaders {
     h
 }
 
-/// An error text for `outbox_nack` that always names the topic.
-pub fn describe_failure(topic: &str, e: &KafkaError) -> String {
-    let code = e.rdkafka_error_code();
-    match code {
-        Some(RDKafkaErrorCode::UnknownTopicOrPartition) | Some(RDKafkaErrorCode::UnknownTopic) => {
-            format!("topic {topic} does not exist on the broker: {e}")
-        }
-        Some(RDKafkaErrorCode::MessageTimedOut) => format!(
-            "publish to topic {topic} timed out (broker unreachable, or topic {topic} missing?): {e}"
-        ),
-        _ => format!("publish to topic {topic} failed: {e}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -373,6 +310,7 @@ mod tests {
             event_type: Some("OrderCreated".into()),
             payload: "{}".into(),
             headers: headers.into(),
+            claim_token: 1,
             retry_count: 0,
             age_at_claim: 0.0,
         }
@@ -420,13 +358,5 @@ mod tests {
                 ("outbox_id".into(), "42".into())
             ]
         );
-    }
-
-    #[test]
-    fn failures_name_the_topic() {
-        let e = KafkaError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
-        assert!(describe_failure("orders", &e).contains("topic orders does not exist"));
-        let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
-        assert!(describe_failure("orders", &e).contains("topic orders"));
     }
 }

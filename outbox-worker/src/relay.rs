@@ -1,6 +1,7 @@
 //! `outbox-worker run`: claim loops, the reclaimer, the stats poller, and shutdown.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,14 +10,16 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
-use crate::db::{self, db_error, Db};
+use crate::db;
+use crate::error::DbError;
 use crate::metrics::{self, Metrics};
-use crate::publisher::{Event, Outcome, Publisher};
+use crate::publisher::{Outcome, Publisher};
+use crate::store::{Settings, Store};
 use crate::{shutdown, wakeup, Fatal};
 
 /// Everything the claim loops share.
 pub struct Relay {
-    db: Db,
+    store: Store,
     publisher: Arc<Publisher>,
     metrics: Arc<Metrics>,
     owner: String,
@@ -58,17 +61,32 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let props = args.producer_properties()?;
     let (pg_cfg, desc) = db::config(&args.db)?;
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
-    let db = Db::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
+    let store = Store::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
     // Retried: a connection terminated right at start-up (failover, pg_terminate_backend) is
     // no reason to exit.
     let mut attempt = 0;
-    let (max_retry, max_claim) = loop {
+    let Settings {
+        max_retry,
+        max_claim,
+    } = loop {
         attempt += 1;
-        match read_settings(&db).await {
+        match store.settings().await {
             Ok(v) => break v,
-            Err(e) if attempt >= 3 => return Err(e),
             Err(e) => {
-                tracing::warn!("{}; retrying", e.message);
+                let message = match &e {
+                    DbError::Connect(c) => {
+                        format!("cannot connect to the database ({}): {c}", store.desc())
+                    }
+                    _ => format!(
+                        "cannot call {}() ({}): {e}",
+                        store.func("stats"),
+                        store.desc()
+                    ),
+                };
+                if attempt >= 3 {
+                    return Err(Fatal::runtime(message));
+                }
+                tracing::warn!("{message}; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
@@ -108,7 +126,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let publisher = Arc::new(publisher);
     tokio::spawn(publisher.clone().probe());
     let relay = Arc::new(Relay {
-        db,
+        store,
         publisher,
         metrics: metrics.clone(),
         owner,
@@ -158,38 +176,6 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     Ok(())
 }
 
-/// `outbox.max_retry` and `outbox.max_claim` (None when unset: the extension's defaults apply).
-async fn read_settings(db: &Db) -> Result<(i32, Option<i32>), Fatal> {
-    let client = db.pool.get().await.map_err(|e| {
-        Fatal::runtime(format!("cannot connect to the database ({}): {e}", db.desc))
-    })?;
-    // Calling outbox_stats() first loads the extension library, which defines the settings.
-    let row = client
-        .query_one(
-            &format!(
-                "SELECT current_setting('outbox.max_retry', true), current_setting('outbox.max_claim', true) \
-                 FROM {}() s",
-                db.func("stats")
-            ),
-            &[],
-        )
-        .await
-        .map_err(|e| {
-            Fatal::runtime(format!(
-                "cannot call {}() ({}): {}",
-                db.func("stats"),
-                db.desc,
-                db_error(&e)
-            ))
-        })?;
-    let max_retry = row
-        .get::<_, Option<String>>(0)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    let max_claim = row.get::<_, Option<String>>(1).and_then(|s| s.parse().ok());
-    Ok((max_retry, max_claim))
-}
-
 async fn claim_loop(
     n: usize,
     relay: Arc<Relay>,
@@ -231,44 +217,16 @@ async fn claim_loop(
 impl Relay {
     /// One round: claim, publish, settle. Returns how many events were claimed; an error means
     /// the claim itself failed (nothing is held).
-    async fn round(&self) -> Result<usize, String> {
+    async fn round(&self) -> Result<usize, DbError> {
         let round_start = Instant::now();
-        let client = self.db.pool.get().await;
-        self.metrics.db_result(&client);
-        let client = client.map_err(|e| format!("no database connection: {e}"))?;
-        let sql = format!(
-            "SELECT id, topic, event_key, event_type, payload::text, headers::text, claim_token, retry_count, \
-             extract(epoch from (clock_timestamp() - created_at))::float8, event_id::text \
-             FROM {}($1, $2)",
-            self.db.func("claim")
-        );
-        let stmt = client.prepare_cached(&sql).await;
-        self.metrics.db_result(&stmt);
-        let stmt = stmt.map_err(|e| db_error(&e))?;
-        let rows = client.query(&stmt, &[&self.owner, &self.batch_size]).await;
-        self.metrics.db_result(&rows);
-        let rows = rows.map_err(|e| db_error(&e))?;
-        drop(client);
+        let events = self.store.claim(&self.owner, self.batch_size).await;
+        self.metrics.db_result(&events);
+        let events = events?;
         let claimed_at = Instant::now();
-        if rows.is_empty() {
+        let Some(token) = events.first().map(|e| e.claim_token) else {
             tracing::debug!("claim returned no due events");
             return Ok(0);
-        }
-        let token: i64 = rows[0].get(6);
-        let events: Vec<Event> = rows
-            .iter()
-            .map(|r| Event {
-                id: r.get(0),
-                topic: r.get(1),
-                key: r.get(2),
-                event_type: r.get(3),
-                payload: r.get(4),
-                headers: r.get(5),
-                retry_count: r.get(7),
-                age_at_claim: r.get::<_, Option<f64>>(8).unwrap_or(0.0),
-                event_id: r.get(9),
-            })
-            .collect();
+        };
         if events.len() < self.batch_size as usize {
             tracing::debug!(
                 claimed = events.len(),
@@ -287,6 +245,7 @@ impl Relay {
         let published_at = Instant::now();
 
         let mut delivered = Vec::new();
+        // One nack per distinct error text (it becomes the rows' last_error).
         let mut failed: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for (i, o) in outcomes.iter().enumerate() {
             match o {
@@ -294,12 +253,15 @@ impl Relay {
                     self.metrics.publish_latency.observe(latency.as_secs_f64());
                     delivered.push(i);
                 }
-                Outcome::Failed { error, .. } => failed.entry(error.clone()).or_default().push(i),
+                Outcome::Failed(error) => failed.entry(error.to_string()).or_default().push(i),
             }
         }
         if !delivered.is_empty() {
             let ids: Vec<i64> = delivered.iter().map(|&i| events[i].id).collect();
-            match self.settle("ack", token, &ids, None).await {
+            match self
+                .settle(|| self.store.ack(&self.owner, token, &ids))
+                .await
+            {
                 Ok(n) => {
                     self.metrics.published.inc_by(ids.len() as u64);
                     let now = claimed_at.elapsed().as_secs_f64();
@@ -308,7 +270,7 @@ impl Relay {
                             .commit_to_ack_lag
                             .observe(events[i].age_at_claim + now);
                     }
-                    if n < ids.len() as i64 {
+                    if n < ids.len() as u64 {
                         tracing::warn!(
                             acked = n,
                             delivered = ids.len(),
@@ -331,7 +293,10 @@ impl Relay {
                 first_id = ids[0],
                 "publish failed: {error}"
             );
-            match self.settle("nack", token, &ids, Some(&error)).await {
+            match self
+                .settle(|| self.store.nack(&self.owner, token, &ids, &error))
+                .await
+            {
                 Ok(_) => {
                     for &i in &idx {
                         let ev = &events[i];
@@ -368,53 +333,23 @@ impl Relay {
 
     /// One `outbox_ack` / `outbox_nack` call, retried a few times on database errors (it is
     /// idempotent: rows no longer held are not counted).
-    async fn settle(
-        &self,
-        what: &str,
-        token: i64,
-        ids: &[i64],
-        error: Option<&str>,
-    ) -> Result<i64, String> {
-        let sql = match what {
-            "ack" => format!("SELECT {}($1, $2, $3)", self.db.func("ack")),
-            _ => format!("SELECT {}($1, $2, $3, $4)", self.db.func("nack")),
-        };
-        let mut last = String::new();
-        for attempt in 0..4u32 {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(200) * attempt).await;
-            }
-            let client = match self.db.pool.get().await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.metrics.db_result::<(), _>(&Err(()));
-                    last = e.to_string();
-                    continue;
-                }
-            };
-            let stmt = match client.prepare_cached(&sql).await {
-                Ok(s) => s,
-                Err(e) => {
-                    self.metrics.db_result::<(), _>(&Err(()));
-                    last = db_error(&e);
-                    continue;
-                }
-            };
-            let res = match error {
-                None => client.query_one(&stmt, &[&self.owner, &token, &ids]).await,
-                Some(err) => {
-                    client
-                        .query_one(&stmt, &[&self.owner, &token, &ids, &err])
-                        .await
-                }
-            };
+    async fn settle<F, Fut>(&self, call: F) -> Result<u64, DbError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<u64, DbError>>,
+    {
+        let mut attempt = 0u32;
+        loop {
+            let res = call().await;
             self.metrics.db_result(&res);
             match res {
-                Ok(row) => return Ok(row.get::<_, i32>(0) as i64),
-                Err(e) => last = db_error(&e),
+                Err(_) if attempt < 3 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(200) * attempt).await;
+                }
+                other => return other,
             }
         }
-        Err(last)
     }
 }
 
@@ -425,23 +360,13 @@ async fn reclaim_loop(
     wake: watch::Sender<u64>,
     cancel: CancellationToken,
 ) {
-    let sql = format!("SELECT {}($1::text::interval)", relay.db.func("reclaim"));
-    let lease_text = format!("{} milliseconds", lease.as_millis());
     loop {
-        let res = async {
-            let client = relay.db.pool.get().await.map_err(|e| e.to_string())?;
-            client
-                .query_one(&sql, &[&lease_text])
-                .await
-                .map_err(|e| db_error(&e))
-        }
-        .await;
+        let res = relay.store.reclaim(lease).await;
         relay.metrics.db_result(&res);
         match res {
-            Ok(row) => {
-                let n: i32 = row.get(0);
+            Ok(n) => {
                 if n > 0 {
-                    relay.metrics.reclaimed.inc_by(n as u64);
+                    relay.metrics.reclaimed.inc_by(n);
                     tracing::info!(
                         reclaimed = n,
                         "reclaimed events whose lease ({}) expired",
@@ -460,34 +385,20 @@ async fn reclaim_loop(
 }
 
 async fn stats_loop(relay: Arc<Relay>, every: Duration, cancel: CancellationToken) {
-    let sql = format!(
-        "SELECT due_wait, delayed_wait, sending, failed, \
-         coalesce(extract(epoch from oldest_due_age)::float8, 0), \
-         coalesce(extract(epoch from oldest_lease_age)::float8, 0), \
-         current_setting('outbox.max_retry', true) \
-         FROM {}() s",
-        relay.db.func("stats")
-    );
     loop {
-        let res = async {
-            let client = relay.db.pool.get().await.map_err(|e| e.to_string())?;
-            client.query_one(&sql, &[]).await.map_err(|e| db_error(&e))
-        }
-        .await;
+        let res = relay.store.stats().await;
         relay.metrics.db_result(&res);
         match res {
-            Ok(row) => {
+            Ok(stats) => {
                 let m = &relay.metrics;
-                m.backlog.set(row.get(0));
-                m.delayed.set(row.get(1));
-                m.sending.set(row.get(2));
-                m.dead_letters.set(row.get(3));
-                m.oldest_due_age.set(row.get(4));
-                m.oldest_lease_age.set(row.get(5));
-                if let Some(r) = row
-                    .get::<_, Option<String>>(6)
-                    .and_then(|s| s.parse::<i32>().ok())
-                {
+                m.backlog.set(stats.due_wait);
+                m.delayed.set(stats.delayed_wait);
+                m.sending.set(stats.sending);
+                m.dead_letters.set(stats.failed);
+                m.oldest_due_age.set(stats.oldest_due_age.unwrap_or(0.0));
+                m.oldest_lease_age
+                    .set(stats.oldest_lease_age.unwrap_or(0.0));
+                if let Some(r) = stats.max_retry {
                     relay.max_retry.store(r, Ordering::Relaxed);
                 }
             }
