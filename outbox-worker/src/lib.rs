@@ -4,10 +4,13 @@
 //! them.
 
 pub mod admin;
+pub mod claim;
 pub mod cli;
 pub mod db;
 pub mod defaults;
 pub mod error;
+pub mod maintenance;
+pub mod message;
 pub mod metrics;
 pub mod publisher;
 pub mod relay;
@@ -21,7 +24,9 @@ use tracing::level_filters::LevelFilter;
 
 use cli::{Cli, Command};
 
-pub use publisher::RESERVED_HEADERS;
+pub use message::{
+    HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE, HEADER_OUTBOX_ID, RESERVED_HEADERS,
+};
 pub use wakeup::CHANNEL as WAKEUP_CHANNEL;
 
 /// A reason to stop with one line on stderr.
