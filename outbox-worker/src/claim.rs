@@ -33,7 +33,7 @@ pub async fn claim_loop(
     relay: Arc<Relay>,
     mut wake: watch::Receiver<u64>,
     cancel: CancellationToken,
-) {
+) -> Result<(), DbError> {
     let mut failures: u32 = 0;
     loop {
         if cancel.is_cancelled() {
@@ -51,6 +51,8 @@ pub async fn claim_loop(
                 failures = 0;
                 relay.poll_interval
             }
+            // Every retry would meet it again: the loop (and the relay) stops instead.
+            Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => {
                 failures += 1;
                 tracing::warn!(claim_loop = n, "claim failed: {e}; retrying");
@@ -64,11 +66,13 @@ pub async fn claim_loop(
         }
     }
     tracing::debug!(claim_loop = n, "claim loop stopped");
+    Ok(())
 }
 
 impl Relay {
-    /// One round: claim, publish, settle. Returns how many events were claimed; an error means
-    /// the claim itself failed (nothing is held).
+    /// One round: claim, publish, settle. Returns how many events were claimed. An error means
+    /// the claim failed (nothing is held), or a settle call met a configuration error (its rows
+    /// stay SENDING until reclaimed, as after any failed settle).
     async fn round(&self) -> Result<usize, DbError> {
         let round_start = Instant::now();
         let events = self.store.claim(&self.owner, self.batch_size).await;
@@ -96,6 +100,7 @@ impl Relay {
         }
         let published_at = Instant::now();
 
+        let mut permanent: Option<DbError> = None;
         let mut delivered = Vec::new();
         // One nack per distinct error text (it becomes the rows' last_error).
         let mut failed: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -130,10 +135,13 @@ impl Relay {
                         );
                     }
                 }
-                Err(e) => tracing::error!(
-                    count = ids.len(),
-                    "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
-                ),
+                Err(e) => {
+                    tracing::error!(
+                        count = ids.len(),
+                        "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
+                    );
+                    keep_permanent(&mut permanent, e);
+                }
             }
         }
         let max_retry = self.max_retry.load(Ordering::Relaxed);
@@ -167,10 +175,13 @@ impl Relay {
                         }
                     }
                 }
-                Err(e) => tracing::error!(
-                    count = ids.len(),
-                    "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
-                ),
+                Err(e) => {
+                    tracing::error!(
+                        count = ids.len(),
+                        "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
+                    );
+                    keep_permanent(&mut permanent, e);
+                }
             }
         }
         tracing::debug!(
@@ -180,11 +191,14 @@ impl Relay {
             settle_ms = published_at.elapsed().as_millis() as u64,
             "round done"
         );
-        Ok(events.len())
+        match permanent {
+            Some(e) => Err(e),
+            None => Ok(events.len()),
+        }
     }
 
-    /// One `outbox_ack` / `outbox_nack` call, retried a few times on database errors (it is
-    /// idempotent: rows no longer held are not counted).
+    /// One `outbox_ack` / `outbox_nack` call, retried a few times on transient database errors
+    /// (it is idempotent: rows no longer held are not counted).
     async fn settle<F, Fut>(&self, call: F) -> Result<u64, DbError>
     where
         F: Fn() -> Fut,
@@ -195,12 +209,19 @@ impl Relay {
             let res = call().await;
             self.metrics.db_result(&res);
             match res {
-                Err(_) if attempt < 3 => {
+                Err(e) if e.is_retriable() && attempt < 3 => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(200) * attempt).await;
                 }
                 other => return other,
             }
         }
+    }
+}
+
+/// Remembers the first error of a round that no retry fixes.
+fn keep_permanent(slot: &mut Option<DbError>, e: DbError) {
+    if slot.is_none() && !e.is_retriable() {
+        *slot = Some(e);
     }
 }

@@ -16,6 +16,7 @@ pub mod publisher;
 pub mod relay;
 pub mod shutdown;
 pub mod store;
+pub mod tasks;
 pub mod wakeup;
 
 use std::process::ExitCode;

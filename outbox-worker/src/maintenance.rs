@@ -1,5 +1,7 @@
 //! The relay's background work beside the claim loops: reclaiming expired leases (then waking the
-//! claim loops) and reading `outbox_stats()` into the backlog gauges.
+//! claim loops) and reading `outbox_stats()` into the backlog gauges. Transient database errors
+//! are logged and retried at the next interval; a configuration error ends the task (and the
+//! relay).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -9,6 +11,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::claim::Relay;
+use crate::error::DbError;
 
 pub async fn reclaim_loop(
     relay: Arc<Relay>,
@@ -16,7 +19,7 @@ pub async fn reclaim_loop(
     every: Duration,
     wake: watch::Sender<u64>,
     cancel: CancellationToken,
-) {
+) -> Result<(), DbError> {
     loop {
         let res = relay.store.reclaim(lease).await;
         relay.metrics.db_result(&res);
@@ -32,16 +35,21 @@ pub async fn reclaim_loop(
                     wake.send_modify(|g| *g = g.wrapping_add(1));
                 }
             }
+            Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => tracing::warn!("reclaim failed: {e}"),
         }
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(every) => {}
         }
     }
 }
 
-pub async fn stats_loop(relay: Arc<Relay>, every: Duration, cancel: CancellationToken) {
+pub async fn stats_loop(
+    relay: Arc<Relay>,
+    every: Duration,
+    cancel: CancellationToken,
+) -> Result<(), DbError> {
     loop {
         let res = relay.store.stats().await;
         relay.metrics.db_result(&res);
@@ -59,10 +67,11 @@ pub async fn stats_loop(relay: Arc<Relay>, every: Duration, cancel: Cancellation
                     relay.max_retry.store(r, Ordering::Relaxed);
                 }
             }
+            Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => tracing::warn!("reading outbox_stats() failed: {e}"),
         }
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(every) => {}
         }
     }

@@ -16,6 +16,7 @@ use crate::maintenance::{reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
 use crate::publisher::Publisher;
 use crate::store::{Settings, Store};
+use crate::tasks::Tasks;
 use crate::{shutdown, wakeup, Fatal};
 
 /// hostname-pid-random
@@ -51,35 +52,10 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let (pg_cfg, desc) = db::config(&args.db)?;
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
     let store = Store::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
-    // Retried: a connection terminated right at start-up (failover, pg_terminate_backend) is
-    // no reason to exit.
-    let mut attempt = 0;
     let Settings {
         max_retry,
         max_claim,
-    } = loop {
-        attempt += 1;
-        match store.settings().await {
-            Ok(v) => break v,
-            Err(e) => {
-                let message = match &e {
-                    DbError::Connect(c) => {
-                        format!("cannot connect to the database ({}): {c}", store.desc())
-                    }
-                    _ => format!(
-                        "cannot call {}() ({}): {e}",
-                        store.func("stats"),
-                        store.desc()
-                    ),
-                };
-                if attempt >= 3 {
-                    return Err(Fatal::runtime(message));
-                }
-                tracing::warn!("{message}; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-    };
+    } = read_settings(&store).await?;
     if let Some(max_claim) = max_claim {
         if args.batch_size > max_claim {
             return Err(Fatal::usage(format!(
@@ -125,44 +101,84 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     });
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
-    let listener = tokio::spawn(wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone()));
-    let reclaimer = tokio::spawn(reclaim_loop(
-        relay.clone(),
-        args.lease,
-        args.reclaim_interval,
-        wake_tx.clone(),
-        cancel.clone(),
-    ));
-    let stats = tokio::spawn(stats_loop(
-        relay.clone(),
-        args.stats_interval,
-        cancel.clone(),
-    ));
-    let loops: Vec<_> = (0..args.concurrency)
-        .map(|n| {
-            tokio::spawn(claim_loop(
-                n,
-                relay.clone(),
-                wake_rx.clone(),
-                cancel.clone(),
-            ))
-        })
-        .collect();
-
-    for l in loops {
-        let _ = l.await;
+    let mut tasks = Tasks::new(cancel.clone());
+    let listen = wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone());
+    tasks.spawn("wake-up listener", async move {
+        listen.await;
+        Ok(())
+    });
+    tasks.spawn(
+        "reclaimer",
+        reclaim_loop(
+            relay.clone(),
+            args.lease,
+            args.reclaim_interval,
+            wake_tx,
+            cancel.clone(),
+        ),
+    );
+    tasks.spawn(
+        "stats poller",
+        stats_loop(relay.clone(), args.stats_interval, cancel.clone()),
+    );
+    for n in 0..args.concurrency {
+        tasks.spawn(
+            format!("claim loop {n}"),
+            claim_loop(n, relay.clone(), wake_rx.clone(), cancel.clone()),
+        );
     }
-    cancel.cancel();
-    let _ = listener.await;
-    let _ = reclaimer.await;
-    let _ = stats.await;
+
+    // Until a signal, or a task's failure, cancels them all; either way every claim loop
+    // settles its round before it stops.
+    let mut result = tasks.join().await;
     relay.publisher.flush();
     server_cancel.cancel();
-    if let Some(s) = server {
-        let _ = s.await;
+    if let Some(Err(e)) = match server {
+        Some(s) => Some(s.await),
+        None => None,
+    } {
+        let f = Fatal::runtime(format!("metrics server: {e}"));
+        match result {
+            Ok(()) => result = Err(f),
+            Err(_) => tracing::error!("{}", f.message),
+        }
     }
-    tracing::info!("relay stopped: in-flight events settled");
-    Ok(())
+    if result.is_ok() {
+        tracing::info!("relay stopped: in-flight events settled");
+    }
+    result
+}
+
+/// `outbox.max_retry` and `outbox.max_claim`. Retried: a connection terminated right at start-up
+/// (failover, pg_terminate_backend) is no reason to exit; a configuration error (e.g. no EXECUTE
+/// on outbox_stats) is not retried.
+async fn read_settings(store: &Store) -> Result<Settings, Fatal> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let e = match store.settings().await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        let message = match &e {
+            DbError::Connect(c) => {
+                format!("cannot connect to the database ({}): {c}", store.desc())
+            }
+            _ => format!(
+                "cannot call {}() ({}): {e}",
+                store.func("stats"),
+                store.desc()
+            ),
+        };
+        if !e.is_retriable() {
+            return Err(Fatal::usage(message));
+        }
+        if attempt >= 3 {
+            return Err(Fatal::runtime(message));
+        }
+        tracing::warn!("{message}; retrying");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 #[cfg(test)]
