@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use outbox_worker::{HEADER_EVENT_ID, HEADER_OUTBOX_ID};
+
 use crate::worker::worker_bin;
 
 /// A loopback port nothing listens on right now.
@@ -47,8 +49,8 @@ impl Msg {
     /// The row id of the event in its database (the `outbox_id` header).
     pub fn outbox_id(&self) -> i64 {
         self.headers
-            .get("outbox_id")
-            .unwrap_or_else(|| panic!("message without outbox_id header: {self:?}"))
+            .get(HEADER_OUTBOX_ID)
+            .unwrap_or_else(|| panic!("message without {HEADER_OUTBOX_ID} header: {self:?}"))
             .parse()
             .expect("numeric outbox_id")
     }
@@ -56,8 +58,8 @@ impl Msg {
     /// The event's global UUID (the `event_id` header), what consumers deduplicate on.
     pub fn event_id(&self) -> &str {
         self.headers
-            .get("event_id")
-            .unwrap_or_else(|| panic!("message without event_id header: {self:?}"))
+            .get(HEADER_EVENT_ID)
+            .unwrap_or_else(|| panic!("message without {HEADER_EVENT_ID} header: {self:?}"))
     }
 
     /// Parses one line of `outbox-worker tail --json`.

@@ -837,7 +837,7 @@ fn read_topic(
         }
         let v: serde_json::Value =
             serde_json::from_str(&line).map_err(|e| format!("tail line {line:?}: {e}"))?;
-        let id = v["headers"]["outbox_id"]
+        let id = v["headers"][outbox_worker::HEADER_OUTBOX_ID]
             .as_str()
             .and_then(|s| s.parse().ok())
             .unwrap_or(i64::MIN);
