@@ -113,7 +113,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
             relay.clone(),
             args.lease,
             args.reclaim_interval,
-            wake_tx,
+            wake_tx.clone(),
             cancel.clone(),
         ),
     );
@@ -131,6 +131,9 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     // Until a signal, or a task's failure, cancels them all; either way every claim loop
     // settles its round before it stops.
     let mut result = tasks.join().await;
+    // Held until every claim loop has stopped: with no sender left, a loop's wait for a wake-up
+    // would end at once and fall back to a plain sleep that ignores the shutdown.
+    drop(wake_tx);
     relay.publisher.flush();
     server_cancel.cancel();
     if let Some(Err(e)) = match server {

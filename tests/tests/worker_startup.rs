@@ -1,5 +1,6 @@
 //! Bad start-up inputs: each exits non-zero with one clear line on stderr, and never prints a
-//! password.
+//! password. Also the relay's exit without a broker: a configuration error met by a task, and a
+//! prompt SIGTERM.
 
 use std::process::Output;
 
@@ -221,4 +222,36 @@ fn relay_role_without_execute_on_claim_exits_non_zero() {
         &["claim loop 0", "outbox_claim", "42501", "configuration"],
     );
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// SIGTERM ends idle claim loops at once, not after their poll interval: each waits for a
+/// wake-up, the shutdown or the interval, whichever comes first. (A loop that found the wake-up
+/// channel closed by the stopping listener used to sleep the whole interval.) Several loops, so
+/// that one of them meets the race.
+#[test]
+fn sigterm_stops_idle_claim_loops_at_once() {
+    let db = TestDb::create();
+    let brokers = format!("127.0.0.1:{}", free_port());
+    let mut w = Worker::spawn(
+        &db.url(),
+        &brokers,
+        &["--poll-interval", "60s", "--concurrency", "4"],
+    );
+    let idle = || w.logs().matches("claim returned no due events").count() >= 4;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !idle() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(idle(), "{}", w.logs());
+    let sent = Instant::now();
+    w.signal(libc::SIGTERM);
+    let st = w
+        .wait_exit(Duration::from_secs(10))
+        .expect("exit after SIGTERM");
+    assert!(st.success(), "{}", w.logs());
+    assert!(
+        sent.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        sent.elapsed()
+    );
 }
