@@ -58,7 +58,8 @@ pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
         .query(
             &format!(
                 "SELECT id, topic, event_key, event_type, retry_count, last_error, \
-                 to_char(updated_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF'), payload::text, headers::text \
+                 to_char(updated_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS failed_at, \
+                 payload::text AS payload, headers::text AS headers \
                  FROM {schema}.outbox_dead_letters($1, $2)"
             ),
             &[&args.limit, &args.after_id],
@@ -74,16 +75,16 @@ pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
         );
     }
     for r in &rows {
-        let id: i64 = r.get(0);
-        let topic: String = r.get(1);
-        let key: Option<String> = r.get(2);
-        let et: Option<String> = r.get(3);
-        let attempts: i32 = r.get(4);
-        let err: Option<String> = r.get(5);
-        let at: String = r.get(6);
+        let id: i64 = r.get("id");
+        let topic: String = r.get("topic");
+        let key: Option<String> = r.get("event_key");
+        let et: Option<String> = r.get("event_type");
+        let attempts: i32 = r.get("retry_count");
+        let err: Option<String> = r.get("last_error");
+        let at: String = r.get("failed_at");
         if args.json {
-            let payload: String = r.get(7);
-            let headers: String = r.get(8);
+            let payload: String = r.get("payload");
+            let headers: String = r.get("headers");
             let v = json!({
                 "id": id, "topic": topic, "key": key, "event_type": et, "attempts": attempts,
                 "last_error": err, "failed_at": at,

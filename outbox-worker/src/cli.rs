@@ -77,7 +77,7 @@ impl KafkaArgs {
         self.kafka_properties
             .iter()
             .filter(|s| !s.trim().is_empty())
-            .map(|s| parse_property(s).map_err(Fatal::usage))
+            .map(|s| parse_property(s))
             .collect()
     }
 }
@@ -279,17 +279,18 @@ pub struct TailArgs {
     pub json: bool,
 }
 
+/// clap's value parser for durations (clap takes the error as text).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 3s, 10m)"))
 }
 
 /// Splits `KEY=VALUE`; the error is one line naming the bad input.
-pub fn parse_property(s: &str) -> Result<(String, String), String> {
+pub fn parse_property(s: &str) -> Result<(String, String), Fatal> {
     match s.split_once('=') {
         Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
-        _ => Err(format!(
+        _ => Err(Fatal::usage(format!(
             "malformed Kafka property {s:?}: expected KEY=VALUE"
-        )),
+        ))),
     }
 }
 
