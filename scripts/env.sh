@@ -1,12 +1,15 @@
 # Sourced by the scripts in this folder: one place for paths and versions.
 # shellcheck shell=bash
 PGRX_VERSION=0.18.1
-TANSU_VERSION=0.6.0
 PG_MAJOR=15
 PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
-# Tools built once per machine and reused by every checkout and CI run (tansu takes ~16 min).
+# Tools installed once per machine and reused by every checkout and CI run.
 OUTBOX_TOOLS=${OUTBOX_TOOLS:-/opt/outbox-tools}
-TANSU_BIN=$OUTBOX_TOOLS/bin/tansu
+# The local broker: Apache Kafka from Maven Central (scripts/broker install), run on the system
+# Java 17 (tests/src/kafka.rs reads KAFKA_VERSION from this file too).
+KAFKA_VERSION=4.4.0
+KAFKA_LOG4J_VERSION=2.25.5
+export KAFKA_HOME=${KAFKA_HOME:-$OUTBOX_TOOLS/kafka-$KAFKA_VERSION}
 # One build cache per machine, shared by every clone: CI runs in a fresh clone each time and a
 # cold build of librdkafka + pgrx takes most of the CI budget.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}

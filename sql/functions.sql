@@ -284,6 +284,44 @@ BEGIN
 END
 $$;
 
+-- Hands held rows back WITHOUT counting a failed attempt: for failures that are not the event's
+-- fault (broker unreachable, timeouts, not enough replicas). Fenced like nack; due after `delay`.
+CREATE FUNCTION @extschema@.outbox_release(owner text, claim_token bigint, ids bigint[],
+                                           delay interval DEFAULT '0', error text DEFAULT NULL)
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_release', owner, claim_token, ids);
+    IF delay IS NULL OR delay < interval '0' OR delay > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
+            DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
+    END IF;
+    -- Row locks in id order, like ack, nack and renew.
+    WITH held AS MATERIALIZED (
+        SELECT h.id FROM @extschema@.outbox_event h
+         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
+           AND h.claim_owner = owner AND h.claim_token = claim_token
+         ORDER BY h.id
+         FOR UPDATE
+    )
+    UPDATE @extschema@.outbox_event e
+       SET status = 'WAIT', next_retry_time = stamp + delay,
+           claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+           last_error = coalesce(error, e.last_error), updated_at = stamp
+     WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+       AND e.claim_owner = owner AND e.claim_token = claim_token;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    RETURN done;
+END
+$$;
+
 CREATE FUNCTION @extschema@.outbox_reclaim(lease interval DEFAULT NULL)
 RETURNS int
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER

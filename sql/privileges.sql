@@ -18,6 +18,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_ack(text, bigint, bigint[]),
     @extschema@.outbox_nack(text, bigint, bigint[], text),
     @extschema@.outbox_renew(text, bigint, bigint[]),
+    @extschema@.outbox_release(text, bigint, bigint[], interval, text),
     @extschema@.outbox_reclaim(interval),
     @extschema@.outbox_requeue(bigint[]),
     @extschema@.outbox_purge(interval, int),

@@ -1,7 +1,8 @@
-//! The local Kafka-protocol broker (tansu), the relay binary, and a Kafka consumer that timestamps
-//! arrivals: 2. drain to the broker and 3. commit-to-broker latency.
+//! The local Apache Kafka broker (single node, KRaft, started like `scripts/broker start` by the
+//! tests' `kafka.rs`), the relay binary, and a Kafka consumer that timestamps arrivals: 2. drain to
+//! the broker and 3. commit-to-broker latency.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::fs::File;
@@ -11,17 +12,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The tests' Kafka start-up, shared source (the bench uses less of it than the tests do).
+#[path = "../../tests/src/kafka.rs"]
+#[allow(dead_code)]
+pub mod kafka;
+
 pub const PARTITIONS: i32 = 4;
 
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
-}
-
 fn log_tail(path: &Path) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
+    kafka::log_tail(path, 15)
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -43,101 +42,48 @@ fn wait_exit(child: &mut Child, timeout: Duration) -> bool {
     false
 }
 
-/// A tansu broker with in-memory storage on a free loopback port, stopped on drop.
+/// A Kafka broker on a free loopback port with its data in `workdir/kafka`, stopped cleanly
+/// (SIGTERM) on drop.
 pub struct Broker {
-    child: Child,
+    kafka: kafka::Kafka,
     pub port: u16,
-    bin: PathBuf,
-    log: PathBuf,
 }
 
 impl Broker {
-    pub fn start(bin: &Path, workdir: &Path) -> Result<Broker> {
-        let port = free_port()?;
-        let url = format!("tcp://127.0.0.1:{port}");
-        let log = workdir.join("tansu.log");
-        let out = File::create(&log)?;
-        let child = Command::new(bin)
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-                "--storage-engine",
-                "memory://tansu/",
-            ])
-            .env_remove("CLUSTER_ID")
-            .env_remove("STORAGE_ENGINE")
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .stdin(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut b = Broker {
-            child,
-            port,
-            bin: bin.to_path_buf(),
-            log,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                break;
-            }
-            if let Ok(Some(st)) = b.child.try_wait() {
-                bail!("tansu exited ({st}):\n{}", log_tail(&b.log));
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "tansu did not listen on {port} within 30 s:\n{}",
-                    log_tail(&b.log)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(b)
+    pub fn start(workdir: &Path) -> Result<Broker> {
+        let port = kafka::free_port()?;
+        let kafka = kafka::Kafka::start(&workdir.join("kafka"), port)
+            .map_err(|e| anyhow!("starting Kafka: {e}"))?;
+        Ok(Broker { kafka, port })
     }
 
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
 
+    pub fn log(&self) -> PathBuf {
+        self.kafka.log()
+    }
+
+    /// The broker JVM's pid (for its CPU time).
     pub fn pid(&self) -> i32 {
-        self.child.id() as i32
+        self.kafka.pid().map_or(0, |p| p as i32)
     }
 
     pub fn create_topic(&self, name: &str) -> Result<()> {
-        let out = Command::new(&self.bin)
-            .args([
-                "topic",
-                "create",
-                name,
-                "--broker",
-                &format!("tcp://127.0.0.1:{}", self.port),
-                "--partitions",
-                &PARTITIONS.to_string(),
-            ])
-            .output()
-            .context("tansu topic create")?;
-        if !out.status.success() {
-            bail!(
-                "tansu topic create {name} failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
+        kafka::create_topics(&self.addr(), &[name], PARTITIONS).map_err(|e| {
+            anyhow!(
+                "{e}\nbroker log {}:\n{}",
+                self.log().display(),
+                log_tail(&self.log())
+            )
+        })
     }
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        signal(self.pid(), libc::SIGTERM);
-        if !wait_exit(&mut self.child, Duration::from_secs(5)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.kafka.stop();
     }
 }
 

@@ -62,9 +62,6 @@ struct Args {
     /// The relay binary. Default: $CARGO_TARGET_DIR/release/outbox-worker.
     #[arg(long, env = "OUTBOX_BENCH_WORKER_BIN")]
     worker_bin: Option<PathBuf>,
-    /// The tansu broker binary. Default: $OUTBOX_TOOLS/bin/tansu (/opt/outbox-tools), then PATH.
-    #[arg(long, env = "OUTBOX_BENCH_TANSU_BIN")]
-    tansu_bin: Option<PathBuf>,
     /// Skip everything that needs the broker and the relay.
     #[arg(long)]
     no_broker: bool,
@@ -265,17 +262,17 @@ fn find_worker(args: &Args) -> PathBuf {
     PathBuf::from(target).join("release/outbox-worker")
 }
 
-fn find_tansu(args: &Args) -> PathBuf {
-    if let Some(p) = &args.tansu_bin {
-        return p.clone();
-    }
-    let tools = std::env::var("OUTBOX_TOOLS").unwrap_or_else(|_| "/opt/outbox-tools".into());
-    let p = PathBuf::from(tools).join("bin/tansu");
-    if p.exists() {
-        p
-    } else {
-        PathBuf::from("tansu")
-    }
+/// The broker line of the report: the installed Kafka's own version (`scripts/broker install`
+/// records it), else the pinned one.
+fn kafka_version() -> String {
+    let home = broker::kafka::home();
+    let v = std::fs::read_to_string(home.join("version"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| broker::kafka::version().to_string());
+    format!(
+        "Apache Kafka {v} (one JVM, KRaft broker+controller, {}, log on local disk)",
+        home.display()
+    )
 }
 
 /// Everything the report needs, filled in section by section.
@@ -460,23 +457,10 @@ async fn bench(args: &Args, p: &Profile, db: &BenchDb, workdir: &Path) -> Result
     let mut worker_version = "not used".to_string();
     if !args.no_broker && (want(Section::Broker) || want(Section::Latency)) {
         let worker_bin = find_worker(args);
-        let tansu_bin = find_tansu(args);
         worker_version = sys::command_line(&worker_bin, &["--version"])
             .unwrap_or_else(|| format!("{} (no --version)", worker_bin.display()));
-        broker_version = sys::command_line(&tansu_bin, &["--version"])
-            .unwrap_or_else(|| format!("{} (no --version)", tansu_bin.display()));
-        match broker_sections(
-            args,
-            p,
-            db,
-            &monitor,
-            workdir,
-            &worker_bin,
-            &tansu_bin,
-            &mut r,
-        )
-        .await
-        {
+        broker_version = kafka_version();
+        match broker_sections(args, p, db, &monitor, workdir, &worker_bin, &mut r).await {
             Ok(()) => {}
             Err(e) => {
                 let msg = format!("broker/relay benchmarks: {e:#}");
@@ -532,7 +516,6 @@ async fn broker_sections(
     monitor: &tokio_postgres::Client,
     workdir: &Path,
     worker_bin: &Path,
-    tansu_bin: &Path,
     r: &mut Results,
 ) -> Result<()> {
     let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
@@ -542,7 +525,7 @@ async fn broker_sections(
             worker_bin.display()
         );
     }
-    let broker = broker::Broker::start(tansu_bin, workdir)?;
+    let broker = broker::Broker::start(workdir)?;
     broker.create_topic("bench.drain")?;
     let env = relay::RelayEnv {
         db,
@@ -1146,7 +1129,7 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
     } else {
         s += &format!(
             "`outbox-worker run` (release build) against a fresh backlog of {} events, topic with {} \
-             partitions on tansu (memory storage) on the same machine. Events/s from the rows' own \
+             partitions on a single-node Apache Kafka (KRaft, log on local disk) on the same machine. Events/s from the rows' own \
              timestamps (first `claimed_at` to last ack), so relay start-up is excluded; the end is \
              detected by polling until nothing is due or in flight and confirmed with `outbox_stats()`. \
              CPU from /proc for the database backends, the relay process and the broker process. \

@@ -1,16 +1,24 @@
-//! A real Kafka-protocol broker (tansu, memory storage) per test, on a free loopback port, killed
-//! on drop; and reading a topic back with `outbox-worker tail` (assigned partitions, from offset 0,
-//! until idle: this broker's high watermarks can't be trusted).
+//! A real Apache Kafka broker (single node, KRaft, see `kafka.rs`) per test, on a free loopback
+//! port, killed on drop (its directory is kept when the test failed); topics created through the
+//! Admin API; reading a topic back with a Kafka consumer up to the high watermarks, or following
+//! it with `outbox-worker tail --follow`.
 
 use std::collections::BTreeMap;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use outbox_worker::{HEADER_EVENT_ID, HEADER_OUTBOX_ID};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{BorrowedMessage, Headers};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
+use crate::kafka::{self, Kafka};
 use crate::worker::worker_bin;
+
+/// Partitions of the topics `create_topic` makes.
+pub const PARTITIONS: i32 = 4;
 
 /// A loopback port nothing listens on right now.
 pub fn free_port() -> u16 {
@@ -21,17 +29,10 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-pub fn tansu_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("TANSU_BIN") {
-        return p.into();
-    }
-    let tools = std::env::var("OUTBOX_TOOLS").unwrap_or_else(|_| "/opt/outbox-tools".into());
-    PathBuf::from(tools).join("bin/tansu")
-}
-
 pub struct Broker {
     pub port: u16,
-    child: Option<Child>,
+    kafka: Kafka,
+    /// The broker's log (kept with its directory when the test fails).
     pub log: PathBuf,
 }
 
@@ -85,57 +86,20 @@ impl Msg {
 }
 
 impl Broker {
-    /// Starts a broker on a free port and waits until it accepts connections.
+    /// Starts a broker on a free port and waits until it answers a metadata request.
     pub fn start() -> Broker {
         Broker::start_on(free_port())
     }
 
+    /// Starts a new, empty broker on 127.0.0.1:`port` (its controller on another free port), with
+    /// its data in a fresh directory under the temp dir.
     pub fn start_on(port: u16) -> Broker {
-        let bin = tansu_bin();
-        assert!(
-            bin.exists(),
-            "tansu not found at {} (run scripts/broker install)",
-            bin.display()
-        );
-        let log = std::env::temp_dir().join(format!("outbox-test-tansu-{port}.log"));
-        let logf = std::fs::File::create(&log).expect("broker log file");
-        let url = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new(&bin)
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-            ])
-            .args(["--storage-engine", "memory://tansu/"])
-            .stdin(Stdio::null())
-            .stdout(logf.try_clone().expect("log fd"))
-            .stderr(logf)
-            .spawn()
-            .expect("spawn tansu");
-        let mut b = Broker {
-            port,
-            child: Some(child),
-            log,
-        };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return b;
-            }
-            if let Some(st) = b.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                panic!(
-                    "tansu exited with {st}: {}",
-                    std::fs::read_to_string(&b.log).unwrap_or_default()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "tansu did not listen on {port} within 15 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let dir =
+            std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
+        let kafka = Kafka::start(&dir, port)
+            .unwrap_or_else(|e| panic!("starting Kafka on 127.0.0.1:{port}: {e}"));
+        let log = kafka.log();
+        Broker { port, kafka, log }
     }
 
     /// `host:port` for `--brokers`.
@@ -143,66 +107,39 @@ impl Broker {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Creates a topic with 4 partitions (this broker does not create topics on first produce).
+    /// Creates a topic with 4 partitions (the broker does not create topics on first produce) and
+    /// waits until every partition has a leader.
     pub fn create_topic(&self, name: &str) {
-        let out = Command::new(tansu_bin())
-            .args(["topic", "create", name, "--broker"])
-            .arg(format!("tcp://127.0.0.1:{}", self.port))
-            .args(["--partitions", "4"])
-            .output()
-            .expect("run tansu topic create");
-        assert!(
-            out.status.success(),
-            "tansu topic create {name}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        kafka::create_topics(&self.addr(), &[name], PARTITIONS)
+            .unwrap_or_else(|e| panic!("{e}\nbroker log:\n{}", kafka::log_tail(&self.log, 20)));
     }
 
-    fn signal(&self, sig: i32) {
-        if let Some(c) = &self.child {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe {
-                libc::kill(c.id() as i32, sig);
-            }
-        }
+    /// Stops the broker cleanly (SIGTERM) and starts it again on the same ports with the same
+    /// data; returns once it answers again.
+    pub fn restart(&mut self) {
+        self.kafka
+            .restart()
+            .unwrap_or_else(|e| panic!("restarting Kafka on {}: {e}", self.addr()));
     }
 
-    /// Freezes the broker (connections stay open, nothing is answered).
+    /// Freezes the broker's JVM (SIGSTOP: connections stay open, nothing is answered).
     pub fn freeze(&self) {
-        self.signal(libc::SIGSTOP);
+        self.kafka.signal(libc::SIGSTOP);
     }
 
     pub fn thaw(&self) {
-        self.signal(libc::SIGCONT);
+        self.kafka.signal(libc::SIGCONT);
     }
 
-    /// Every message of the topic, read from offset 0 of every partition until nothing new came
-    /// for `idle`.
-    pub fn consume_all(&self, topic: &str, idle: Duration) -> Vec<Msg> {
-        let out = Command::new(worker_bin())
-            .args([
-                "tail",
-                "--json",
-                "--brokers",
-                &self.addr(),
-                "--topic",
-                topic,
-            ])
-            .arg("--idle")
-            .arg(format!("{}ms", idle.as_millis()))
-            .output()
-            .expect("run outbox-worker tail");
-        assert!(
-            out.status.success(),
-            "outbox-worker tail failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.starts_with('{'))
-            .map(Msg::from_json_line)
-            .collect()
+    /// Every message of the topic: each partition read from its first offset up to its high
+    /// watermark as of this call (everything acknowledged with acks=all before the call). Panics
+    /// if no message arrives for `stall` (at least 10 s) while some partition is not read up to
+    /// its watermark yet.
+    pub fn consume_all(&self, topic: &str, stall: Duration) -> Vec<Msg> {
+        let mut out = Vec::new();
+        read_to_end(&self.addr(), topic, stall, |m| out.push(msg_from_kafka(m)))
+            .unwrap_or_else(|e| panic!("reading {topic} back: {e}"));
+        out
     }
 
     /// A `tail --follow` consumer whose messages arrive on the returned channel as they come.
@@ -243,25 +180,116 @@ impl Broker {
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            self.thaw_pid(c.id());
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // Keep the broker's log when the test failed.
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_file(&self.log);
+        self.kafka.kill();
+        // Keep the broker's data and log when the test failed.
+        if std::thread::panicking() {
+            eprintln!(
+                "Kafka of the failed test kept in {} (log {})",
+                self.kafka.dir.display(),
+                self.log.display()
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(&self.kafka.dir);
         }
     }
 }
 
-impl Broker {
-    fn thaw_pid(&self, pid: u32) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(pid as i32, libc::SIGCONT);
+/// The same fields `Msg::from_json_line` takes from `outbox-worker tail --json`, from a message
+/// read with rdkafka (text lossily decoded as UTF-8, a header without value as "").
+fn msg_from_kafka(m: &BorrowedMessage<'_>) -> Msg {
+    let text = |b: Option<&[u8]>| b.map(|b| String::from_utf8_lossy(b).into_owned());
+    let headers = m
+        .headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| (h.key.to_string(), text(h.value).unwrap_or_default()))
+                .collect()
+        })
+        .unwrap_or_default();
+    Msg {
+        partition: i64::from(m.partition()),
+        offset: m.offset(),
+        key: text(m.key()),
+        headers,
+        value: text(m.payload()).unwrap_or_default(),
+    }
+}
+
+/// Reads every partition of `topic` on `addr` from its first offset up to its high watermark as
+/// of the call, with assigned partitions (no group join, nothing committed), handing each message
+/// to `f`. Fails if no message arrives for `stall` (at least 10 s) while a partition is behind.
+pub fn read_to_end(
+    addr: &str,
+    topic: &str,
+    stall: Duration,
+    mut f: impl FnMut(&BorrowedMessage<'_>),
+) -> Result<(), String> {
+    let stall = stall.max(Duration::from_secs(10));
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", addr)
+        .set(
+            "group.id",
+            format!("outbox-tests-read-{}", std::process::id()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .set("fetch.wait.max.ms", "10")
+        .create()
+        .map_err(|e| format!("consumer for {addr}: {e}"))?;
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(|e| format!("metadata of {topic} from {addr}: {e}"))?;
+    let t = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .ok_or_else(|| format!("topic {topic} does not exist on {addr}"))?;
+    // partition -> next offset to read (starting at the low watermark), high watermark
+    let mut todo: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for p in t.partitions() {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+            .map_err(|e| format!("watermarks of {topic}[{}]: {e}", p.id()))?;
+        if high > low {
+            todo.insert(p.id(), (low, high));
+            tpl.add_partition_offset(topic, p.id(), Offset::Offset(low))
+                .map_err(|e| e.to_string())?;
         }
     }
+    if todo.is_empty() {
+        return Ok(());
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(|e| format!("assigning {topic}: {e}"))?;
+    let mut last = Instant::now();
+    while !todo.is_empty() {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                last = Instant::now();
+                if let Some((next, high)) = todo.get_mut(&m.partition()) {
+                    if m.offset() >= *next && m.offset() < *high {
+                        f(&m);
+                        *next = m.offset() + 1;
+                    }
+                    if *next >= *high {
+                        todo.remove(&m.partition());
+                    }
+                }
+            }
+            Some(Err(e)) => return Err(format!("consuming {topic}: {e}")),
+            None if last.elapsed() > stall => {
+                return Err(format!(
+                    "no message for {} s with partitions behind their high watermark \
+                     (partition: (next offset, high watermark)) {todo:?}",
+                    stall.as_secs()
+                ));
+            }
+            None => {}
+        }
+    }
+    Ok(())
 }
 
 /// A running `tail --follow`.

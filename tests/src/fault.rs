@@ -2,15 +2,13 @@
 //!
 //! Producers commit E events in transactions of random size (a share rolled back, a few with a
 //! poison topic that does not exist on the broker) while K `outbox-worker` processes relay them to
-//! a local tansu broker. Meanwhile the runner injects faults:
+//! a local Apache Kafka broker. Meanwhile the runner injects faults:
 //! - SIGKILL of a random worker every `kill_every`, restarted at once under a new owner name;
 //! - a zombie: SIGSTOP of a worker holding claims until every row it held was reclaimed by the
 //!   others (longer than the lease), then SIGCONT; its late acks must count 0;
 //! - a broker outage: SIGSTOP of the broker for `outage` (longer than the send timeout), SIGCONT;
-//! - a broker restart: tansu's memory storage loses everything on restart, so the runner freezes
-//!   every worker (SIGSTOP), reads everything the old broker holds (from offset 0 until idle),
-//!   kills the broker (SIGKILL), starts a new empty one on the same port, creates the topics and
-//!   thaws the workers. What the old broker held counts as delivered ("generation 1");
+//! - a broker restart: SIGTERM of the broker while the workers keep running, then the same
+//!   broker started again on the same ports and data (what it acknowledged must still be there);
 //! - `pg_terminate_backend` of every worker connection (application_name outbox-worker).
 //!
 //! At the end it waits for quiescence (no WAIT or SENDING rows), stops the workers with SIGTERM,
@@ -18,21 +16,21 @@
 //! = the poison events exactly, the zombie's late acks took no effect, every message's topic and
 //! payload match its event. Duplicates are counted and attributed to a cause where the final row
 //! tells it (lease expiry after a kill, the zombie, a publish that failed after the broker had
-//! stored the message, the broker restart).
+//! stored the message).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use rdkafka::message::Headers;
+use rdkafka::Message;
 use tokio::runtime::Runtime;
 use tokio_postgres::Client;
 
-use crate::broker::{free_port, Broker};
+use crate::broker::{read_to_end, Broker};
 use crate::db::{connect, TestDb};
-use crate::worker::{worker_bin, Worker};
+use crate::worker::Worker;
 
 /// Topics the events go to; the poison topic is never created on the broker.
 pub const TOPICS: [&str; 2] = ["orders", "payments"];
@@ -182,7 +180,6 @@ struct Produced {
 /// One message read back.
 #[derive(Debug, Clone)]
 struct Seen {
-    generation: u8,
     topic: u8,
     partition: i64,
     offset: i64,
@@ -231,7 +228,6 @@ pub struct Report {
     pub unknown_ids: usize,
     pub corrupt: usize,
     pub messages_read: usize,
-    pub messages_generation1: usize,
     pub duplicates: usize,
     pub duplicated_events: usize,
     pub duplicates_by_cause: BTreeMap<String, usize>,
@@ -348,12 +344,8 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "distinct delivered D   {} of {} deliverable ({} messages read: {} from the broker before its restart, {} after)",
-            self.delivered_distinct,
-            non_poison,
-            self.messages_read,
-            self.messages_generation1,
-            self.messages_read - self.messages_generation1
+            "distinct delivered D   {} of {} deliverable ({} messages read back)",
+            self.delivered_distinct, non_poison, self.messages_read
         )?;
         writeln!(
             f,
@@ -512,7 +504,6 @@ struct Runner<'a> {
     rng: Rng,
     start: Instant,
     report: Report,
-    generation1: Vec<Seen>,
     /// Owners that were SIGKILLed / frozen as the zombie.
     killed_owners: HashSet<String>,
     zombie_owner: Option<String>,
@@ -668,33 +659,14 @@ impl Runner<'_> {
     }
 
     fn restart_broker(&mut self) {
-        for s in &self.slots {
-            s.worker.signal(libc::SIGSTOP);
-        }
-        let frozen = Instant::now();
-        std::thread::sleep(Duration::from_millis(300));
-        let addr = format!("127.0.0.1:{}", self.port);
-        let mut seen = Vec::new();
-        for (ti, topic) in TOPICS.iter().enumerate() {
-            read_topic(&addr, topic, ti as u8, 1, Duration::from_secs(2), &mut seen)
-                .unwrap_or_else(|e| panic!("reading {topic} before the broker restart: {e}"));
-        }
-        let n = seen.len();
-        self.generation1 = seen;
-        drop(self.broker.take());
-        let b = Broker::start_on(self.port);
-        for t in TOPICS {
-            b.create_topic(t);
-        }
-        self.broker = Some(b);
-        for s in &self.slots {
-            s.worker.signal(libc::SIGCONT);
+        let t = Instant::now();
+        if let Some(b) = self.broker.as_mut() {
+            b.restart();
         }
         self.report.restarts += 1;
-        self.report.messages_generation1 = n;
         self.log(format!(
-            "broker restart: workers frozen {:.1} s while the old broker's {n} messages were read back, broker SIGKILLed, new empty broker started on the same port, topics created, workers thawed",
-            frozen.elapsed().as_secs_f64()
+            "broker restart: SIGTERM, then the same broker started again on the same ports and data; answering again after {:.1} s, workers kept running",
+            t.elapsed().as_secs_f64()
         ));
     }
 
@@ -809,61 +781,31 @@ fn field(line: &str, name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// Reads a topic from offset 0 of every partition until idle (`outbox-worker tail --json`),
-/// streaming, so a million messages need no more than their compact records.
-fn read_topic(
-    addr: &str,
-    topic: &str,
-    topic_index: u8,
-    generation: u8,
-    idle: Duration,
-    out: &mut Vec<Seen>,
-) -> Result<(), String> {
-    let errlog = std::env::temp_dir().join(format!("outbox-fault-tail-{}.log", free_port()));
-    let mut child = Command::new(worker_bin())
-        .args(["tail", "--json", "--brokers", addr, "--topic", topic])
-        .arg("--idle")
-        .arg(format!("{}ms", idle.as_millis()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&errlog).map_err(|e| e.to_string())?)
-        .spawn()
-        .map_err(|e| format!("spawn tail: {e}"))?;
-    let stdout = child.stdout.take().expect("stdout");
-    for line in BufReader::new(stdout).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        if !line.starts_with('{') {
-            continue;
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(&line).map_err(|e| format!("tail line {line:?}: {e}"))?;
-        let id = v["headers"][outbox_worker::HEADER_OUTBOX_ID]
-            .as_str()
+/// Reads a topic up to its high watermarks, streaming, so a million messages need no more than
+/// their compact records.
+fn read_topic(addr: &str, topic: &str, topic_index: u8, out: &mut Vec<Seen>) -> Result<(), String> {
+    fn text(b: Option<&[u8]>) -> Option<&str> {
+        b.and_then(|b| std::str::from_utf8(b).ok())
+    }
+    read_to_end(addr, topic, Duration::from_secs(10), |m| {
+        let id = m
+            .headers()
+            .and_then(|hs| hs.iter().find(|h| h.key == outbox_worker::HEADER_OUTBOX_ID))
+            .and_then(|h| text(h.value))
             .and_then(|s| s.parse().ok())
             .unwrap_or(i64::MIN);
-        let n = v["value"]
-            .as_str()
+        let n = text(m.payload())
             .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
             .and_then(|p| p["n"].as_i64())
             .unwrap_or(-1);
         out.push(Seen {
-            generation,
             topic: topic_index,
-            partition: v["partition"].as_i64().unwrap_or(-1),
-            offset: v["offset"].as_i64().unwrap_or(-1),
+            partition: i64::from(m.partition()),
+            offset: m.offset(),
             id,
             n,
         });
-    }
-    let st = child.wait().map_err(|e| e.to_string())?;
-    if !st.success() {
-        return Err(format!(
-            "tail {topic} exited with {st}: {}",
-            std::fs::read_to_string(&errlog).unwrap_or_default()
-        ));
-    }
-    let _ = std::fs::remove_file(&errlog);
-    Ok(())
+    })
 }
 
 /// One producer session: transactions of random size until its share of committed events is done.
@@ -1005,7 +947,6 @@ pub fn run(p: &Profile) -> Report {
             workers: p.workers,
             ..Default::default()
         },
-        generation1: Vec::new(),
         killed_owners: HashSet::new(),
         zombie_owner: None,
     };
@@ -1142,9 +1083,9 @@ pub fn run(p: &Profile) -> Report {
 
     // Read everything back.
     let addr = format!("127.0.0.1:{}", r.port);
-    let mut seen = std::mem::take(&mut r.generation1);
+    let mut seen = Vec::new();
     for (ti, topic) in TOPICS.iter().enumerate() {
-        read_topic(&addr, topic, ti as u8, 2, Duration::from_secs(3), &mut seen)
+        read_topic(&addr, topic, ti as u8, &mut seen)
             .unwrap_or_else(|e| panic!("reading {topic} back: {e}"));
     }
 
@@ -1169,10 +1110,10 @@ fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
     rep.poison = produced.committed.values().filter(|v| v.1 == 2).count();
 
     // Distinct physical messages (a re-read of the same offset is not a duplicate).
-    let mut physical: HashSet<(u8, u8, i64, i64)> = HashSet::new();
-    let mut copies: HashMap<i64, (usize, BTreeSet<u8>)> = HashMap::new();
+    let mut physical: HashSet<(u8, i64, i64)> = HashSet::new();
+    let mut copies: HashMap<i64, usize> = HashMap::new();
     for s in &seen {
-        if !physical.insert((s.generation, s.topic, s.partition, s.offset)) {
+        if !physical.insert((s.topic, s.partition, s.offset)) {
             continue;
         }
         rep.messages_read += 1;
@@ -1181,15 +1122,12 @@ fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
                 if n != s.n || topic != s.topic {
                     rep.corrupt += 1;
                 }
-                let e = copies.entry(s.id).or_default();
-                e.0 += 1;
-                e.1.insert(s.generation);
+                *copies.entry(s.id).or_default() += 1;
             }
             None if produced.rolled_back.contains(&s.id) => rep.phantoms += 1,
             None => rep.unknown_ids += 1,
         }
     }
-    rep.messages_generation1 = physical.iter().filter(|k| k.0 == 1).count();
     rep.delivered_distinct = copies.len();
     let mut lost: Vec<i64> = produced
         .committed
@@ -1278,23 +1216,21 @@ fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
     rep.poison_not_dead = poison_ids.difference(&fail).copied().collect();
 
     // Duplicates and their causes.
-    for (id, (n, gens)) in &copies {
+    for (id, n) in &copies {
         if *n < 2 {
             continue;
         }
         rep.duplicated_events += 1;
         rep.duplicates += n - 1;
         let (retry, err) = last_error.get(id).cloned().unwrap_or((0, String::new()));
-        let cause = if gens.len() > 1 {
-            "on the old broker and again on the new one (broker restart)".to_string()
-        } else if let Some(rest) = err.strip_prefix("lease expired: claimed by ") {
+        let cause = if let Some(rest) = err.strip_prefix("lease expired: claimed by ") {
             let owner = rest.split_whitespace().next().unwrap_or("");
             if r.zombie_owner.as_deref() == Some(owner) {
                 "lease expired while its worker was the SIGSTOPped zombie".to_string()
             } else if r.killed_owners.contains(owner) {
                 "lease expired after its worker was SIGKILLed (or exited)".to_string()
             } else {
-                "lease expired while its worker lived (frozen during the broker restart, or a lost ack)".to_string()
+                "lease expired while its worker lived (a lost ack, or a publish slower than the lease)".to_string()
             }
         } else if !err.is_empty() {
             "publish reported failed (timeout during the outage/restart) after the broker had stored it".to_string()

@@ -6,5 +6,6 @@ pub mod broker;
 pub mod db;
 pub mod events;
 pub mod fault;
+pub mod kafka;
 pub mod roles;
 pub mod worker;

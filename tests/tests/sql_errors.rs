@@ -223,6 +223,16 @@ async fn reclaim_purge_and_id_lists_reject_nonsense() {
     )
     .await;
     rejects(&c, "SELECT outbox_requeue(NULL)", &[], "22023", "ids").await;
+    for delay in ["-1 second", "300000 years"] {
+        rejects(
+            &c,
+            "SELECT outbox_release('r', 1, '{1}', $1::text::interval)",
+            &[&delay],
+            "22023",
+            "delay",
+        )
+        .await;
+    }
     // Unknown ids are not an error, just not counted.
     let n: i32 = scalar(&c, "SELECT outbox_requeue('{1,2,3}')", &[]).await;
     assert_eq!(n, 0);

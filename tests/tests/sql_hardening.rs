@@ -161,6 +161,7 @@ async fn row_locking_calls_require_read_committed() {
         "SELECT outbox_ack('relay-a', 1, '{1}')",
         "SELECT outbox_nack('relay-a', 1, '{1}', 'e')",
         "SELECT outbox_renew('relay-a', 1, '{1}')",
+        "SELECT outbox_release('relay-a', 1, '{1}')",
         "SELECT outbox_reclaim('1 second')",
         "SELECT outbox_requeue('{1}')",
         "SELECT outbox_purge('0 seconds')",

@@ -562,6 +562,19 @@ async fn lifecycle(
         requeued == Some(2),
         &format!("requeued {requeued:?} of {dead:?}"),
     );
+    api.set_role(relay).await;
+    let (token, ids) = api.claim(owner).await;
+    let released = api
+        .count(
+            "outbox_release",
+            "$1, $2, $3, '0 seconds', 'broker down'",
+            &[&owner, &token, &ids],
+        )
+        .await;
+    api.expect(
+        released == Some(2),
+        &format!("released {released:?} requeued events"),
+    );
     let (token, ids) = api.claim(owner).await;
     let acked = api
         .count("outbox_ack", "$1, $2, $3", &[&owner, &token, &ids])
@@ -570,6 +583,7 @@ async fn lifecycle(
         acked == Some(2),
         &format!("acked {acked:?} requeued events"),
     );
+    api.set_role(admin).await;
     let purged = api.count("outbox_purge", "'0 seconds'", &[]).await;
     api.expect(purged == Some(3), &format!("purged {purged:?}, want 3"));
     api.call("outbox_purge", "", &[]).await;
@@ -594,6 +608,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_ack", "'relay-1', NULL, '{1}'"),
         ("outbox_nack", "'relay-1', 1, NULL"),
         ("outbox_renew", "'', 1, '{1}'"),
+        ("outbox_release", "'relay-1', 1, '{1}', '-1 second'"),
         ("outbox_reclaim", "'-1 second'"),
         ("outbox_requeue", "NULL"),
         ("outbox_purge", "'-1 second'"),

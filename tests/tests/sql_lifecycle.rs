@@ -1,5 +1,5 @@
 //! The event life cycle through the SQL API, one session at a time: enqueue, claim, ack, nack
-//! with backoff, renew, reclaim, requeue, purge, delayed delivery and stats.
+//! with backoff, release, renew, reclaim, requeue, purge, delayed delivery and stats.
 
 use outbox_tests::db::{scalar, TestDb};
 use tokio_postgres::Client;
@@ -251,6 +251,65 @@ async fn backoff_follows_settings_with_cap_and_jitter() {
             "{delays:?}"
         );
     }
+}
+
+#[tokio::test]
+async fn release_hands_rows_back_without_counting_an_attempt() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.max_retry = 0").await.unwrap();
+    let id = enqueue(&c, "orders").await;
+    // With max_retry 0 a single nack would dead-letter; released five times, it never does.
+    for round in 0..5 {
+        let (token, ids) = claim(&c, "relay-a", 10).await;
+        assert_eq!(ids, vec![id], "round {round}");
+        let wrong: i32 = scalar(
+            &c,
+            "SELECT outbox_release('relay-b', $1, $2)",
+            &[&token, &ids],
+        )
+        .await;
+        assert_eq!(wrong, 0, "fenced: not relay-b's claim");
+        let n: i32 = scalar(
+            &c,
+            "SELECT outbox_release('relay-a', $1, $2, error => 'broker unreachable')",
+            &[&token, &ids],
+        )
+        .await;
+        assert_eq!(n, 1);
+        let stale: i32 = scalar(
+            &c,
+            "SELECT outbox_release('relay-a', $1, $2)",
+            &[&token, &ids],
+        )
+        .await;
+        assert_eq!(stale, 0, "a second release of the same claim is a no-op");
+    }
+    assert_eq!(status_of(&c, id).await, ("WAIT".into(), 0, None));
+    let reason: String = scalar(
+        &c,
+        "SELECT last_error FROM outbox_event WHERE id = $1",
+        &[&id],
+    )
+    .await;
+    assert_eq!(reason, "broker unreachable");
+    // A delay keeps the row out of claims until it passes.
+    let (token, ids) = claim(&c, "relay-a", 10).await;
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_release('relay-a', $1, $2, delay => '1 hour')",
+        &[&token, &ids],
+    )
+    .await;
+    assert_eq!(n, 1);
+    assert_eq!(claim(&c, "relay-a", 10).await.1, Vec::<i64>::new());
+    let due_in: f64 = scalar(
+        &c,
+        "SELECT extract(epoch FROM next_retry_time - now())::float8 FROM outbox_event WHERE id = $1",
+        &[&id],
+    )
+    .await;
+    assert!((3590.0..3610.0).contains(&due_in), "due in {due_in} s");
 }
 
 #[tokio::test]

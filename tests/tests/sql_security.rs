@@ -49,6 +49,20 @@ async fn each_role_can_do_exactly_its_part() {
     .await
     .unwrap();
     c.execute(
+        "SELECT outbox_release('relay-1', $1, ARRAY[$2::bigint])",
+        &[&token, &id],
+    )
+    .await
+    .unwrap();
+    let r = c
+        .query_one(
+            "SELECT id, claim_token FROM outbox_claim('relay-1', 5)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (id, token): (i64, i64) = (r.get(0), r.get(1));
+    c.execute(
         "SELECT outbox_nack('relay-1', $1, ARRAY[$2::bigint], 'x')",
         &[&token, &id],
     )

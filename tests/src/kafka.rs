@@ -1,0 +1,412 @@
+//! A local single-node Apache Kafka (KRaft: broker and controller in one JVM) run as a child
+//! process: what `scripts/broker start` does, from the same templates (`scripts/kafka/`) and the
+//! Kafka that `scripts/broker install` put into `$OUTBOX_TOOLS/kafka-<version>`.
+//!
+//! Shared by the tests' `Broker` (`tests/src/broker.rs`) and outbox-bench's, which includes this
+//! file with `#[path]`; it only uses std, libc and rdkafka, which both crates depend on.
+
+use std::fs::{File, OpenOptions};
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake};
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::ClientConfig;
+
+const ENV_SH: &str = include_str!("../../scripts/env.sh");
+const SERVER_PROPERTIES: &str = include_str!("../../scripts/kafka/server.properties");
+const LOG4J2_XML: &str = include_str!("../../scripts/kafka/log4j2.xml");
+const JVM_OPTIONS: &str = include_str!("../../scripts/kafka/jvm.options");
+
+/// How long a start or a restart may take until the broker answers a metadata request.
+pub const START_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long a clean shutdown (SIGTERM) may take before the JVM is killed.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `KAFKA_VERSION` of `scripts/env.sh`.
+pub fn version() -> &'static str {
+    ENV_SH
+        .lines()
+        .find_map(|l| l.strip_prefix("KAFKA_VERSION="))
+        .map(str::trim)
+        .expect("KAFKA_VERSION=... in scripts/env.sh")
+}
+
+/// `$KAFKA_HOME`, else `$OUTBOX_TOOLS/kafka-<version>` (`OUTBOX_TOOLS` defaults to
+/// `/opt/outbox-tools`), as in `scripts/env.sh`.
+pub fn home() -> PathBuf {
+    if let Some(h) = std::env::var_os("KAFKA_HOME") {
+        return h.into();
+    }
+    let tools = std::env::var_os("OUTBOX_TOOLS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/opt/outbox-tools".into());
+    tools.join(format!("kafka-{}", version()))
+}
+
+/// A loopback port nothing listens on right now.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The last `n` lines of a file.
+pub fn log_tail(path: &Path, n: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding.
+fn random_cluster_id() -> std::io::Result<String> {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut b = [0u8; 16];
+    File::open("/dev/urandom")?.read_exact(&mut b)?;
+    let mut bits: u32 = 0;
+    let mut n = 0;
+    let mut out = String::with_capacity(22);
+    for byte in b {
+        bits = (bits << 8) | u32::from(byte);
+        n += 8;
+        while n >= 6 {
+            n -= 6;
+            out.push(ALPHABET[((bits >> n) & 63) as usize] as char);
+        }
+    }
+    if n > 0 {
+        out.push(ALPHABET[((bits << (6 - n)) & 63) as usize] as char);
+    }
+    Ok(out)
+}
+
+/// True when a Kafka broker on 127.0.0.1:`port` answers a Metadata request (v4) listing at least
+/// one broker. A KRaft broker accepts TCP connections before it serves requests, so an open port
+/// is not enough.
+pub fn metadata_ok(port: u16) -> bool {
+    fn probe(port: u16) -> std::io::Result<bool> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        s.set_write_timeout(Some(Duration::from_secs(2)))?;
+        // size 20 | api_key 3 (Metadata) | version 4 | correlation id 1 | client id "probe" |
+        // topics null (all) | allow_auto_topic_creation false
+        let mut req = vec![0, 0, 0, 20, 0, 3, 0, 4, 0, 0, 0, 1, 0, 5];
+        req.extend_from_slice(b"probe");
+        req.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0]);
+        s.write_all(&req)?;
+        // size | correlation id | throttle_time_ms | brokers count
+        let mut head = [0u8; 16];
+        s.read_exact(&mut head)?;
+        let int = |i: usize| i32::from_be_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
+        Ok(int(4) == 1 && int(12) >= 1)
+    }
+    probe(port).unwrap_or(false)
+}
+
+/// One broker: its ports, its directory (`server.properties`, the logging and JVM options,
+/// `data/`, `kafka.log`) and, while it runs, its JVM.
+pub struct Kafka {
+    pub port: u16,
+    pub controller_port: u16,
+    pub dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Kafka {
+    /// Formats a new broker in `dir` (emptied first), listening on 127.0.0.1:`port` (controller:
+    /// a free port), starts it and waits until it answers a metadata request.
+    pub fn start(dir: &Path, port: u16) -> Result<Kafka, String> {
+        let home = home();
+        if !home.join(".installed").exists() {
+            return Err(format!(
+                "Apache Kafka {} is not installed in {} (run scripts/broker install)",
+                version(),
+                home.display()
+            ));
+        }
+        let err = |what: &str, e: std::io::Error| format!("{what}: {e}");
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).map_err(|e| err("emptying the broker dir", e))?;
+        }
+        let data = dir.join("data");
+        std::fs::create_dir_all(&data).map_err(|e| err("creating the broker dir", e))?;
+        let controller_port = free_port().map_err(|e| err("controller port", e))?;
+        let props = SERVER_PROPERTIES
+            .replace("@PORT@", &port.to_string())
+            .replace("@CONTROLLER_PORT@", &controller_port.to_string())
+            .replace("@DATA_DIR@", &data.to_string_lossy());
+        for (name, text) in [
+            ("server.properties", props.as_str()),
+            ("log4j2.xml", LOG4J2_XML),
+            ("jvm.options", JVM_OPTIONS),
+        ] {
+            std::fs::write(dir.join(name), text).map_err(|e| err(name, e))?;
+        }
+        let mut k = Kafka {
+            port,
+            controller_port,
+            dir: dir.to_path_buf(),
+            child: None,
+        };
+        let cluster_id = random_cluster_id().map_err(|e| err("cluster id", e))?;
+        let st = k
+            .java()?
+            .args(["kafka.tools.StorageTool", "format", "--config"])
+            .arg(k.dir.join("server.properties"))
+            .args(["--cluster-id", &cluster_id])
+            .status()
+            .map_err(|e| err("running java (kafka.tools.StorageTool)", e))?;
+        if !st.success() {
+            return Err(format!(
+                "formatting the storage failed ({st}):\n{}",
+                log_tail(&k.log(), 20)
+            ));
+        }
+        k.launch()?;
+        Ok(k)
+    }
+
+    /// The broker's log (stdout and stderr of every JVM run in this directory).
+    pub fn log(&self) -> PathBuf {
+        self.dir.join("kafka.log")
+    }
+
+    /// `host:port` for `bootstrap.servers`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The JVM's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn signal(&self, sig: i32) {
+        if let Some(pid) = self.pid() {
+            // SAFETY: kill(2) on our own child's pid (not yet reaped: we hold its Child).
+            unsafe {
+                libc::kill(pid as i32, sig);
+            }
+        }
+    }
+
+    /// `java` with the JVM options, the class-data sharing archive if there is one, the logging
+    /// configuration and Kafka's jars, output appended to the broker's log.
+    fn java(&self) -> Result<Command, String> {
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log())
+            .map_err(|e| format!("opening {}: {e}", self.log().display()))?;
+        let log2 = log.try_clone().map_err(|e| format!("broker log fd: {e}"))?;
+        let mut cmd = Command::new("java");
+        cmd.arg(format!("@{}", self.dir.join("jvm.options").display()));
+        // The class-data sharing archive `scripts/broker install` records: a faster start-up.
+        let cds = home().join("kafka.jsa");
+        if cds.exists() {
+            cmd.arg(format!("-XX:SharedArchiveFile={}", cds.display()));
+        }
+        cmd.arg(format!(
+            "-Dlog4j2.configurationFile={}",
+            self.dir.join("log4j2.xml").display()
+        ))
+        .arg("-cp")
+        .arg(format!("{}/libs/*", home().display()))
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2);
+        Ok(cmd)
+    }
+
+    /// Starts the JVM on the existing directory and waits until it answers.
+    fn launch(&mut self) -> Result<(), String> {
+        let child = self
+            .java()?
+            .arg("kafka.Kafka")
+            .arg(self.dir.join("server.properties"))
+            .spawn()
+            .map_err(|e| format!("starting java kafka.Kafka: {e}"))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if metadata_ok(self.port) {
+                return Ok(());
+            }
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Err(format!(
+                    "Kafka exited at start-up ({st}), log {}:\n{}",
+                    self.log().display(),
+                    log_tail(&self.log(), 20)
+                ));
+            }
+            if Instant::now() > deadline {
+                self.kill();
+                return Err(format!(
+                    "Kafka did not answer a metadata request on {} within {} s, log {}:\n{}",
+                    self.addr(),
+                    START_TIMEOUT.as_secs(),
+                    self.log().display(),
+                    log_tail(&self.log(), 20)
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Clean shutdown: SIGTERM (after SIGCONT, in case it is frozen), SIGKILL if it is still
+    /// running after `STOP_TIMEOUT`. Returns the JVM's exit status; the data is kept.
+    pub fn stop(&mut self) -> Option<ExitStatus> {
+        let mut c = self.child.take()?;
+        self.signal_pid(c.id(), libc::SIGCONT);
+        self.signal_pid(c.id(), libc::SIGTERM);
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = c.kill();
+        c.wait().ok()
+    }
+
+    /// Stops the JVM cleanly and starts it again on the same ports and the same data.
+    pub fn restart(&mut self) -> Result<(), String> {
+        self.stop();
+        self.launch()
+    }
+
+    /// SIGKILL (after SIGCONT) and reap.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            self.signal_pid(c.id(), libc::SIGCONT);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn signal_pid(&self, pid: u32, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid (not yet reaped).
+        unsafe {
+            libc::kill(pid as i32, sig);
+        }
+    }
+}
+
+impl Drop for Kafka {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Runs a runtime-agnostic future (rdkafka's admin futures complete from librdkafka's own
+/// thread) to completion on the calling thread; usable inside or outside a tokio runtime.
+fn block_on<F: Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Arc::new(Unpark(std::thread::current())).into();
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_millis(100));
+    }
+}
+
+/// Creates topics with `partitions` partitions (replication factor 1) through the Admin API, then
+/// waits until the broker's metadata lists every partition of each with a leader, so a producer
+/// started right after does not see an unknown topic.
+pub fn create_topics(addr: &str, names: &[&str], partitions: i32) -> Result<(), String> {
+    let timeout = Duration::from_secs(30);
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", addr)
+        .create()
+        .map_err(|e| format!("admin client for {addr}: {e}"))?;
+    let topics: Vec<NewTopic> = names
+        .iter()
+        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(timeout))
+        .request_timeout(Some(timeout));
+    let results = block_on(admin.create_topics(&topics, &opts))
+        .map_err(|e| format!("creating topics {names:?} on {addr}: {e}"))?;
+    for r in results {
+        if let Err((name, code)) = r {
+            return Err(format!("creating topic {name} on {addr}: {code}"));
+        }
+    }
+    let deadline = Instant::now() + timeout;
+    for name in names {
+        loop {
+            let md = admin
+                .inner()
+                .fetch_metadata(Some(name), Duration::from_secs(5))
+                .map_err(|e| format!("metadata of {name} from {addr}: {e}"))?;
+            let ready = md.topics().iter().any(|t| {
+                t.name() == *name
+                    && t.error().is_none()
+                    && t.partitions().len() == partitions as usize
+                    && t.partitions()
+                        .iter()
+                        .all(|p| p.error().is_none() && p.leader() >= 0)
+            });
+            if ready {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "topic {name} created on {addr} but its {partitions} partitions have no leader after {} s",
+                    timeout.as_secs()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_ids_are_22_url_safe_characters() {
+        let a = random_cluster_id().expect("urandom");
+        let b = random_cluster_id().expect("urandom");
+        assert_eq!(a.len(), 22, "{a}");
+        assert!(
+            a.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_'),
+            "{a}"
+        );
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn version_comes_from_env_sh() {
+        assert!(version().starts_with("4."), "{}", version());
+    }
+
+    #[test]
+    fn nothing_listening_is_not_a_broker() {
+        let port = free_port().expect("port");
+        assert!(!metadata_ok(port));
+    }
+}
