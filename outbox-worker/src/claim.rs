@@ -28,6 +28,8 @@ pub struct Relay {
     pub max_retry: AtomicI32,
 }
 
+/// Rounds until cancelled (the round in flight is finished first). Ends with the error when a
+/// database call meets a configuration error, which no retry would fix.
 pub async fn claim_loop(
     n: usize,
     relay: Arc<Relay>,

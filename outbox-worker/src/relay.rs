@@ -136,14 +136,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     drop(wake_tx);
     relay.publisher.flush();
     server_cancel.cancel();
-    if let Some(Err(e)) = match server {
-        Some(s) => Some(s.await),
-        None => None,
-    } {
-        let f = Fatal::runtime(format!("metrics server: {e}"));
-        match result {
-            Ok(()) => result = Err(f),
-            Err(_) => tracing::error!("{}", f.message),
+    if let Some(server) = server {
+        if let Err(e) = server.await {
+            let f = Fatal::runtime(format!("metrics server: {e}"));
+            match result {
+                Ok(()) => result = Err(f),
+                Err(_) => tracing::error!("{}", f.message),
+            }
         }
     }
     if result.is_ok() {
