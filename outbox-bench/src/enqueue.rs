@@ -93,7 +93,9 @@ pub async fn run(db: &BenchDb, p: &Profile) -> Result<EnqueueSummary> {
         .await?;
     // A relay would be listening: NOTIFY costs more with a listener to signal.
     let listener = db.connect().await?;
-    listener.batch_execute("LISTEN outbox").await?;
+    listener
+        .batch_execute(&format!("LISTEN {}", outbox_worker::WAKEUP_CHANNEL))
+        .await?;
 
     let mut results: Vec<EnqueueResult> = VARIANTS
         .iter()

@@ -31,6 +31,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use outbox_worker::defaults;
+
 use crate::db::BenchDb;
 use crate::enqueue::Variant;
 use crate::report::{goals_table, ms, num, pct, Goal, Table};
@@ -137,7 +139,8 @@ impl Profile {
             broker_cap: Duration::from_secs(30),
             broker_loops: vec![1, 2, 4],
             broker_batches: vec![20, 100, 500],
-            // The relay defaults to linger.ms=0 (its "defaults" row); compare the alternatives.
+            // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
+            // alternatives.
             linger_ms: vec![1, 5, 20],
             latency_rates: vec![100.0, 1000.0, 5000.0],
             latency_time: Duration::from_secs(5),
@@ -978,16 +981,18 @@ fn recommendations(r: &Results) -> String {
                 let gain = 1.0 - best.commit_to_ack[0] / d.commit_to_ack[0];
                 if gain >= 0.2 {
                     format!(
-                        "It cuts the p50 by {:.0} % against the relay's 5 ms default: the relay already \
-                         batches by claim and waits for every delivery report before its next round, so \
-                         lingering only delays each round. Make it the relay's default.",
-                        100.0 * gain
+                        "It cuts the p50 by {:.0} % against the relay's default (`linger.ms={}`): the \
+                         relay already batches by claim and waits for every delivery report before its \
+                         next round, so lingering only delays each round. Make it the relay's default.",
+                        100.0 * gain,
+                        defaults::LINGER_MS
                     )
                 } else {
                     format!(
-                        "Only {:.0} % better than the relay's 5 ms default at the p50, within this \
-                         machine's run-to-run noise: no change justified by this run.",
-                        100.0 * gain
+                        "Only {:.0} % better than the relay's default (`linger.ms={}`) at the p50, within \
+                         this machine's run-to-run noise: no change justified by this run.",
+                        100.0 * gain,
+                        defaults::LINGER_MS
                     )
                 }
             }
@@ -997,7 +1002,7 @@ fn recommendations(r: &Results) -> String {
             "- **producer linger**: lowest commit→ack p50 at 1,000 events/s with {}. By setting \
              (commit→ack p50 / p99 ms; one-loop drain events/s): {}. {verdict}",
             if best.settings == "defaults" {
-                "the relay's default (`linger.ms=0`)".to_string()
+                format!("the relay's default (`linger.ms={}`)", defaults::LINGER_MS)
             } else {
                 best.settings.clone()
             },
@@ -1024,8 +1029,9 @@ fn recommendations(r: &Results) -> String {
         .find(|l| l.notify && l.rate == 1000.0 && l.settings == "defaults");
     if let (Some(p), Some(n)) = (polled, notified) {
         out.push(format!(
-            "- **keep `outbox.notify` on and the 5 s poll interval as the fallback**: at 1,000 events/s \
+            "- **keep `outbox.notify` on and the {} s poll interval as the fallback**: at 1,000 events/s \
              the commit→ack p50 is {} ms with NOTIFY and {} ms with polling alone.",
+            defaults::POLL_INTERVAL.as_secs(),
             ms(n.commit_to_ack[0]),
             ms(p.commit_to_ack[0])
         ));
@@ -1144,7 +1150,7 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
         s += &format!(
             "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) on a \
              fixed schedule from one connection per 100 events/s (at most 16), {:.0} s per run, relay with default settings \
-             (poll interval 5 s) unless noted. **commit→ack** ({}): from the moment the producer saw \
+             (poll interval {} s) unless noted. **commit→ack** ({}): from the moment the producer saw \
              its COMMIT complete to the row's ack timestamp; the relay acks right after the broker's \
              delivery reports, so this is the issue's \"commit to delivery report\" plus one ack \
              statement. **commit→consumer**: arrival at a Kafka consumer (assigned partitions, \
@@ -1153,6 +1159,7 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
              transaction start, `claimed_at`, ack). \"Polling only\" sets `outbox.notify = off` in the \
              producers.\n\n",
             p.latency_time.as_secs_f64(),
+            defaults::POLL_INTERVAL.as_secs(),
             r.latency
                 .first()
                 .map(|l| l.ack_source)

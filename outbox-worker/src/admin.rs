@@ -10,8 +10,9 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::json;
 
-use crate::cli::{parse_property, DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
+use crate::cli::{DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
 use crate::db::{admin_session, db_error};
+use crate::store::Stats;
 use crate::Fatal;
 
 fn failed(what: &str, e: &tokio_postgres::Error) -> Fatal {
@@ -21,35 +22,32 @@ fn failed(what: &str, e: &tokio_postgres::Error) -> Fatal {
 pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
     let (client, schema) = admin_session(&args.db).await?;
     let row = client
-        .query_one(
-            &format!(
-                "SELECT due_wait, delayed_wait, sending, failed, succeeded, \
-                 extract(epoch from oldest_due_age)::float8, extract(epoch from oldest_lease_age)::float8 \
-                 FROM {schema}.outbox_stats()"
-            ),
-            &[],
-        )
+        .query_one(&Stats::sql(&schema), &[])
         .await
         .map_err(|e| failed("outbox_stats()", &e))?;
-    let names = ["due_wait", "delayed_wait", "sending", "failed", "succeeded"];
-    let counts: Vec<i64> = (0..5).map(|i| row.get(i)).collect();
-    let due_age: Option<f64> = row.get(5);
-    let lease_age: Option<f64> = row.get(6);
+    let s = Stats::from_row(&row).map_err(|e| failed("outbox_stats()", &e))?;
+    let counts = [
+        ("due_wait", s.due_wait),
+        ("delayed_wait", s.delayed_wait),
+        ("sending", s.sending),
+        ("failed", s.failed),
+        ("succeeded", s.succeeded),
+    ];
     if args.json {
         let mut obj = serde_json::Map::new();
-        for (n, c) in names.iter().zip(&counts) {
+        for (n, c) in counts {
             obj.insert(n.to_string(), json!(c));
         }
-        obj.insert("oldest_due_age_seconds".into(), json!(due_age));
-        obj.insert("oldest_lease_age_seconds".into(), json!(lease_age));
+        obj.insert("oldest_due_age_seconds".into(), json!(s.oldest_due_age));
+        obj.insert("oldest_lease_age_seconds".into(), json!(s.oldest_lease_age));
         println!("{}", serde_json::Value::Object(obj));
     } else {
-        for (n, c) in names.iter().zip(&counts) {
+        for (n, c) in counts {
             println!("{n:<22} {c}");
         }
         let fmt = |a: Option<f64>| a.map_or("-".to_string(), |s| format!("{s:.3}s"));
-        println!("{:<22} {}", "oldest_due_age", fmt(due_age));
-        println!("{:<22} {}", "oldest_lease_age", fmt(lease_age));
+        println!("{:<22} {}", "oldest_due_age", fmt(s.oldest_due_age));
+        println!("{:<22} {}", "oldest_lease_age", fmt(s.oldest_lease_age));
     }
     Ok(())
 }
@@ -60,7 +58,8 @@ pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
         .query(
             &format!(
                 "SELECT id, topic, event_key, event_type, retry_count, last_error, \
-                 to_char(updated_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF'), payload::text, headers::text \
+                 to_char(updated_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS failed_at, \
+                 payload::text AS payload, headers::text AS headers \
                  FROM {schema}.outbox_dead_letters($1, $2)"
             ),
             &[&args.limit, &args.after_id],
@@ -76,16 +75,16 @@ pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
         );
     }
     for r in &rows {
-        let id: i64 = r.get(0);
-        let topic: String = r.get(1);
-        let key: Option<String> = r.get(2);
-        let et: Option<String> = r.get(3);
-        let attempts: i32 = r.get(4);
-        let err: Option<String> = r.get(5);
-        let at: String = r.get(6);
+        let id: i64 = r.get("id");
+        let topic: String = r.get("topic");
+        let key: Option<String> = r.get("event_key");
+        let et: Option<String> = r.get("event_type");
+        let attempts: i32 = r.get("retry_count");
+        let err: Option<String> = r.get("last_error");
+        let at: String = r.get("failed_at");
         if args.json {
-            let payload: String = r.get(7);
-            let headers: String = r.get(8);
+            let payload: String = r.get("payload");
+            let headers: String = r.get("headers");
             let v = json!({
                 "id": id, "topic": topic, "key": key, "event_type": et, "attempts": attempts,
                 "last_error": err, "failed_at": at,
@@ -177,19 +176,14 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
     // A group id is required by librdkafka even for assigned partitions; no group is joined and
     // no offset is committed.
     let group = format!("outbox-worker-tail-{}", std::process::id());
-    cfg.set("bootstrap.servers", &args.brokers)
+    cfg.set("bootstrap.servers", &args.kafka.brokers)
         .set("group.id", &group)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
         .set("fetch.wait.max.ms", "10")
         .set("client.id", "outbox-worker-tail");
-    for p in args
-        .kafka_properties
-        .iter()
-        .filter(|p| !p.trim().is_empty())
-    {
-        let (k, v) = parse_property(p).map_err(Fatal::usage)?;
+    for (k, v) in args.kafka.properties()? {
         cfg.set(k, v);
     }
     let consumer: BaseConsumer = cfg
@@ -200,7 +194,10 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
         let md = consumer
             .fetch_metadata(Some(&args.topic), Duration::from_secs(5))
             .map_err(|e| {
-                Fatal::runtime(format!("cannot read metadata from {}: {e}", args.brokers))
+                Fatal::runtime(format!(
+                    "cannot read metadata from {}: {e}",
+                    args.kafka.brokers
+                ))
             })?;
         let t = md.topics().iter().find(|t| t.name() == args.topic);
         match t {
@@ -211,7 +208,7 @@ pub fn tail(args: TailArgs) -> Result<(), Fatal> {
             _ => {
                 return Err(Fatal::runtime(format!(
                     "topic {} does not exist on {}",
-                    args.topic, args.brokers
+                    args.topic, args.kafka.brokers
                 )))
             }
         }

@@ -1,17 +1,13 @@
 //! Command line: every flag also reads an `OUTBOX_*` environment variable.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-/// Default number of events claimed per round (see README: large enough that a backlog drains at
-/// broker speed, small enough that a round finishes well inside the send timeout).
-pub const DEFAULT_BATCH_SIZE: i32 = 500;
-
-/// `--send-timeout` may be at most this fraction of `--lease` (1/4).
-pub const LEASE_TO_SEND_TIMEOUT_RATIO: u32 = 4;
+use crate::defaults::{self, LEASE_TO_SEND_TIMEOUT_RATIO, MAX_CONCURRENCY};
+use crate::Fatal;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,7 +17,7 @@ pub const LEASE_TO_SEND_TIMEOUT_RATIO: u32 = 4;
 )]
 pub struct Cli {
     /// Log level: error, warn, info, debug or trace.
-    #[arg(long, env = "OUTBOX_LOG", default_value = "info", global = true)]
+    #[arg(long, env = "OUTBOX_LOG", default_value = defaults::LOG_LEVEL, global = true)]
     pub log_level: String,
 
     #[command(subcommand)]
@@ -56,16 +52,14 @@ pub struct DbArgs {
     pub database_url_file: Option<PathBuf>,
 }
 
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub db: DbArgs,
-
+/// The Kafka connection of `run` (producer) and `tail` (consumer).
+#[derive(Args, Debug, Clone)]
+pub struct KafkaArgs {
     /// Kafka bootstrap servers (librdkafka `bootstrap.servers`).
-    #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
+    #[arg(long, env = "OUTBOX_BROKERS", default_value = defaults::BROKERS)]
     pub brokers: String,
 
-    /// librdkafka property KEY=VALUE, repeatable; overrides the relay's defaults. In the
+    /// librdkafka property KEY=VALUE, repeatable; overrides the command's own settings. In the
     /// environment: several KEY=VALUE separated by newlines.
     #[arg(
         long = "kafka-property",
@@ -75,6 +69,28 @@ pub struct RunArgs {
         hide_env_values = true
     )]
     pub kafka_properties: Vec<String>,
+}
+
+impl KafkaArgs {
+    /// The `--kafka-property` values as pairs; the error names the bad one.
+    pub fn properties(&self) -> Result<Vec<(String, String)>, Fatal> {
+        self.kafka_properties
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| parse_property(s))
+            .collect()
+    }
+}
+
+/// Duration defaults are written as text (that is what `--help` shows); a test keeps them equal to
+/// the constants in `defaults`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
 
     /// File with librdkafka properties, one KEY=VALUE a line (# comments); for secrets such as
     /// sasl.password. Applied before --kafka-property.
@@ -86,11 +102,11 @@ pub struct RunArgs {
     pub owner: Option<String>,
 
     /// Events claimed per round and claim loop.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE)]
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = defaults::BATCH_SIZE)]
     pub batch_size: i32,
 
     /// Claim loops in this process (they share one producer).
-    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 1)]
+    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = defaults::CONCURRENCY)]
     pub concurrency: usize,
 
     /// Wait after a round that claimed less than a full batch (a NOTIFY outbox ends it early).
@@ -119,6 +135,84 @@ pub struct RunArgs {
     pub metrics_addr: Option<SocketAddr>,
 }
 
+impl RunArgs {
+    /// Start-up checks that need no connection: one clear line each.
+    pub fn validate(&self) -> Result<(), Fatal> {
+        if self.send_timeout.is_zero() {
+            return Err(Fatal::usage("--send-timeout must be greater than 0"));
+        }
+        if self.send_timeout * LEASE_TO_SEND_TIMEOUT_RATIO > self.lease {
+            return Err(Fatal::usage(format!(
+                "--send-timeout ({}) must be at most a quarter of --lease ({}), so a round always ends well before its lease expires",
+                humantime::format_duration(self.send_timeout),
+                humantime::format_duration(self.lease)
+            )));
+        }
+        if self.batch_size < 1 {
+            return Err(Fatal::usage("--batch-size must be at least 1"));
+        }
+        if self.concurrency < 1 || self.concurrency > MAX_CONCURRENCY {
+            return Err(Fatal::usage(format!(
+                "--concurrency must be between 1 and {MAX_CONCURRENCY}"
+            )));
+        }
+        for (name, d) in [
+            ("--poll-interval", self.poll_interval),
+            ("--reclaim-interval", self.reclaim_interval),
+            ("--stats-interval", self.stats_interval),
+        ] {
+            if d.is_zero() {
+                return Err(Fatal::usage(format!("{name} must be greater than 0")));
+            }
+        }
+        if let Some(o) = &self.owner {
+            if o.is_empty() || o.len() > 200 || o.chars().any(char::is_control) {
+                return Err(Fatal::usage(
+                    "--owner must be 1 to 200 characters without control characters",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The producer's properties: --kafka-properties-file first, then --kafka-property.
+    pub fn producer_properties(&self) -> Result<Vec<(String, String)>, Fatal> {
+        let mut props = Vec::new();
+        if let Some(p) = &self.kafka_properties_file {
+            props.extend(read_properties_file(p)?);
+        }
+        props.extend(self.kafka.properties()?);
+        Ok(props)
+    }
+}
+
+/// Reads `KEY=VALUE` lines (blank lines and `#` comments skipped).
+fn read_properties_file(path: &Path) -> Result<Vec<(String, String)>, Fatal> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Fatal::usage(format!(
+            "cannot read --kafka-properties-file {}: {e}",
+            path.display()
+        ))
+    })?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        // Don't echo the line: it may hold a secret.
+        let (k, v) = parse_property(line).map_err(|_| {
+            Fatal::usage(format!(
+                "malformed Kafka property on line {} of {}: expected KEY=VALUE",
+                n + 1,
+                path.display()
+            ))
+        })?;
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
 #[derive(Args, Debug)]
 pub struct StatsArgs {
     #[command(flatten)]
@@ -133,7 +227,7 @@ pub struct DeadLettersArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// At most this many rows.
-    #[arg(long, env = "OUTBOX_DEAD_LETTERS_LIMIT", default_value_t = 100)]
+    #[arg(long, env = "OUTBOX_DEAD_LETTERS_LIMIT", default_value_t = defaults::DEAD_LETTERS_LIMIT)]
     pub limit: i32,
     /// Only ids above this one (paging).
     #[arg(long, env = "OUTBOX_DEAD_LETTERS_AFTER_ID", default_value_t = 0)]
@@ -163,15 +257,14 @@ pub struct PurgeArgs {
     #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN", default_value = "7days", value_parser = parse_duration)]
     pub older_than: Duration,
     /// Rows deleted per call; the command repeats calls until none is left.
-    #[arg(long, env = "OUTBOX_PURGE_MAX_ROWS", default_value_t = 10000)]
+    #[arg(long, env = "OUTBOX_PURGE_MAX_ROWS", default_value_t = defaults::PURGE_MAX_ROWS)]
     pub max_rows: i32,
 }
 
 #[derive(Args, Debug)]
 pub struct TailArgs {
-    /// Kafka bootstrap servers.
-    #[arg(long, env = "OUTBOX_BROKERS", default_value = "localhost:9092")]
-    pub brokers: String,
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
     /// Topic to read (every partition, from offset 0).
     #[arg(long, env = "OUTBOX_TAIL_TOPIC")]
     pub topic: String,
@@ -184,27 +277,108 @@ pub struct TailArgs {
     /// Print JSON lines instead of text.
     #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
-    /// librdkafka consumer property KEY=VALUE, repeatable (environment: newline-separated).
-    #[arg(
-        long = "kafka-property",
-        env = "OUTBOX_KAFKA_PROPERTIES",
-        value_name = "KEY=VALUE",
-        value_delimiter = '\n',
-        hide_env_values = true
-    )]
-    pub kafka_properties: Vec<String>,
 }
 
+/// clap's value parser for durations (clap takes the error as text).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 3s, 10m)"))
 }
 
 /// Splits `KEY=VALUE`; the error is one line naming the bad input.
-pub fn parse_property(s: &str) -> Result<(String, String), String> {
+pub fn parse_property(s: &str) -> Result<(String, String), Fatal> {
     match s.split_once('=') {
         Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
-        _ => Err(format!(
+        _ => Err(Fatal::usage(format!(
             "malformed Kafka property {s:?}: expected KEY=VALUE"
-        )),
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Command {
+        Cli::try_parse_from(argv).expect("parse").command
+    }
+
+    #[test]
+    fn defaults_are_the_exported_constants() {
+        let Command::Run(a) = parse(&["outbox-worker", "run"]) else {
+            unreachable!()
+        };
+        assert_eq!(a.kafka.brokers, defaults::BROKERS);
+        assert_eq!(a.batch_size, defaults::BATCH_SIZE);
+        assert_eq!(a.concurrency, defaults::CONCURRENCY);
+        assert_eq!(a.poll_interval, defaults::POLL_INTERVAL);
+        assert_eq!(a.lease, defaults::LEASE);
+        assert_eq!(a.send_timeout, defaults::SEND_TIMEOUT);
+        assert_eq!(a.reclaim_interval, defaults::RECLAIM_INTERVAL);
+        assert_eq!(a.stats_interval, defaults::STATS_INTERVAL);
+        assert!(a.validate().is_ok());
+        let Command::Purge(p) = parse(&["outbox-worker", "purge"]) else {
+            unreachable!()
+        };
+        assert_eq!(p.older_than, defaults::PURGE_OLDER_THAN);
+        assert_eq!(p.max_rows, defaults::PURGE_MAX_ROWS);
+        let Command::DeadLetters(d) = parse(&["outbox-worker", "dead-letters"]) else {
+            unreachable!()
+        };
+        assert_eq!(d.limit, defaults::DEAD_LETTERS_LIMIT);
+        let Command::Tail(t) = parse(&["outbox-worker", "tail", "--topic", "t"]) else {
+            unreachable!()
+        };
+        assert_eq!(t.idle, defaults::TAIL_IDLE);
+        assert_eq!(t.kafka.brokers, defaults::BROKERS);
+    }
+
+    fn run_args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec!["outbox-worker", "run"];
+        argv.extend_from_slice(extra);
+        match parse(&argv) {
+            Command::Run(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn send_timeout_must_be_a_quarter_of_the_lease_at_most() {
+        assert!(run_args(&["--lease", "4s", "--send-timeout", "1s"])
+            .validate()
+            .is_ok());
+        let e = run_args(&["--lease", "4s", "--send-timeout", "1001ms"])
+            .validate()
+            .expect_err("error");
+        assert!(e.message.contains("--send-timeout") && e.message.contains("--lease"));
+        assert!(run_args(&["--send-timeout", "0s"]).validate().is_err());
+    }
+
+    #[test]
+    fn kafka_options_are_shared_by_run_and_tail() {
+        let p = ["--brokers", "b:1", "--kafka-property", "linger.ms=10"];
+        let Command::Tail(t) =
+            parse(&[&["outbox-worker", "tail", "--topic", "t"][..], &p].concat())
+        else {
+            unreachable!()
+        };
+        let r = run_args(&p);
+        for k in [&t.kafka, &r.kafka] {
+            assert_eq!(k.brokers, "b:1");
+            assert_eq!(
+                k.properties().expect("valid"),
+                vec![("linger.ms".to_string(), "10".to_string())]
+            );
+        }
+    }
+
+    #[test]
+    fn properties_must_be_key_value() {
+        let err = run_args(&["--kafka-property", "linger.ms"])
+            .producer_properties()
+            .expect_err("error");
+        assert!(err.message.contains("linger.ms"));
+        assert!(run_args(&["--kafka-property", "=1"])
+            .producer_properties()
+            .is_err());
     }
 }

@@ -1,12 +1,11 @@
-//! Database access: connection settings (never logged with a password), the pool of the claim
-//! loops, and the start-up checks. Every statement calls an extension function, schema-qualified
-//! with the extension's schema, so the relay works whatever its role's search_path is.
+//! Database connections: connection settings (never logged with a password), direct sessions
+//! for the admin commands and the LISTEN connection, the extension check, and error formatting.
+//! The relay's own calls are in `store.rs`.
 
 use std::error::Error as StdError;
 use std::str::FromStr;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::config::Host;
 use tokio_postgres::{Config, NoTls};
 
@@ -58,7 +57,7 @@ pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
         cfg.connect_timeout(Duration::from_secs(10));
     }
     if cfg.get_application_name().is_none() {
-        cfg.application_name("outbox-worker");
+        cfg.application_name(crate::defaults::CLIENT_ID);
     }
     cfg.keepalives(true);
     cfg.keepalives_idle(Duration::from_secs(30));
@@ -92,47 +91,6 @@ pub fn describe(cfg: &Config) -> String {
         cfg.get_dbname().unwrap_or("(default)"),
         cfg.get_user().unwrap_or("(default)")
     )
-}
-
-/// A pool plus what every statement needs to know.
-#[derive(Clone)]
-pub struct Db {
-    pub pool: Pool,
-    /// The extension's schema, already quoted as an identifier.
-    pub schema: String,
-    pub desc: String,
-}
-
-impl Db {
-    /// Connects, checks the extension and returns the pool. Errors are one clear line.
-    pub async fn open(cfg: Config, desc: String, pool_size: usize) -> Result<Db, Fatal> {
-        let mgr = Manager::from_config(
-            cfg,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(mgr)
-            .max_size(pool_size)
-            .build()
-            .map_err(|e| Fatal::runtime(format!("cannot build the connection pool: {e}")))?;
-        let client = pool.get().await.map_err(|e| {
-            let why = match &e {
-                deadpool_postgres::PoolError::Backend(b) => one_line(b),
-                other => one_line(other),
-            };
-            Fatal::runtime(format!("cannot connect to the database ({desc}): {why}"))
-        })?;
-        let schema = extension_schema(&client, &desc).await?;
-        drop(client);
-        Ok(Db { pool, schema, desc })
-    }
-
-    /// `schema.outbox_<name>`
-    pub fn func(&self, name: &str) -> String {
-        format!("{}.outbox_{}", self.schema, name)
-    }
 }
 
 /// One direct session (admin commands, the LISTEN connection).

@@ -1,94 +1,9 @@
-//! `outbox-worker`: the relay from the `outbox` extension's table to Kafka, and operator commands.
-
-mod admin;
-mod cli;
-mod db;
-mod metrics;
-mod publisher;
-mod relay;
-mod shutdown;
-mod wakeup;
+//! `outbox-worker`: parses the command line and hands it to the library (`lib.rs`).
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracing::level_filters::LevelFilter;
-
-use cli::{Cli, Command};
-
-/// A reason to stop with one line on stderr.
-#[derive(Debug)]
-pub struct Fatal {
-    pub message: String,
-    /// 2: bad configuration or usage; 1: the database or broker failed.
-    pub code: u8,
-}
-
-impl Fatal {
-    pub fn usage(m: impl Into<String>) -> Fatal {
-        Fatal {
-            message: m.into(),
-            code: 2,
-        }
-    }
-    pub fn runtime(m: impl Into<String>) -> Fatal {
-        Fatal {
-            message: m.into(),
-            code: 1,
-        }
-    }
-}
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let level = match cli.log_level.to_ascii_lowercase().as_str() {
-        "error" => LevelFilter::ERROR,
-        "warn" | "warning" => LevelFilter::WARN,
-        "info" => LevelFilter::INFO,
-        "debug" => LevelFilter::DEBUG,
-        "trace" => LevelFilter::TRACE,
-        "off" => LevelFilter::OFF,
-        other => {
-            eprintln!("outbox-worker: error: unknown --log-level {other:?} (error, warn, info, debug, trace, off)");
-            return ExitCode::from(2);
-        }
-    };
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("outbox-worker: error: cannot start the runtime: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let result = rt.block_on(async move {
-        match cli.command {
-            Command::Run(a) => relay::run(a).await,
-            Command::Stats(a) => admin::stats(a).await,
-            Command::DeadLetters(a) => admin::dead_letters(a).await,
-            Command::Requeue(a) => admin::requeue(a).await,
-            Command::Purge(a) => admin::purge(a).await,
-            Command::Tail(a) => tokio::task::spawn_blocking(move || admin::tail(a))
-                .await
-                .unwrap_or_else(|e| Err(Fatal::runtime(format!("tail: {e}")))),
-        }
-    });
-    // Don't wait for detached tasks (e.g. a connection being driven) at exit.
-    rt.shutdown_timeout(std::time::Duration::from_millis(200));
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(f) => {
-            eprintln!("outbox-worker: error: {}", f.message);
-            ExitCode::from(f.code)
-        }
-    }
+    outbox_worker::execute(outbox_worker::cli::Cli::parse())
 }

@@ -1,7 +1,7 @@
-//! The Kafka side: one idempotent producer shared by every claim loop, the message built from an
-//! outbox row, and concurrent publishing of a batch with one outcome per row.
+//! The Kafka side: one idempotent producer shared by every claim loop (replaced when it becomes
+//! unusable), librdkafka's log lines routed to tracing, and concurrent publishing of a batch with
+//! one outcome per row. The message itself is built in `message.rs`.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -9,46 +9,20 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
 
-use crate::cli::parse_property;
+use crate::defaults;
+use crate::error::PublishError;
+use crate::message::build_headers;
+use crate::store::Event;
 use crate::Fatal;
-
-/// Headers the relay sets itself; a row header with one of these names is not sent.
-pub const RESERVED_HEADERS: [&str; 4] = ["event_id", "outbox_id", "event_type", "event_key"];
-
-/// One claimed outbox row.
-#[derive(Debug, Clone)]
-pub struct Event {
-    /// The row's bigint key in this database (sent as `outbox_id`, for operators).
-    pub id: i64,
-    /// The event's global UUID (sent as `event_id`): what consumers deduplicate on.
-    pub event_id: String,
-    pub topic: String,
-    pub key: Option<String>,
-    pub event_type: Option<String>,
-    /// The payload's JSON text.
-    pub payload: String,
-    /// The row's headers as JSON text (an object of strings).
-    pub headers: String,
-    pub retry_count: i32,
-    /// Seconds between the row's created_at and the claim, by the database clock.
-    pub age_at_claim: f64,
-}
 
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    Delivered {
-        latency: Duration,
-    },
-    Failed {
-        error: String,
-        /// The delivery report said MessageTimedOut (no answer within --send-timeout).
-        timed_out: bool,
-    },
+    Delivered { latency: Duration },
+    Failed(PublishError),
 }
 
 /// Routes librdkafka's own log lines and client errors into tracing.
@@ -83,48 +57,14 @@ impl ClientContext for LogContext {
     }
 }
 
-/// Reads `KEY=VALUE` lines (blank lines and `#` comments skipped).
-pub fn read_properties_file(path: &Path) -> Result<Vec<(String, String)>, Fatal> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Fatal::usage(format!(
-            "cannot read --kafka-properties-file {}: {e}",
-            path.display()
-        ))
-    })?;
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        // Don't echo the line: it may hold a secret.
-        let (k, v) = parse_property(line).map_err(|_| {
-            Fatal::usage(format!(
-                "malformed Kafka property on line {} of {}: expected KEY=VALUE",
-                n + 1,
-                path.display()
-            ))
-        })?;
-        out.push((k, v));
-    }
-    Ok(out)
-}
-
-/// Validates `--kafka-property` values; the error names the bad one.
-pub fn parse_properties(raw: &[String]) -> Result<Vec<(String, String)>, Fatal> {
-    raw.iter()
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| parse_property(s).map_err(Fatal::usage))
-        .collect()
-}
-
-type Relayer = FutureProducer<LogContext>;
+/// The relay's Kafka producer: librdkafka's async producer with its log lines routed to tracing.
+pub type KafkaProducer = FutureProducer<LogContext>;
 
 pub struct Publisher {
     /// Kept to build a replacement producer. Never print it: its Debug output includes secrets
     /// such as sasl.password.
     config: ClientConfig,
-    producer: RwLock<Arc<Relayer>>,
+    producer: RwLock<Arc<KafkaProducer>>,
     send_timeout: Duration,
     /// Rounds in a row in which every publish timed out.
     timed_out_rounds: AtomicU32,
@@ -136,23 +76,7 @@ pub struct Publisher {
 /// down, the new producer times out too and nothing is lost but a reconnect.
 const TIMED_OUT_ROUNDS_BEFORE_REPLACING: u32 = 3;
 
-/// Delivery errors after which the idempotent producer cannot go on (its producer id/epoch is
-/// rejected): every later send would fail the same way, so the producer is replaced.
-fn producer_unusable(code: Option<RDKafkaErrorCode>) -> bool {
-    matches!(
-        code,
-        Some(
-            RDKafkaErrorCode::ProducerFenced
-                | RDKafkaErrorCode::InvalidProducerEpoch
-                | RDKafkaErrorCode::OutOfOrderSequenceNumber
-                | RDKafkaErrorCode::UnknownProducerId
-                | RDKafkaErrorCode::InvalidProducerIdMapping
-                | RDKafkaErrorCode::Fatal
-        )
-    )
-}
-
-fn create(cfg: &ClientConfig) -> Result<Relayer, Fatal> {
+fn create(cfg: &ClientConfig) -> Result<KafkaProducer, Fatal> {
     cfg.create_with_context(LogContext).map_err(|e| match e {
         KafkaError::ClientConfig(_, desc, key, _value) => {
             Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
@@ -174,14 +98,14 @@ impl Publisher {
     ) -> Result<Publisher, Fatal> {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", brokers)
-            .set("client.id", "outbox-worker")
+            .set("client.id", defaults::CLIENT_ID)
             .set("enable.idempotence", "true")
-            .set("acks", "all")
+            .set("acks", defaults::ACKS)
             // A round waits for every delivery report before it acks, and hands the whole
             // batch to librdkafka at once (so it batches anyway): lingering only delays the
             // round. Measured on the 2-core box: idle commit-to-ack 24 ms -> 12 ms, drain rate
             // equal or better. Override with --kafka-property linger.ms=N.
-            .set("linger.ms", "0")
+            .set("linger.ms", defaults::LINGER_MS.to_string())
             .set(
                 "message.timeout.ms",
                 send_timeout.as_millis().max(1).to_string(),
@@ -199,7 +123,7 @@ impl Publisher {
         })
     }
 
-    fn current(&self) -> Arc<Relayer> {
+    fn current(&self) -> Arc<KafkaProducer> {
         self.producer.read().expect("producer lock").clone()
     }
 
@@ -228,16 +152,12 @@ impl Publisher {
                         None,
                     ),
                     Err((e, _msg)) => {
-                        let unusable =
-                            producer_unusable(e.rdkafka_error_code()).then(|| e.to_string());
-                        (
-                            Outcome::Failed {
-                                error: describe_failure(&ev.topic, &e),
-                                timed_out: e.rdkafka_error_code()
-                                    == Some(RDKafkaErrorCode::MessageTimedOut),
-                            },
-                            unusable,
-                        )
+                        let error = PublishError {
+                            topic: ev.topic.clone(),
+                            source: e,
+                        };
+                        let unusable = error.producer_unusable().then(|| error.source.to_string());
+                        (Outcome::Failed(error), unusable)
                     }
                 }
             }
@@ -264,15 +184,9 @@ impl Publisher {
     /// Counts rounds that timed out entirely; names the reason once there were too many in a row.
     fn note_timeouts(&self, results: &[(Outcome, Option<String>)]) -> Option<String> {
         let all_timed_out = !results.is_empty()
-            && results.iter().all(|(o, _)| {
-                matches!(
-                    o,
-                    Outcome::Failed {
-                        timed_out: true,
-                        ..
-                    }
-                )
-            });
+            && results
+                .iter()
+                .all(|(o, _)| matches!(o, Outcome::Failed(e) if e.timed_out()));
         if !all_timed_out {
             self.timed_out_rounds.store(0, Ordering::Relaxed);
             return None;
@@ -286,7 +200,7 @@ impl Publisher {
 
     /// Swaps in a new producer unless another claim loop already did. Returns `Some` when this
     /// call replaced it.
-    fn replace(&self, old: &Arc<Relayer>) -> Option<()> {
+    fn replace(&self, old: &Arc<KafkaProducer>) -> Option<()> {
         let mut cur = self.producer.write().expect("producer lock");
         if !Arc::ptr_eq(&cur, old) {
             return None;
@@ -330,146 +244,5 @@ impl Publisher {
         if let Err(e) = self.current().flush(Timeout::After(self.send_timeout)) {
             tracing::warn!("flushing the producer: {e}");
         }
-    }
-}
-
-/// `event_id` (the UUID consumers dedupe on), `outbox_id` (the row's id), `event_type`,
-/// `event_key`, then the row's own headers (reserved names skipped; non-string values sent as
-/// their JSON text).
-pub fn build_headers(ev: &Event) -> OwnedHeaders {
-    let id = ev.id.to_string();
-    let mut h = OwnedHeaders::new()
-        .insert(Header {
-            key: "event_id",
-            value: Some(ev.event_id.as_str()),
-        })
-        .insert(Header {
-            key: "outbox_id",
-            value: Some(id.as_str()),
-        });
-    if let Some(t) = &ev.event_type {
-        h = h.insert(Header {
-            key: "event_type",
-            value: Some(t.as_str()),
-        });
-    }
-    if let Some(k) = &ev.key {
-        h = h.insert(Header {
-            key: "event_key",
-            value: Some(k.as_str()),
-        });
-    }
-    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&ev.headers) {
-        for (k, v) in map {
-            if RESERVED_HEADERS.contains(&k.as_str()) {
-                continue;
-            }
-            let text = match v {
-                serde_json::Value::String(s) => s,
-                serde_json::Value::Null => continue,
-                other => other.to_string(),
-            };
-            h = h.insert(Header {
-                key: &k,
-                value: Some(text.as_str()),
-            });
-        }
-    }
-    h
-}
-
-/// An error text for `outbox_nack` that always names the topic.
-pub fn describe_failure(topic: &str, e: &KafkaError) -> String {
-    let code = e.rdkafka_error_code();
-    match code {
-        Some(RDKafkaErrorCode::UnknownTopicOrPartition) | Some(RDKafkaErrorCode::UnknownTopic) => {
-            format!("topic {topic} does not exist on the broker: {e}")
-        }
-        Some(RDKafkaErrorCode::MessageTimedOut) => format!(
-            "publish to topic {topic} timed out (broker unreachable, or topic {topic} missing?): {e}"
-        ),
-        _ => format!("publish to topic {topic} failed: {e}"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rdkafka::message::Headers;
-
-    const UUID: &str = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b";
-
-    fn ev(headers: &str) -> Event {
-        Event {
-            id: 42,
-            event_id: UUID.into(),
-            topic: "orders".into(),
-            key: Some("A-1".into()),
-            event_type: Some("OrderCreated".into()),
-            payload: "{}".into(),
-            headers: headers.into(),
-            retry_count: 0,
-            age_at_claim: 0.0,
-        }
-    }
-
-    fn pairs(h: &OwnedHeaders) -> Vec<(String, String)> {
-        h.iter()
-            .map(|x| {
-                (
-                    x.key.to_string(),
-                    String::from_utf8_lossy(x.value.unwrap_or_default()).into_owned(),
-                )
-            })
-            .collect()
-    }
-
-    #[test]
-    fn headers_carry_ids_and_row_headers_but_not_spoofed_reserved_ones() {
-        let h = build_headers(&ev(
-            r#"{"trace":"t1","event_id":"999","outbox_id":"7","n":5}"#,
-        ));
-        let p = pairs(&h);
-        assert_eq!(
-            p,
-            vec![
-                ("event_id".into(), UUID.into()),
-                ("outbox_id".into(), "42".into()),
-                ("event_type".into(), "OrderCreated".into()),
-                ("event_key".into(), "A-1".into()),
-                ("n".into(), "5".into()),
-                ("trace".into(), "t1".into()),
-            ]
-        );
-    }
-
-    #[test]
-    fn null_key_and_type_are_omitted() {
-        let mut e = ev("{}");
-        e.key = None;
-        e.event_type = None;
-        assert_eq!(
-            pairs(&build_headers(&e)),
-            vec![
-                ("event_id".into(), UUID.into()),
-                ("outbox_id".into(), "42".into())
-            ]
-        );
-    }
-
-    #[test]
-    fn failures_name_the_topic() {
-        let e = KafkaError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
-        assert!(describe_failure("orders", &e).contains("topic orders does not exist"));
-        let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
-        assert!(describe_failure("orders", &e).contains("topic orders"));
-    }
-
-    #[test]
-    fn properties_must_be_key_value() {
-        assert!(parse_properties(&["linger.ms=10".into()]).is_ok());
-        let err = parse_properties(&["linger.ms".into()]).expect_err("error");
-        assert!(err.message.contains("linger.ms"));
-        assert!(parse_properties(&["=1".into()]).is_err());
     }
 }

@@ -1,67 +1,23 @@
-//! `outbox-worker run`: claim loops, the reclaimer, the stats poller, and shutdown.
+//! `outbox-worker run`: start-up checks, the claim loops, the reclaimer, the stats poller and the
+//! wake-up listener as tasks, and shutdown.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{RunArgs, LEASE_TO_SEND_TIMEOUT_RATIO};
-use crate::db::{self, db_error, Db};
+use crate::claim::{claim_loop, Relay};
+use crate::cli::RunArgs;
+use crate::db;
+use crate::error::DbError;
+use crate::maintenance::{reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
-use crate::publisher::{self, Event, Outcome, Publisher};
+use crate::publisher::Publisher;
+use crate::store::{Settings, Store};
+use crate::tasks::Tasks;
 use crate::{shutdown, wakeup, Fatal};
-
-/// Everything the claim loops share.
-pub struct Relay {
-    db: Db,
-    publisher: Arc<Publisher>,
-    metrics: Arc<Metrics>,
-    owner: String,
-    batch_size: i32,
-    poll_interval: Duration,
-    /// `outbox.max_retry` as this relay's sessions see it (refreshed by the stats poller).
-    max_retry: AtomicI32,
-}
-
-/// Start-up checks that need no connection: one clear line each.
-pub fn validate(args: &RunArgs) -> Result<(), Fatal> {
-    if args.send_timeout.is_zero() {
-        return Err(Fatal::usage("--send-timeout must be greater than 0"));
-    }
-    if args.send_timeout * LEASE_TO_SEND_TIMEOUT_RATIO > args.lease {
-        return Err(Fatal::usage(format!(
-            "--send-timeout ({}) must be at most a quarter of --lease ({}), so a round always ends well before its lease expires",
-            humantime::format_duration(args.send_timeout),
-            humantime::format_duration(args.lease)
-        )));
-    }
-    if args.batch_size < 1 {
-        return Err(Fatal::usage("--batch-size must be at least 1"));
-    }
-    if args.concurrency < 1 || args.concurrency > 256 {
-        return Err(Fatal::usage("--concurrency must be between 1 and 256"));
-    }
-    for (name, d) in [
-        ("--poll-interval", args.poll_interval),
-        ("--reclaim-interval", args.reclaim_interval),
-        ("--stats-interval", args.stats_interval),
-    ] {
-        if d.is_zero() {
-            return Err(Fatal::usage(format!("{name} must be greater than 0")));
-        }
-    }
-    if let Some(o) = &args.owner {
-        if o.is_empty() || o.len() > 200 || o.chars().any(char::is_control) {
-            return Err(Fatal::usage(
-                "--owner must be 1 to 200 characters without control characters",
-            ));
-        }
-    }
-    Ok(())
-}
 
 /// hostname-pid-random
 pub fn default_owner() -> String {
@@ -87,33 +43,19 @@ pub fn default_owner() -> String {
 }
 
 pub async fn run(args: RunArgs) -> Result<(), Fatal> {
-    validate(&args)?;
+    args.validate()?;
     // Signals from here on stop the relay cleanly (exit 0), even during start-up.
     let metrics = Metrics::new();
     let cancel = CancellationToken::new();
     shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
-    let mut props = Vec::new();
-    if let Some(p) = &args.kafka_properties_file {
-        props.extend(publisher::read_properties_file(p)?);
-    }
-    props.extend(publisher::parse_properties(&args.kafka_properties)?);
+    let props = args.producer_properties()?;
     let (pg_cfg, desc) = db::config(&args.db)?;
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
-    let db = Db::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
-    // Retried: a connection terminated right at start-up (failover, pg_terminate_backend) is
-    // no reason to exit.
-    let mut attempt = 0;
-    let (max_retry, max_claim) = loop {
-        attempt += 1;
-        match read_settings(&db).await {
-            Ok(v) => break v,
-            Err(e) if attempt >= 3 => return Err(e),
-            Err(e) => {
-                tracing::warn!("{}; retrying", e.message);
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-    };
+    let store = Store::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
+    let Settings {
+        max_retry,
+        max_claim,
+    } = read_settings(&store).await?;
     if let Some(max_claim) = max_claim {
         if args.batch_size > max_claim {
             return Err(Fatal::usage(format!(
@@ -124,7 +66,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     }
 
     // Created after the database checks: librdkafka starts connecting at once.
-    let publisher = Publisher::new(&args.brokers, args.send_timeout, &props)?;
+    let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, &props)?;
 
     let server_cancel = CancellationToken::new();
     let server = match args.metrics_addr {
@@ -136,7 +78,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     tracing::info!(
         owner = %owner,
         database = %desc,
-        brokers = %args.brokers,
+        brokers = %args.kafka.brokers,
         batch_size = args.batch_size,
         concurrency = args.concurrency,
         poll_interval = %humantime::format_duration(args.poll_interval),
@@ -149,7 +91,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let publisher = Arc::new(publisher);
     tokio::spawn(publisher.clone().probe());
     let relay = Arc::new(Relay {
-        db,
+        store,
         publisher,
         metrics: metrics.clone(),
         owner,
@@ -159,425 +101,91 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     });
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
-    let listener = tokio::spawn(wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone()));
-    let reclaimer = tokio::spawn(reclaim_loop(
-        relay.clone(),
-        args.lease,
-        args.reclaim_interval,
-        wake_tx.clone(),
-        cancel.clone(),
-    ));
-    let stats = tokio::spawn(stats_loop(
-        relay.clone(),
-        args.stats_interval,
-        cancel.clone(),
-    ));
-    let loops: Vec<_> = (0..args.concurrency)
-        .map(|n| {
-            tokio::spawn(claim_loop(
-                n,
-                relay.clone(),
-                wake_rx.clone(),
-                cancel.clone(),
-            ))
-        })
-        .collect();
-
-    for l in loops {
-        let _ = l.await;
+    let mut tasks = Tasks::new(cancel.clone());
+    let listen = wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone());
+    tasks.spawn("wake-up listener", async move {
+        listen.await;
+        Ok(())
+    });
+    tasks.spawn(
+        "reclaimer",
+        reclaim_loop(
+            relay.clone(),
+            args.lease,
+            args.reclaim_interval,
+            wake_tx.clone(),
+            cancel.clone(),
+        ),
+    );
+    tasks.spawn(
+        "stats poller",
+        stats_loop(relay.clone(), args.stats_interval, cancel.clone()),
+    );
+    for n in 0..args.concurrency {
+        tasks.spawn(
+            format!("claim loop {n}"),
+            claim_loop(n, relay.clone(), wake_rx.clone(), cancel.clone()),
+        );
     }
-    cancel.cancel();
-    let _ = listener.await;
-    let _ = reclaimer.await;
-    let _ = stats.await;
+
+    // Until a signal, or a task's failure, cancels them all; either way every claim loop
+    // settles its round before it stops.
+    let mut result = tasks.join().await;
+    // Held until every claim loop has stopped: with no sender left, a loop's wait for a wake-up
+    // would end at once and fall back to a plain sleep that ignores the shutdown.
+    drop(wake_tx);
     relay.publisher.flush();
     server_cancel.cancel();
-    if let Some(s) = server {
-        let _ = s.await;
+    if let Some(server) = server {
+        if let Err(e) = server.await {
+            let f = Fatal::runtime(format!("metrics server: {e}"));
+            match result {
+                Ok(()) => result = Err(f),
+                Err(_) => tracing::error!("{}", f.message),
+            }
+        }
     }
-    tracing::info!("relay stopped: in-flight events settled");
-    Ok(())
+    if result.is_ok() {
+        tracing::info!("relay stopped: in-flight events settled");
+    }
+    result
 }
 
-/// `outbox.max_retry` and `outbox.max_claim` (None when unset: the extension's defaults apply).
-async fn read_settings(db: &Db) -> Result<(i32, Option<i32>), Fatal> {
-    let client = db.pool.get().await.map_err(|e| {
-        Fatal::runtime(format!("cannot connect to the database ({}): {e}", db.desc))
-    })?;
-    // Calling outbox_stats() first loads the extension library, which defines the settings.
-    let row = client
-        .query_one(
-            &format!(
-                "SELECT current_setting('outbox.max_retry', true), current_setting('outbox.max_claim', true) \
-                 FROM {}() s",
-                db.func("stats")
+/// `outbox.max_retry` and `outbox.max_claim`. Retried: a connection terminated right at start-up
+/// (failover, pg_terminate_backend) is no reason to exit; a configuration error (e.g. no EXECUTE
+/// on outbox_stats) is not retried.
+async fn read_settings(store: &Store) -> Result<Settings, Fatal> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let e = match store.settings().await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        let message = match &e {
+            DbError::Connect(c) => {
+                format!("cannot connect to the database ({}): {c}", store.desc())
+            }
+            _ => format!(
+                "cannot call {}() ({}): {e}",
+                store.func("stats"),
+                store.desc()
             ),
-            &[],
-        )
-        .await
-        .map_err(|e| {
-            Fatal::runtime(format!(
-                "cannot call {}() ({}): {}",
-                db.func("stats"),
-                db.desc,
-                db_error(&e)
-            ))
-        })?;
-    let max_retry = row
-        .get::<_, Option<String>>(0)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    let max_claim = row.get::<_, Option<String>>(1).and_then(|s| s.parse().ok());
-    Ok((max_retry, max_claim))
-}
-
-async fn claim_loop(
-    n: usize,
-    relay: Arc<Relay>,
-    mut wake: watch::Receiver<u64>,
-    cancel: CancellationToken,
-) {
-    let mut failures: u32 = 0;
-    loop {
-        if cancel.is_cancelled() {
-            break;
-        }
-        // Notifications from now on end the wait after this round.
-        wake.borrow_and_update();
-        let result = relay.round().await;
-        let delay = match result {
-            Ok(claimed) if claimed as i32 >= relay.batch_size => {
-                failures = 0;
-                continue;
-            }
-            Ok(_) => {
-                failures = 0;
-                relay.poll_interval
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(claim_loop = n, "claim failed: {e}; retrying");
-                (Duration::from_millis(250) * 2u32.pow(failures.min(7))).min(relay.poll_interval)
-            }
         };
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = tokio::time::sleep(delay) => {}
-            r = wake.changed() => if r.is_err() { tokio::time::sleep(delay).await },
+        if !e.is_retriable() {
+            return Err(Fatal::usage(message));
         }
-    }
-    tracing::debug!(claim_loop = n, "claim loop stopped");
-}
-
-impl Relay {
-    /// One round: claim, publish, settle. Returns how many events were claimed; an error means
-    /// the claim itself failed (nothing is held).
-    async fn round(&self) -> Result<usize, String> {
-        let round_start = Instant::now();
-        let client = self.db.pool.get().await;
-        self.metrics.db_result(&client);
-        let client = client.map_err(|e| format!("no database connection: {e}"))?;
-        let sql = format!(
-            "SELECT id, topic, event_key, event_type, payload::text, headers::text, claim_token, retry_count, \
-             extract(epoch from (clock_timestamp() - created_at))::float8, event_id::text \
-             FROM {}($1, $2)",
-            self.db.func("claim")
-        );
-        let stmt = client.prepare_cached(&sql).await;
-        self.metrics.db_result(&stmt);
-        let stmt = stmt.map_err(|e| db_error(&e))?;
-        let rows = client.query(&stmt, &[&self.owner, &self.batch_size]).await;
-        self.metrics.db_result(&rows);
-        let rows = rows.map_err(|e| db_error(&e))?;
-        drop(client);
-        let claimed_at = Instant::now();
-        if rows.is_empty() {
-            tracing::debug!("claim returned no due events");
-            return Ok(0);
+        if attempt >= 3 {
+            return Err(Fatal::runtime(message));
         }
-        let token: i64 = rows[0].get(6);
-        let events: Vec<Event> = rows
-            .iter()
-            .map(|r| Event {
-                id: r.get(0),
-                topic: r.get(1),
-                key: r.get(2),
-                event_type: r.get(3),
-                payload: r.get(4),
-                headers: r.get(5),
-                retry_count: r.get(7),
-                age_at_claim: r.get::<_, Option<f64>>(8).unwrap_or(0.0),
-                event_id: r.get(9),
-            })
-            .collect();
-        if events.len() < self.batch_size as usize {
-            tracing::debug!(
-                claimed = events.len(),
-                "partial batch (nothing else due, or taken by another relay)"
-            );
-        }
-        self.metrics.claim_batch_size.observe(events.len() as f64);
-
-        let (outcomes, replaced) = self.publisher.publish(&events).await;
-        if let Some(reason) = replaced {
-            self.metrics.producer_restarts.inc();
-            tracing::warn!(
-                "the Kafka producer became unusable ({reason}): replaced by a new producer; this round's failed events are retried"
-            );
-        }
-        let published_at = Instant::now();
-
-        let mut delivered = Vec::new();
-        let mut failed: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for (i, o) in outcomes.iter().enumerate() {
-            match o {
-                Outcome::Delivered { latency } => {
-                    self.metrics.publish_latency.observe(latency.as_secs_f64());
-                    delivered.push(i);
-                }
-                Outcome::Failed { error, .. } => failed.entry(error.clone()).or_default().push(i),
-            }
-        }
-        if !delivered.is_empty() {
-            let ids: Vec<i64> = delivered.iter().map(|&i| events[i].id).collect();
-            match self.settle("ack", token, &ids, None).await {
-                Ok(n) => {
-                    self.metrics.published.inc_by(ids.len() as u64);
-                    let now = claimed_at.elapsed().as_secs_f64();
-                    for &i in &delivered {
-                        self.metrics
-                            .commit_to_ack_lag
-                            .observe(events[i].age_at_claim + now);
-                    }
-                    if n < ids.len() as i64 {
-                        tracing::warn!(
-                            acked = n,
-                            delivered = ids.len(),
-                            "some delivered events were no longer held by this relay (lease expired and reclaimed): they will be published again"
-                        );
-                    }
-                }
-                Err(e) => tracing::error!(
-                    count = ids.len(),
-                    "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
-                ),
-            }
-        }
-        let max_retry = self.max_retry.load(Ordering::Relaxed);
-        for (error, idx) in failed {
-            let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
-            self.metrics.failed.inc_by(ids.len() as u64);
-            tracing::warn!(
-                count = ids.len(),
-                first_id = ids[0],
-                "publish failed: {error}"
-            );
-            match self.settle("nack", token, &ids, Some(&error)).await {
-                Ok(_) => {
-                    for &i in &idx {
-                        let ev = &events[i];
-                        if ev.retry_count + 1 > max_retry {
-                            self.metrics.dead_lettered.inc();
-                            tracing::error!(
-                                outbox_id = ev.id,
-                                event_id = %ev.event_id,
-                                topic = %ev.topic,
-                                attempts = ev.retry_count + 1,
-                                "dead letter: event {} for topic {} failed {} times: {error}",
-                                ev.id,
-                                ev.topic,
-                                ev.retry_count + 1
-                            );
-                        }
-                    }
-                }
-                Err(e) => tracing::error!(
-                    count = ids.len(),
-                    "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
-                ),
-            }
-        }
-        tracing::debug!(
-            events = events.len(),
-            claim_ms = claimed_at.duration_since(round_start).as_millis() as u64,
-            publish_ms = published_at.duration_since(claimed_at).as_millis() as u64,
-            settle_ms = published_at.elapsed().as_millis() as u64,
-            "round done"
-        );
-        Ok(events.len())
-    }
-
-    /// One `outbox_ack` / `outbox_nack` call, retried a few times on database errors (it is
-    /// idempotent: rows no longer held are not counted).
-    async fn settle(
-        &self,
-        what: &str,
-        token: i64,
-        ids: &[i64],
-        error: Option<&str>,
-    ) -> Result<i64, String> {
-        let sql = match what {
-            "ack" => format!("SELECT {}($1, $2, $3)", self.db.func("ack")),
-            _ => format!("SELECT {}($1, $2, $3, $4)", self.db.func("nack")),
-        };
-        let mut last = String::new();
-        for attempt in 0..4u32 {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(200) * attempt).await;
-            }
-            let client = match self.db.pool.get().await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.metrics.db_result::<(), _>(&Err(()));
-                    last = e.to_string();
-                    continue;
-                }
-            };
-            let stmt = match client.prepare_cached(&sql).await {
-                Ok(s) => s,
-                Err(e) => {
-                    self.metrics.db_result::<(), _>(&Err(()));
-                    last = db_error(&e);
-                    continue;
-                }
-            };
-            let res = match error {
-                None => client.query_one(&stmt, &[&self.owner, &token, &ids]).await,
-                Some(err) => {
-                    client
-                        .query_one(&stmt, &[&self.owner, &token, &ids, &err])
-                        .await
-                }
-            };
-            self.metrics.db_result(&res);
-            match res {
-                Ok(row) => return Ok(row.get::<_, i32>(0) as i64),
-                Err(e) => last = db_error(&e),
-            }
-        }
-        Err(last)
-    }
-}
-
-async fn reclaim_loop(
-    relay: Arc<Relay>,
-    lease: Duration,
-    every: Duration,
-    wake: watch::Sender<u64>,
-    cancel: CancellationToken,
-) {
-    let sql = format!("SELECT {}($1::text::interval)", relay.db.func("reclaim"));
-    let lease_text = format!("{} milliseconds", lease.as_millis());
-    loop {
-        let res = async {
-            let client = relay.db.pool.get().await.map_err(|e| e.to_string())?;
-            client
-                .query_one(&sql, &[&lease_text])
-                .await
-                .map_err(|e| db_error(&e))
-        }
-        .await;
-        relay.metrics.db_result(&res);
-        match res {
-            Ok(row) => {
-                let n: i32 = row.get(0);
-                if n > 0 {
-                    relay.metrics.reclaimed.inc_by(n as u64);
-                    tracing::info!(
-                        reclaimed = n,
-                        "reclaimed events whose lease ({}) expired",
-                        humantime::format_duration(lease)
-                    );
-                    wake.send_modify(|g| *g = g.wrapping_add(1));
-                }
-            }
-            Err(e) => tracing::warn!("reclaim failed: {e}"),
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
-    }
-}
-
-async fn stats_loop(relay: Arc<Relay>, every: Duration, cancel: CancellationToken) {
-    let sql = format!(
-        "SELECT due_wait, delayed_wait, sending, failed, \
-         coalesce(extract(epoch from oldest_due_age)::float8, 0), \
-         coalesce(extract(epoch from oldest_lease_age)::float8, 0), \
-         current_setting('outbox.max_retry', true) \
-         FROM {}() s",
-        relay.db.func("stats")
-    );
-    loop {
-        let res = async {
-            let client = relay.db.pool.get().await.map_err(|e| e.to_string())?;
-            client.query_one(&sql, &[]).await.map_err(|e| db_error(&e))
-        }
-        .await;
-        relay.metrics.db_result(&res);
-        match res {
-            Ok(row) => {
-                let m = &relay.metrics;
-                m.backlog.set(row.get(0));
-                m.delayed.set(row.get(1));
-                m.sending.set(row.get(2));
-                m.dead_letters.set(row.get(3));
-                m.oldest_due_age.set(row.get(4));
-                m.oldest_lease_age.set(row.get(5));
-                if let Some(r) = row
-                    .get::<_, Option<String>>(6)
-                    .and_then(|s| s.parse::<i32>().ok())
-                {
-                    relay.max_retry.store(r, Ordering::Relaxed);
-                }
-            }
-            Err(e) => tracing::warn!("reading outbox_stats() failed: {e}"),
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
+        tracing::warn!("{message}; retrying");
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    fn run_args(extra: &[&str]) -> RunArgs {
-        let mut argv = vec!["outbox-worker", "run", "--database-url", "host=x"];
-        argv.extend_from_slice(extra);
-        match crate::cli::Cli::try_parse_from(argv)
-            .expect("parse")
-            .command
-        {
-            crate::cli::Command::Run(a) => a,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn defaults_are_valid() {
-        let a = run_args(&[]);
-        assert_eq!(a.brokers, "localhost:9092");
-        assert_eq!(a.poll_interval, Duration::from_secs(5));
-        assert_eq!(a.lease, Duration::from_secs(600));
-        assert_eq!(a.send_timeout, Duration::from_secs(3));
-        assert_eq!(a.reclaim_interval, Duration::from_secs(60));
-        assert_eq!(a.concurrency, 1);
-        assert!(validate(&a).is_ok());
-    }
-
-    #[test]
-    fn send_timeout_must_be_a_quarter_of_the_lease_at_most() {
-        assert!(validate(&run_args(&["--lease", "4s", "--send-timeout", "1s"])).is_ok());
-        let e =
-            validate(&run_args(&["--lease", "4s", "--send-timeout", "1001ms"])).expect_err("error");
-        assert!(e.message.contains("--send-timeout") && e.message.contains("--lease"));
-        assert!(validate(&run_args(&["--send-timeout", "0s"])).is_err());
-    }
 
     #[test]
     fn default_owner_is_host_pid_random() {

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use outbox_worker::{HEADER_EVENT_ID, HEADER_OUTBOX_ID};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
@@ -49,8 +50,8 @@ impl Msg {
     /// The row id of the event in its database (the `outbox_id` header).
     pub fn outbox_id(&self) -> i64 {
         self.headers
-            .get("outbox_id")
-            .unwrap_or_else(|| panic!("message without outbox_id header: {self:?}"))
+            .get(HEADER_OUTBOX_ID)
+            .unwrap_or_else(|| panic!("message without {HEADER_OUTBOX_ID} header: {self:?}"))
             .parse()
             .expect("numeric outbox_id")
     }
@@ -58,8 +59,8 @@ impl Msg {
     /// The event's global UUID (the `event_id` header), what consumers deduplicate on.
     pub fn event_id(&self) -> &str {
         self.headers
-            .get("event_id")
-            .unwrap_or_else(|| panic!("message without event_id header: {self:?}"))
+            .get(HEADER_EVENT_ID)
+            .unwrap_or_else(|| panic!("message without {HEADER_EVENT_ID} header: {self:?}"))
     }
 
     /// Parses one line of `outbox-worker tail --json`.

@@ -790,7 +790,7 @@ fn read_topic(addr: &str, topic: &str, topic_index: u8, out: &mut Vec<Seen>) -> 
     read_to_end(addr, topic, Duration::from_secs(10), |m| {
         let id = m
             .headers()
-            .and_then(|hs| hs.iter().find(|h| h.key == "outbox_id"))
+            .and_then(|hs| hs.iter().find(|h| h.key == outbox_worker::HEADER_OUTBOX_ID))
             .and_then(|h| text(h.value))
             .and_then(|s| s.parse().ok())
             .unwrap_or(i64::MIN);

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
 use outbox_tests::db::{self, scalar, TestDb};
+use outbox_worker::WAKEUP_CHANNEL;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -185,12 +186,15 @@ async fn listen_while<F: std::future::Future<Output = ()>>(db: &TestDb, work: F)
             }
         }
     });
-    listener.batch_execute("LISTEN outbox").await.unwrap();
+    listener
+        .batch_execute(&format!("LISTEN {WAKEUP_CHANNEL}"))
+        .await
+        .unwrap();
     work.await;
     let mut count = 0;
     while let Ok(Some(channel)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await
     {
-        assert_eq!(channel, "outbox");
+        assert_eq!(channel, WAKEUP_CHANNEL);
         count += 1;
     }
     count

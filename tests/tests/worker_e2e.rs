@@ -8,6 +8,7 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, wait_counts, Expected};
 use outbox_tests::worker::Worker;
+use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,11 +92,11 @@ async fn committed_events_arrive_exactly_with_key_value_and_headers() {
             assert_eq!(value, e.payload, "value of {id}");
             assert_eq!(m.event_id(), e.event_id, "event_id header of {id}");
             assert_eq!(
-                m.headers.get("event_type").map(String::as_str),
+                m.headers.get(HEADER_EVENT_TYPE).map(String::as_str),
                 Some("OrderCreated")
             );
             assert_eq!(
-                m.headers.get("event_key"),
+                m.headers.get(HEADER_EVENT_KEY),
                 Some(&e.key),
                 "event_key header of {id}"
             );

@@ -8,6 +8,7 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
 use outbox_tests::worker::Worker;
+use outbox_worker::WAKEUP_CHANNEL;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -20,7 +21,10 @@ async fn event_committed_while_idle_arrives_within_one_second() {
     let worker = Worker::spawn(&db.url(), &broker.addr(), &["--poll-interval", "60s"]);
     assert!(
         worker
-            .wait_log(&["listening for NOTIFY outbox"], Duration::from_secs(15))
+            .wait_log(
+                &[&format!("listening for NOTIFY {WAKEUP_CHANNEL}")],
+                Duration::from_secs(15)
+            )
             .is_some(),
         "worker never listened: {}",
         worker.logs()

@@ -9,6 +9,7 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
 use outbox_tests::worker::Worker;
+use outbox_worker::WAKEUP_CHANNEL;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -25,7 +26,10 @@ async fn listen_session_and_pool_reconnect_after_their_backends_are_terminated()
     );
     assert!(
         worker
-            .wait_log(&["listening for NOTIFY outbox"], Duration::from_secs(15))
+            .wait_log(
+                &[&format!("listening for NOTIFY {WAKEUP_CHANNEL}")],
+                Duration::from_secs(15)
+            )
             .is_some(),
         "{}",
         worker.logs()

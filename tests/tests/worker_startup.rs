@@ -1,11 +1,16 @@
 //! Bad start-up inputs: each exits non-zero with one clear line on stderr, and never prints a
-//! password.
+//! password. Also the relay's exit without a broker: a configuration error met by a task, and a
+//! prompt SIGTERM.
 
 use std::process::Output;
 
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
 use outbox_tests::broker::free_port;
 use outbox_tests::db::TestDb;
-use outbox_tests::worker::run_cmd;
+use outbox_tests::roles::Roles;
+use outbox_tests::worker::{run_cmd, worker_bin, Worker};
 
 fn one_line_failure(out: &Output, must_contain: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -85,7 +90,7 @@ fn unknown_kafka_property() {
 
 #[test]
 fn missing_database_url() {
-    let out = std::process::Command::new(outbox_tests::worker::worker_bin())
+    let out = Command::new(worker_bin())
         .arg("run")
         .env_remove("OUTBOX_DATABASE_URL")
         .output()
@@ -95,7 +100,6 @@ fn missing_database_url() {
 
 #[test]
 fn secrets_from_files_are_used_and_never_logged() {
-    use std::time::Duration;
     let db = TestDb::create();
     let dir = std::env::temp_dir().join(format!("outbox-secrets-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
@@ -109,7 +113,7 @@ fn secrets_from_files_are_used_and_never_logged() {
     )
     .expect("write");
     let brokers = format!("127.0.0.1:{}", free_port());
-    let mut w = outbox_tests::worker::Worker::spawn_args(&[
+    let mut w = Worker::spawn_args(&[
         "run",
         "--brokers",
         &brokers,
@@ -146,4 +150,108 @@ fn secrets_from_files_are_used_and_never_logged() {
     one_line_failure(&out, &["line 1"]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("topsecret"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `outbox-worker ARGS` to completion, killing it after `timeout` (a relay that retries
+/// forever would never end).
+fn run_with_timeout(args: &[&str], timeout: Duration) -> Output {
+    let mut child = Command::new(worker_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn outbox-worker");
+    let deadline = Instant::now() + timeout;
+    while child.try_wait().expect("try_wait").is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "still running after {timeout:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("output")
+}
+
+/// A relay role without EXECUTE on outbox_claim passes the start-up checks (outbox_stats is
+/// granted) and fails at its first claim with 42501: a configuration error that no retry fixes,
+/// so the relay exits 2 with one line instead of retrying forever. The same role with the
+/// recipe's grants runs, and stops with 0 on SIGTERM. No broker is needed: nothing is claimed.
+#[test]
+fn relay_role_without_execute_on_claim_exits_non_zero() {
+    let roles;
+    let db = TestDb::create();
+    roles = Roles::create(&db, &[]);
+    let relay = roles.name("relay");
+    db.psql(&format!("ALTER ROLE {relay} LOGIN"));
+    let url = format!("{} user={relay}", db.url());
+    let brokers = format!("127.0.0.1:{}", free_port());
+
+    let mut w = Worker::spawn_args(&["run", "--database-url", &url, "--brokers", &brokers]);
+    assert!(
+        w.wait_log(&["claim returned no due events"], Duration::from_secs(15))
+            .is_some(),
+        "{}",
+        w.logs()
+    );
+    w.signal(libc::SIGTERM);
+    let st = w.wait_exit(Duration::from_secs(10)).expect("exit");
+    assert!(st.success(), "{}", w.logs());
+
+    db.psql(&format!(
+        "REVOKE EXECUTE ON FUNCTION outbox_claim(text, int) FROM {relay}"
+    ));
+    let out = run_with_timeout(
+        &[
+            "--log-level",
+            "error",
+            "run",
+            "--database-url",
+            &url,
+            "--brokers",
+            &brokers,
+        ],
+        Duration::from_secs(20),
+    );
+    one_line_failure(
+        &out,
+        &["claim loop 0", "outbox_claim", "42501", "configuration"],
+    );
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// SIGTERM ends idle claim loops at once, not after their poll interval: each waits for a
+/// wake-up, the shutdown or the interval, whichever comes first. (A loop that found the wake-up
+/// channel closed by the stopping listener used to sleep the whole interval.) Several loops, so
+/// that one of them meets the race.
+#[test]
+fn sigterm_stops_idle_claim_loops_at_once() {
+    let db = TestDb::create();
+    let brokers = format!("127.0.0.1:{}", free_port());
+    let mut w = Worker::spawn(
+        &db.url(),
+        &brokers,
+        &["--poll-interval", "60s", "--concurrency", "4"],
+    );
+    let idle = || w.logs().matches("claim returned no due events").count() >= 4;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !idle() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(idle(), "{}", w.logs());
+    let sent = Instant::now();
+    w.signal(libc::SIGTERM);
+    let st = w
+        .wait_exit(Duration::from_secs(10))
+        .expect("exit after SIGTERM");
+    assert!(st.success(), "{}", w.logs());
+    assert!(
+        sent.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        sent.elapsed()
+    );
 }

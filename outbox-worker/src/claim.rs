@@ -1,0 +1,229 @@
+//! The claim loops: each round claims a batch, publishes it and settles every row (ack the
+//! delivered, nack the failed), then claims again at once after a full batch or waits for the
+//! poll interval or a wake-up.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::DbError;
+use crate::metrics::Metrics;
+use crate::publisher::{Outcome, Publisher};
+use crate::store::Store;
+
+/// Everything the claim loops share.
+pub struct Relay {
+    pub store: Store,
+    pub publisher: Arc<Publisher>,
+    pub metrics: Arc<Metrics>,
+    pub owner: String,
+    pub batch_size: i32,
+    pub poll_interval: Duration,
+    /// `outbox.max_retry` as this relay's sessions see it (refreshed by the stats poller).
+    pub max_retry: AtomicI32,
+}
+
+/// Rounds until cancelled (the round in flight is finished first). Ends with the error when a
+/// database call meets a configuration error, which no retry would fix.
+pub async fn claim_loop(
+    n: usize,
+    relay: Arc<Relay>,
+    mut wake: watch::Receiver<u64>,
+    cancel: CancellationToken,
+) -> Result<(), DbError> {
+    let mut failures: u32 = 0;
+    loop {
+        if cancel.is_cancelled() {
+            break;
+        }
+        // Notifications from now on end the wait after this round.
+        wake.borrow_and_update();
+        let result = relay.round().await;
+        let delay = match result {
+            Ok(claimed) if claimed as i32 >= relay.batch_size => {
+                failures = 0;
+                continue;
+            }
+            Ok(_) => {
+                failures = 0;
+                relay.poll_interval
+            }
+            // Every retry would meet it again: the loop (and the relay) stops instead.
+            Err(e) if !e.is_retriable() => return Err(e),
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(claim_loop = n, "claim failed: {e}; retrying");
+                (Duration::from_millis(250) * 2u32.pow(failures.min(7))).min(relay.poll_interval)
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(delay) => {}
+            r = wake.changed() => if r.is_err() { tokio::time::sleep(delay).await },
+        }
+    }
+    tracing::debug!(claim_loop = n, "claim loop stopped");
+    Ok(())
+}
+
+impl Relay {
+    /// One round: claim, publish, settle. Returns how many events were claimed. An error means
+    /// the claim failed (nothing is held), or a settle call met a configuration error (its rows
+    /// stay SENDING until reclaimed, as after any failed settle).
+    async fn round(&self) -> Result<usize, DbError> {
+        let round_start = Instant::now();
+        let events = self.store.claim(&self.owner, self.batch_size).await;
+        self.metrics.db_result(&events);
+        let events = events?;
+        let claimed_at = Instant::now();
+        let Some(token) = events.first().map(|e| e.claim_token) else {
+            tracing::debug!("claim returned no due events");
+            return Ok(0);
+        };
+        if events.len() < self.batch_size as usize {
+            tracing::debug!(
+                claimed = events.len(),
+                "partial batch (nothing else due, or taken by another relay)"
+            );
+        }
+        self.metrics.claim_batch_size.observe(events.len() as f64);
+
+        let (outcomes, replaced) = self.publisher.publish(&events).await;
+        if let Some(reason) = replaced {
+            self.metrics.producer_restarts.inc();
+            tracing::warn!(
+                "the Kafka producer became unusable ({reason}): replaced by a new producer; this round's failed events are retried"
+            );
+        }
+        let published_at = Instant::now();
+
+        let mut permanent: Option<DbError> = None;
+        let mut delivered = Vec::new();
+        // One nack per distinct error text (it becomes the rows' last_error).
+        let mut failed: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (i, o) in outcomes.iter().enumerate() {
+            match o {
+                Outcome::Delivered { latency } => {
+                    self.metrics.publish_latency.observe(latency.as_secs_f64());
+                    delivered.push(i);
+                }
+                Outcome::Failed(error) => failed.entry(error.to_string()).or_default().push(i),
+            }
+        }
+        if !delivered.is_empty() {
+            let ids: Vec<i64> = delivered.iter().map(|&i| events[i].id).collect();
+            match self
+                .settle(|| self.store.ack(&self.owner, token, &ids))
+                .await
+            {
+                Ok(n) => {
+                    self.metrics.published.inc_by(ids.len() as u64);
+                    let now = claimed_at.elapsed().as_secs_f64();
+                    for &i in &delivered {
+                        self.metrics
+                            .commit_to_ack_lag
+                            .observe(events[i].age_at_claim + now);
+                    }
+                    if n < ids.len() as u64 {
+                        tracing::warn!(
+                            acked = n,
+                            delivered = ids.len(),
+                            "some delivered events were no longer held by this relay (lease expired and reclaimed): they will be published again"
+                        );
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(
+                        count = ids.len(),
+                        "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
+                    );
+                    keep_permanent(&mut permanent, e);
+                }
+            }
+        }
+        let max_retry = self.max_retry.load(Ordering::Relaxed);
+        for (error, idx) in failed {
+            let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
+            self.metrics.failed.inc_by(ids.len() as u64);
+            tracing::warn!(
+                count = ids.len(),
+                first_id = ids[0],
+                "publish failed: {error}"
+            );
+            match self
+                .settle(|| self.store.nack(&self.owner, token, &ids, &error))
+                .await
+            {
+                Ok(_) => {
+                    for &i in &idx {
+                        let ev = &events[i];
+                        if ev.retry_count + 1 > max_retry {
+                            self.metrics.dead_lettered.inc();
+                            tracing::error!(
+                                outbox_id = ev.id,
+                                event_id = %ev.event_id,
+                                topic = %ev.topic,
+                                attempts = ev.retry_count + 1,
+                                "dead letter: event {} for topic {} failed {} times: {error}",
+                                ev.id,
+                                ev.topic,
+                                ev.retry_count + 1
+                            );
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(
+                        count = ids.len(),
+                        "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
+                    );
+                    keep_permanent(&mut permanent, e);
+                }
+            }
+        }
+        tracing::debug!(
+            events = events.len(),
+            claim_ms = claimed_at.duration_since(round_start).as_millis() as u64,
+            publish_ms = published_at.duration_since(claimed_at).as_millis() as u64,
+            settle_ms = published_at.elapsed().as_millis() as u64,
+            "round done"
+        );
+        match permanent {
+            Some(e) => Err(e),
+            None => Ok(events.len()),
+        }
+    }
+
+    /// One `outbox_ack` / `outbox_nack` call, retried a few times on transient database errors
+    /// (it is idempotent: rows no longer held are not counted).
+    async fn settle<F, Fut>(&self, call: F) -> Result<u64, DbError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<u64, DbError>>,
+    {
+        let mut attempt = 0u32;
+        loop {
+            let res = call().await;
+            self.metrics.db_result(&res);
+            match res {
+                Err(e) if e.is_retriable() && attempt < 3 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(200) * attempt).await;
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+/// Remembers the first error of a round that no retry fixes.
+fn keep_permanent(slot: &mut Option<DbError>, e: DbError) {
+    if slot.is_none() && !e.is_retriable() {
+        *slot = Some(e);
+    }
+}

@@ -1,0 +1,159 @@
+//! The relay's errors: a failed database call keeps its SQLSTATE and a failed publish keeps
+//! librdkafka's error code, so the relay decides by code (retry, stop, replace the producer), not
+//! by message text.
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use tokio_postgres::error::SqlState;
+
+use crate::db::db_error;
+
+/// A failed call of an extension function.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// No connection from the pool (server down or restarting, network, authentication).
+    #[error("no database connection: {0}")]
+    Connect(#[source] deadpool_postgres::PoolError),
+    /// The server raised an error (it has a SQLSTATE), or the connection broke during the call.
+    #[error("{}", db_error(.0))]
+    Query(#[source] tokio_postgres::Error),
+    /// A returned row lacks a column or has another type: the installed extension is not the one
+    /// this relay was written for.
+    #[error("unexpected result from {call}: {} (is the installed extension the version this relay expects?)", db_error(.source))]
+    Row {
+        call: &'static str,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}
+
+impl DbError {
+    /// The server's error code, when the server raised the error.
+    pub fn sqlstate(&self) -> Option<&SqlState> {
+        match self {
+            DbError::Connect(deadpool_postgres::PoolError::Backend(e)) | DbError::Query(e) => {
+                e.code()
+            }
+            DbError::Connect(_) | DbError::Row { .. } => None,
+        }
+    }
+
+    /// Whether calling again can succeed: true for lost connections, timeouts, restarts,
+    /// deadlocks and other transient states; false for a configuration error (the role's grants
+    /// or settings, a bad argument, a mismatched extension), which every retry would meet again.
+    pub fn is_retriable(&self) -> bool {
+        match self {
+            DbError::Row { .. } => false,
+            _ => !self.sqlstate().is_some_and(is_configuration),
+        }
+    }
+}
+
+/// SQLSTATEs that no retry fixes: 22 data exception (22023, a bad argument such as a batch above
+/// `outbox.max_claim`), 28 authorization, 3D/3F missing database or schema, 42 access rule or
+/// missing object (42501, the role lacks EXECUTE), 25000 a row-locking call outside READ
+/// COMMITTED (the role's default isolation). Class 25 as a whole is not: 25006 (read-only) is what
+/// a failover shows for a moment.
+fn is_configuration(s: &SqlState) -> bool {
+    let code = s.code();
+    *s == SqlState::INVALID_TRANSACTION_STATE
+        || ["22", "28", "3D", "3F", "42"]
+            .iter()
+            .any(|class| code.starts_with(class))
+}
+
+/// One event's failed publish: librdkafka's error and the event's topic.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{}", describe(.topic, .source))]
+pub struct PublishError {
+    pub topic: String,
+    #[source]
+    pub source: KafkaError,
+}
+
+impl PublishError {
+    /// librdkafka's error code, when the error has one.
+    pub fn code(&self) -> Option<RDKafkaErrorCode> {
+        self.source.rdkafka_error_code()
+    }
+
+    /// No delivery report within the send timeout.
+    pub fn timed_out(&self) -> bool {
+        self.code() == Some(RDKafkaErrorCode::MessageTimedOut)
+    }
+
+    /// The idempotent producer cannot go on (its producer id/epoch is rejected): every later send
+    /// would fail the same way, so the producer must be replaced.
+    pub fn producer_unusable(&self) -> bool {
+        matches!(
+            self.code(),
+            Some(
+                RDKafkaErrorCode::ProducerFenced
+                    | RDKafkaErrorCode::InvalidProducerEpoch
+                    | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                    | RDKafkaErrorCode::UnknownProducerId
+                    | RDKafkaErrorCode::InvalidProducerIdMapping
+                    | RDKafkaErrorCode::Fatal
+            )
+        )
+    }
+}
+
+/// The text `outbox_nack` records: it always names the topic.
+fn describe(topic: &str, e: &KafkaError) -> String {
+    match e.rdkafka_error_code() {
+        Some(RDKafkaErrorCode::UnknownTopicOrPartition) | Some(RDKafkaErrorCode::UnknownTopic) => {
+            format!("topic {topic} does not exist on the broker: {e}")
+        }
+        Some(RDKafkaErrorCode::MessageTimedOut) => format!(
+            "publish to topic {topic} timed out (broker unreachable, or topic {topic} missing?): {e}"
+        ),
+        _ => format!("publish to topic {topic} failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publish_error(code: RDKafkaErrorCode) -> PublishError {
+        PublishError {
+            topic: "orders".into(),
+            source: KafkaError::MessageProduction(code),
+        }
+    }
+
+    #[test]
+    fn publish_failures_name_the_topic_and_keep_the_code() {
+        let e = publish_error(RDKafkaErrorCode::UnknownTopicOrPartition);
+        assert!(e.to_string().contains("topic orders does not exist"));
+        assert!(!e.timed_out() && !e.producer_unusable());
+        let e = publish_error(RDKafkaErrorCode::MessageTimedOut);
+        assert!(e.to_string().contains("topic orders"));
+        assert!(e.timed_out());
+        assert!(publish_error(RDKafkaErrorCode::ProducerFenced).producer_unusable());
+    }
+
+    #[test]
+    fn configuration_errors_are_not_retriable() {
+        for s in [
+            SqlState::INSUFFICIENT_PRIVILEGE,
+            SqlState::INVALID_PARAMETER_VALUE,
+            SqlState::UNDEFINED_FUNCTION,
+            SqlState::INVALID_PASSWORD,
+            SqlState::INVALID_TRANSACTION_STATE,
+        ] {
+            assert!(is_configuration(&s), "{}", s.code());
+        }
+        for s in [
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::QUERY_CANCELED,
+            SqlState::CONNECTION_FAILURE,
+            SqlState::TOO_MANY_CONNECTIONS,
+            SqlState::READ_ONLY_SQL_TRANSACTION,
+        ] {
+            assert!(!is_configuration(&s), "{}", s.code());
+        }
+    }
+}

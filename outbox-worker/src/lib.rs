@@ -1,0 +1,109 @@
+//! The relay from the `outbox` extension's table to Kafka, and the operator commands, as a
+//! library: the `outbox-worker` binary only parses its command line and calls [`execute`].
+//! Tests and benchmarks import the relay's defaults and wire names from here instead of copying
+//! them.
+
+pub mod admin;
+pub mod claim;
+pub mod cli;
+pub mod db;
+pub mod defaults;
+pub mod error;
+pub mod maintenance;
+pub mod message;
+pub mod metrics;
+pub mod publisher;
+pub mod relay;
+pub mod shutdown;
+pub mod store;
+pub mod tasks;
+pub mod wakeup;
+
+use std::process::ExitCode;
+
+use tracing::level_filters::LevelFilter;
+
+use cli::{Cli, Command};
+
+pub use message::{
+    HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE, HEADER_OUTBOX_ID, RESERVED_HEADERS,
+};
+pub use wakeup::CHANNEL as WAKEUP_CHANNEL;
+
+/// A reason to stop with one line on stderr.
+#[derive(Debug)]
+pub struct Fatal {
+    pub message: String,
+    /// 2: bad configuration or usage; 1: the database or broker failed.
+    pub code: u8,
+}
+
+impl Fatal {
+    pub fn usage(m: impl Into<String>) -> Fatal {
+        Fatal {
+            message: m.into(),
+            code: 2,
+        }
+    }
+    pub fn runtime(m: impl Into<String>) -> Fatal {
+        Fatal {
+            message: m.into(),
+            code: 1,
+        }
+    }
+}
+
+/// Runs one parsed command line to the end: sets up logging and the runtime, runs the command,
+/// prints a failure as one line on stderr and returns the exit code.
+pub fn execute(cli: Cli) -> ExitCode {
+    let level = match cli.log_level.to_ascii_lowercase().as_str() {
+        "error" => LevelFilter::ERROR,
+        "warn" | "warning" => LevelFilter::WARN,
+        "info" => LevelFilter::INFO,
+        "debug" => LevelFilter::DEBUG,
+        "trace" => LevelFilter::TRACE,
+        "off" => LevelFilter::OFF,
+        other => {
+            eprintln!("outbox-worker: error: unknown --log-level {other:?} (error, warn, info, debug, trace, off)");
+            return ExitCode::from(2);
+        }
+    };
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outbox-worker: error: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Run(a) => relay::run(a).await,
+            Command::Stats(a) => admin::stats(a).await,
+            Command::DeadLetters(a) => admin::dead_letters(a).await,
+            Command::Requeue(a) => admin::requeue(a).await,
+            Command::Purge(a) => admin::purge(a).await,
+            Command::Tail(a) => tokio::task::spawn_blocking(move || admin::tail(a))
+                .await
+                .unwrap_or_else(|e| Err(Fatal::runtime(format!("tail: {e}")))),
+        }
+    });
+    // Don't wait for detached tasks (e.g. a connection being driven) at exit.
+    rt.shutdown_timeout(std::time::Duration::from_millis(200));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("outbox-worker: error: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! The relay's background work beside the claim loops: reclaiming expired leases (then waking the
+//! claim loops) and reading `outbox_stats()` into the backlog gauges. Transient database errors
+//! are logged and retried at the next interval; a configuration error ends the task (and the
+//! relay).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::claim::Relay;
+use crate::error::DbError;
+
+pub async fn reclaim_loop(
+    relay: Arc<Relay>,
+    lease: Duration,
+    every: Duration,
+    wake: watch::Sender<u64>,
+    cancel: CancellationToken,
+) -> Result<(), DbError> {
+    loop {
+        let res = relay.store.reclaim(lease).await;
+        relay.metrics.db_result(&res);
+        match res {
+            Ok(n) => {
+                if n > 0 {
+                    relay.metrics.reclaimed.inc_by(n);
+                    tracing::info!(
+                        reclaimed = n,
+                        "reclaimed events whose lease ({}) expired",
+                        humantime::format_duration(lease)
+                    );
+                    wake.send_modify(|g| *g = g.wrapping_add(1));
+                }
+            }
+            Err(e) if !e.is_retriable() => return Err(e),
+            Err(e) => tracing::warn!("reclaim failed: {e}"),
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+pub async fn stats_loop(
+    relay: Arc<Relay>,
+    every: Duration,
+    cancel: CancellationToken,
+) -> Result<(), DbError> {
+    loop {
+        let res = relay.store.stats().await;
+        relay.metrics.db_result(&res);
+        match res {
+            Ok(stats) => {
+                let m = &relay.metrics;
+                m.backlog.set(stats.due_wait);
+                m.delayed.set(stats.delayed_wait);
+                m.sending.set(stats.sending);
+                m.dead_letters.set(stats.failed);
+                m.oldest_due_age.set(stats.oldest_due_age.unwrap_or(0.0));
+                m.oldest_lease_age
+                    .set(stats.oldest_lease_age.unwrap_or(0.0));
+                if let Some(r) = stats.max_retry {
+                    relay.max_retry.store(r, Ordering::Relaxed);
+                }
+            }
+            Err(e) if !e.is_retriable() => return Err(e),
+            Err(e) => tracing::warn!("reading outbox_stats() failed: {e}"),
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! The relay's typed database boundary: one method per extension function it calls (claim, ack,
+//! nack, renew, reclaim, stats), each owning its SQL and mapping its rows by column name. Every
+//! statement is schema-qualified with the extension's schema, so the relay works whatever its
+//! role's search_path is. Failures are [`DbError`]s that keep the SQLSTATE; retrying is the
+//! caller's decision.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::{Config, NoTls, Row};
+
+use crate::db::{extension_schema, one_line};
+use crate::error::DbError;
+use crate::Fatal;
+
+/// `outbox.max_retry` when the setting is not readable (the extension's default).
+pub const EXTENSION_DEFAULT_MAX_RETRY: i32 = 3;
+
+/// One claimed outbox row.
+#[derive(Debug, Clone)]
+pub struct Event {
+    /// The row's bigint key in this database (sent as `outbox_id`, for operators).
+    pub id: i64,
+    /// The event's global UUID (sent as `event_id`): what consumers deduplicate on.
+    pub event_id: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub event_type: Option<String>,
+    /// The payload's JSON text.
+    pub payload: String,
+    /// The row's headers as JSON text (an object of strings).
+    pub headers: String,
+    /// The fencing token of the claim that returned this row (the same for the whole batch).
+    pub claim_token: i64,
+    pub retry_count: i32,
+    /// Seconds between the row's created_at and the claim, by the database clock.
+    pub age_at_claim: f64,
+}
+
+impl Event {
+    fn from_row(r: &Row) -> Result<Event, tokio_postgres::Error> {
+        Ok(Event {
+            id: r.try_get("id")?,
+            event_id: r.try_get("event_id")?,
+            topic: r.try_get("topic")?,
+            key: r.try_get("event_key")?,
+            event_type: r.try_get("event_type")?,
+            payload: r.try_get("payload")?,
+            headers: r.try_get("headers")?,
+            claim_token: r.try_get("claim_token")?,
+            retry_count: r.try_get("retry_count")?,
+            age_at_claim: r.try_get::<_, Option<f64>>("age_at_claim")?.unwrap_or(0.0),
+        })
+    }
+}
+
+/// `outbox_stats()`, plus `outbox.max_retry` as this session sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stats {
+    pub due_wait: i64,
+    pub delayed_wait: i64,
+    pub sending: i64,
+    pub failed: i64,
+    pub succeeded: i64,
+    /// Seconds; None when nothing is due.
+    pub oldest_due_age: Option<f64>,
+    /// Seconds; None when nothing is claimed.
+    pub oldest_lease_age: Option<f64>,
+    /// None when the setting cannot be read.
+    pub max_retry: Option<i32>,
+}
+
+impl Stats {
+    /// The statement, for a store or any other session (the `stats` admin command).
+    pub fn sql(schema: &str) -> String {
+        format!(
+            "SELECT due_wait, delayed_wait, sending, failed, succeeded, \
+             extract(epoch from oldest_due_age)::float8 AS oldest_due_age, \
+             extract(epoch from oldest_lease_age)::float8 AS oldest_lease_age, \
+             current_setting('outbox.max_retry', true) AS max_retry \
+             FROM {schema}.outbox_stats()"
+        )
+    }
+
+    pub fn from_row(r: &Row) -> Result<Stats, tokio_postgres::Error> {
+        Ok(Stats {
+            due_wait: r.try_get("due_wait")?,
+            delayed_wait: r.try_get("delayed_wait")?,
+            sending: r.try_get("sending")?,
+            failed: r.try_get("failed")?,
+            succeeded: r.try_get("succeeded")?,
+            oldest_due_age: r.try_get("oldest_due_age")?,
+            oldest_lease_age: r.try_get("oldest_lease_age")?,
+            max_retry: parse_setting(r.try_get("max_retry")?),
+        })
+    }
+}
+
+/// The extension's settings that bound what the relay may do.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    /// `outbox.max_retry` ([`EXTENSION_DEFAULT_MAX_RETRY`] when unreadable).
+    pub max_retry: i32,
+    /// `outbox.max_claim`; None when unset (the extension's default applies).
+    pub max_claim: Option<i32>,
+}
+
+fn parse_setting(text: Option<String>) -> Option<i32> {
+    text.and_then(|s| s.parse().ok())
+}
+
+/// The statements, built once with the extension's schema.
+struct Sql {
+    claim: String,
+    ack: String,
+    nack: String,
+    renew: String,
+    reclaim: String,
+    stats: String,
+    settings: String,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Sql {
+        let f = |name: &str| format!("{schema}.outbox_{name}");
+        Sql {
+            claim: format!(
+                "SELECT id, event_id::text AS event_id, topic, event_key, event_type, \
+                 payload::text AS payload, headers::text AS headers, claim_token, retry_count, \
+                 extract(epoch from (clock_timestamp() - created_at))::float8 AS age_at_claim \
+                 FROM {}($1, $2)",
+                f("claim")
+            ),
+            ack: format!("SELECT {}($1, $2, $3) AS settled", f("ack")),
+            nack: format!("SELECT {}($1, $2, $3, $4) AS settled", f("nack")),
+            renew: format!("SELECT {}($1, $2, $3) AS renewed", f("renew")),
+            reclaim: format!("SELECT {}($1::text::interval) AS reclaimed", f("reclaim")),
+            stats: Stats::sql(schema),
+            // Calling outbox_stats() first loads the extension library, which defines the settings.
+            settings: format!(
+                "SELECT current_setting('outbox.max_retry', true) AS max_retry, \
+                 current_setting('outbox.max_claim', true) AS max_claim FROM {}() s",
+                f("stats")
+            ),
+        }
+    }
+}
+
+/// The pool of the relay's sessions and the statements they run.
+pub struct Store {
+    pool: Pool,
+    schema: String,
+    desc: String,
+    sql: Sql,
+}
+
+impl Store {
+    /// Connects, checks the extension and returns the store. Errors are one clear line.
+    pub async fn open(cfg: Config, desc: String, pool_size: usize) -> Result<Store, Fatal> {
+        let mgr = Manager::from_config(
+            cfg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(pool_size)
+            .build()
+            .map_err(|e| Fatal::runtime(format!("cannot build the connection pool: {e}")))?;
+        let client = pool.get().await.map_err(|e| {
+            let why = match &e {
+                deadpool_postgres::PoolError::Backend(b) => one_line(b),
+                other => one_line(other),
+            };
+            Fatal::runtime(format!("cannot connect to the database ({desc}): {why}"))
+        })?;
+        let schema = extension_schema(&client, &desc).await?;
+        drop(client);
+        let sql = Sql::new(&schema);
+        Ok(Store {
+            pool,
+            schema,
+            desc,
+            sql,
+        })
+    }
+
+    /// `host=… port=… dbname=… user=…`, for messages.
+    pub fn desc(&self) -> &str {
+        &self.desc
+    }
+
+    /// `schema.outbox_<name>`, for messages.
+    pub fn func(&self, name: &str) -> String {
+        format!("{}.outbox_{name}", self.schema)
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, DbError> {
+        self.pool.get().await.map_err(DbError::Connect)
+    }
+
+    /// `outbox.max_retry` and `outbox.max_claim`.
+    pub async fn settings(&self) -> Result<Settings, DbError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(&self.sql.settings, &[])
+            .await
+            .map_err(DbError::Query)?;
+        let get = |name| row.try_get::<_, Option<String>>(name).map(parse_setting);
+        let row_err = |source| DbError::Row {
+            call: "outbox_stats",
+            source,
+        };
+        Ok(Settings {
+            max_retry: get("max_retry")
+                .map_err(row_err)?
+                .unwrap_or(EXTENSION_DEFAULT_MAX_RETRY),
+            max_claim: get("max_claim").map_err(row_err)?,
+        })
+    }
+
+    /// `outbox_claim(owner, batch)`: the oldest due events, now held by `owner` under one token.
+    pub async fn claim(&self, owner: &str, batch: i32) -> Result<Vec<Event>, DbError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&self.sql.claim)
+            .await
+            .map_err(DbError::Query)?;
+        let rows = client
+            .query(&stmt, &[&owner, &batch])
+            .await
+            .map_err(DbError::Query)?;
+        rows.iter()
+            .map(Event::from_row)
+            .collect::<Result<_, _>>()
+            .map_err(|source| DbError::Row {
+                call: "outbox_claim",
+                source,
+            })
+    }
+
+    /// `outbox_ack`: SENDING → SUCCESS for the ids still held; returns how many were.
+    pub async fn ack(&self, owner: &str, token: i64, ids: &[i64]) -> Result<u64, DbError> {
+        self.count(
+            &self.sql.ack,
+            "settled",
+            "outbox_ack",
+            &[&owner, &token, &ids],
+        )
+        .await
+    }
+
+    /// `outbox_nack`: one failed attempt (with `error` as last_error) for the ids still held;
+    /// returns how many were.
+    pub async fn nack(
+        &self,
+        owner: &str,
+        token: i64,
+        ids: &[i64],
+        error: &str,
+    ) -> Result<u64, DbError> {
+        self.count(
+            &self.sql.nack,
+            "settled",
+            "outbox_nack",
+            &[&owner, &token, &ids, &error],
+        )
+        .await
+    }
+
+    /// `outbox_renew`: restarts the lease of the ids still held; returns how many were.
+    pub async fn renew(&self, owner: &str, token: i64, ids: &[i64]) -> Result<u64, DbError> {
+        self.count(
+            &self.sql.renew,
+            "renewed",
+            "outbox_renew",
+            &[&owner, &token, &ids],
+        )
+        .await
+    }
+
+    /// `outbox_reclaim(lease)`: expired claims back to WAIT (or FAIL); returns how many.
+    pub async fn reclaim(&self, lease: Duration) -> Result<u64, DbError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                &self.sql.reclaim,
+                &[&format!("{} milliseconds", lease.as_millis())],
+            )
+            .await
+            .map_err(DbError::Query)?;
+        row_count(&row, "reclaimed", "outbox_reclaim")
+    }
+
+    /// `outbox_stats()`.
+    pub async fn stats(&self) -> Result<Stats, DbError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(&self.sql.stats, &[])
+            .await
+            .map_err(DbError::Query)?;
+        Stats::from_row(&row).map_err(|source| DbError::Row {
+            call: "outbox_stats",
+            source,
+        })
+    }
+
+    /// Runs a prepared settle-style call and reads its int result.
+    async fn count(
+        &self,
+        sql: &str,
+        column: &str,
+        call: &'static str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, DbError> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(sql).await.map_err(DbError::Query)?;
+        let row = client
+            .query_one(&stmt, params)
+            .await
+            .map_err(DbError::Query)?;
+        row_count(&row, column, call)
+    }
+}
+
+/// An extension function's int result (a row count, never negative).
+fn row_count(row: &Row, column: &str, call: &'static str) -> Result<u64, DbError> {
+    let n: i32 = row
+        .try_get(column)
+        .map_err(|source| DbError::Row { call, source })?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
