@@ -408,7 +408,7 @@ async fn truncate_restart_identity_never_reissues_an_event_id() {
 }
 
 /// Enqueues `n` events and returns their (id, event_id) in id order.
-pub async fn enqueue_and_read(c: &Client, n: i64) -> Vec<(i64, String)> {
+async fn enqueue_and_read(c: &Client, n: i64) -> Vec<(i64, String)> {
     c.execute(
         "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, $1::bigint)",
         &[&n],
