@@ -370,6 +370,16 @@ async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
     assert_eq!(got, vec![good.id]);
 }
 
+/// Retries every 100 ms to 1 s, `max_retry` times: an outage of a few seconds then costs many
+/// attempts, so a relay that counts broker-wide failures as the event's would dead-letter it.
+fn retry_quickly(db: &TestDb, max_retry: i32) {
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.backoff_max = '1s'; \
+         ALTER DATABASE {0} SET outbox.max_retry = {max_retry}",
+        db.name
+    ));
+}
+
 /// A broker pause longer than the send timeout makes librdkafka bump its idempotent producer's
 /// epoch, which some brokers (tansu, which these tests used before Apache Kafka) then answer with
 /// ProducerFenced forever: the relay must replace its producer instead of nacking every event
@@ -377,11 +387,7 @@ async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.backoff_max = '1s'; \
-         ALTER DATABASE {0} SET outbox.max_retry = 20",
-        db.name
-    ));
+    retry_quickly(&db, 20);
     let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
@@ -458,11 +464,7 @@ async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_restart_keeps_delivered_messages_and_the_relay_resumes() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.backoff_max = '1s'; \
-         ALTER DATABASE {0} SET outbox.max_retry = 50",
-        db.name
-    ));
+    retry_quickly(&db, 50);
     let mut broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
