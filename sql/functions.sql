@@ -215,8 +215,20 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION @extschema@.outbox_nack(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
-RETURNS int
+-- The retry rule, written once (nack and reclaim): after its n-th failed attempt an event is a
+-- dead letter (FAIL) when n exceeds outbox.max_retry, else it waits for its next attempt.
+CREATE FUNCTION @extschema@.outbox_status_after_failure(attempts int, max_retry int)
+RETURNS @extschema@.outbox_status
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN attempts > max_retry THEN 'FAIL' ELSE 'WAIT' END::@extschema@.outbox_status
+$$;
+
+-- One failed attempt for the rows the caller still holds; returns each settled row with its new
+-- state, so the caller knows which ones became dead letters without re-deriving the rule.
+CREATE FUNCTION @extschema@.outbox_nack_returning(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, next_retry_time timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -224,35 +236,44 @@ AS $$
 DECLARE
     cfg record;
     stamp timestamptz := clock_timestamp();
-    done int;
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
     -- Row locks in id order, the one order of every statement that may wait for a row lock
     -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock.
+    RETURN QUERY
     WITH held AS MATERIALIZED (
         SELECT h.id FROM @extschema@.outbox_event h
          WHERE h.id = ANY (ids) AND h.status = 'SENDING'
            AND h.claim_owner = owner AND h.claim_token = claim_token
          ORDER BY h.id
          FOR UPDATE
+    ), settled AS (
+        UPDATE @extschema@.outbox_event e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp + make_interval(secs =>
+                   least(power(e.retry_count + 1, 2) * cfg.backoff_base_ms, cfg.backoff_max_ms)
+                   * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               -- A nack without a reason keeps the last one instead of erasing it.
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time
     )
-    UPDATE @extschema@.outbox_event e
-       SET retry_count = e.retry_count + 1,
-           status = CASE WHEN e.retry_count + 1 > cfg.max_retry
-                         THEN 'FAIL' ELSE 'WAIT' END::@extschema@.outbox_status,
-           next_retry_time = stamp + make_interval(secs =>
-               least(power(e.retry_count + 1, 2) * cfg.backoff_base_ms, cfg.backoff_max_ms)
-               * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
-           claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
-           -- A nack without a reason keeps the last one instead of erasing it.
-           last_error = coalesce(error, e.last_error), updated_at = stamp
-     WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
-       AND e.claim_owner = owner AND e.claim_token = claim_token;
-    GET DIAGNOSTICS done = ROW_COUNT;
-    RETURN done;
+    SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
 END
+$$;
+
+-- outbox_nack_returning, counted: how many of the ids were still held and settled.
+CREATE FUNCTION @extschema@.outbox_nack(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
+RETURNS int
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT count(*)::int FROM @extschema@.outbox_nack_returning(owner, claim_token, ids, error)
 $$;
 
 CREATE FUNCTION @extschema@.outbox_renew(owner text, claim_token bigint, ids bigint[])
@@ -322,8 +343,10 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION @extschema@.outbox_reclaim(lease interval DEFAULT NULL)
-RETURNS int
+-- Expired claims back to WAIT (or FAIL): returns each reclaimed row with its new state and the
+-- owner whose lease expired, so the caller can log and count the dead letters it made.
+CREATE FUNCTION @extschema@.outbox_reclaim_returning(lease interval DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -346,27 +369,40 @@ BEGIN
     -- so a poison event that kills its relay every time still ends as a dead letter.
     -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
     -- (waiting in claimed_at order against acks in id order could deadlock).
+    RETURN QUERY
     WITH expired AS MATERIALIZED (
-        SELECT x.id FROM @extschema@.outbox_event x
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_event x
          WHERE x.status = 'SENDING' AND x.claimed_at < stamp - lease
          ORDER BY x.id
          FOR UPDATE SKIP LOCKED
+    ), reclaimed AS (
+        UPDATE @extschema@.outbox_event e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp,
+               last_error = format('lease expired: claimed by %s at %s, not settled within %s',
+                                   e.claim_owner, e.claimed_at, lease),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease
+        RETURNING e.id, e.topic, e.status, e.retry_count
     )
-    UPDATE @extschema@.outbox_event e
-       SET retry_count = e.retry_count + 1,
-           status = CASE WHEN e.retry_count + 1 > cfg.max_retry
-                         THEN 'FAIL' ELSE 'WAIT' END::@extschema@.outbox_status,
-           next_retry_time = stamp,
-           last_error = format('lease expired: claimed by %s at %s, not settled within %s',
-                               e.claim_owner, e.claimed_at, lease),
-           claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
-     WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease;
+    SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
+      FROM reclaimed r JOIN expired x ON x.id = r.id
+     ORDER BY r.id;
     GET DIAGNOSTICS done = ROW_COUNT;
     IF done > 0 AND cfg.notify THEN
         PERFORM pg_notify('outbox', '');
     END IF;
-    RETURN done;
 END
+$$;
+
+-- outbox_reclaim_returning, counted.
+CREATE FUNCTION @extschema@.outbox_reclaim(lease interval DEFAULT NULL)
+RETURNS int
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT count(*)::int FROM @extschema@.outbox_reclaim_returning(lease)
 $$;
 
 CREATE FUNCTION @extschema@.outbox_requeue(ids bigint[])

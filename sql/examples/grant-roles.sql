@@ -18,9 +18,11 @@ GRANT EXECUTE ON FUNCTION
     public.outbox_claim(text, int),
     public.outbox_ack(text, bigint, bigint[]),
     public.outbox_nack(text, bigint, bigint[], text),
+    public.outbox_nack_returning(text, bigint, bigint[], text),
     public.outbox_renew(text, bigint, bigint[]),
     public.outbox_release(text, bigint, bigint[], interval, text),
     public.outbox_reclaim(interval),
+    public.outbox_reclaim_returning(interval),
     public.outbox_stats()
 TO :"relay";
 
