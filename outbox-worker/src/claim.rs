@@ -1,31 +1,33 @@
 //! The claim loops: each round claims a batch, publishes it and settles every row (ack the
-//! delivered, nack the failed), then claims again at once after a full batch or waits for the
-//! poll interval or a wake-up.
+//! delivered, nack the events that failed by their own fault, release without counting an attempt
+//! those the broker failed), then claims again at once after a full batch or waits for the poll
+//! interval or a wake-up. A round that delivered nothing because the broker failed opens the
+//! circuit breaker (`breaker.rs`): no claims until the broker answers again.
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::DbError;
+use crate::breaker::Breaker;
+use crate::defaults;
+use crate::error::{DbError, FailureClass};
 use crate::metrics::Metrics;
 use crate::publisher::{Outcome, Publisher};
-use crate::store::Store;
+use crate::store::{Event, Store};
 
 /// Everything the claim loops share.
 pub struct Relay {
     pub store: Store,
     pub publisher: Arc<Publisher>,
+    pub breaker: Arc<Breaker>,
     pub metrics: Arc<Metrics>,
     pub owner: String,
     pub batch_size: i32,
     pub poll_interval: Duration,
-    /// `outbox.max_retry` as this relay's sessions see it (refreshed by the stats poller).
-    pub max_retry: AtomicI32,
 }
 
 /// Rounds until cancelled (the round in flight is finished first). Ends with the error when a
@@ -38,6 +40,11 @@ pub async fn claim_loop(
 ) -> Result<(), DbError> {
     let mut failures: u32 = 0;
     loop {
+        if cancel.is_cancelled() {
+            break;
+        }
+        // While the broker is unreachable, claiming would only hold rows.
+        relay.breaker.wait_closed(&cancel).await;
         if cancel.is_cancelled() {
             break;
         }
@@ -104,87 +111,44 @@ impl Relay {
 
         let mut permanent: Option<DbError> = None;
         let mut delivered = Vec::new();
-        // One nack per distinct error text (it becomes the rows' last_error).
-        let mut failed: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        // One settle call per class and distinct error text (it becomes the rows' last_error).
+        let mut failed: BTreeMap<(FailureClass, String), Vec<usize>> = BTreeMap::new();
         for (i, o) in outcomes.iter().enumerate() {
             match o {
                 Outcome::Delivered { latency } => {
                     self.metrics.publish_latency.observe(latency.as_secs_f64());
                     delivered.push(i);
                 }
-                Outcome::Failed(error) => failed.entry(error.to_string()).or_default().push(i),
+                Outcome::Failed(error) => failed
+                    .entry((error.class(), error.to_string()))
+                    .or_default()
+                    .push(i),
             }
         }
         if !delivered.is_empty() {
-            let ids: Vec<i64> = delivered.iter().map(|&i| events[i].id).collect();
-            match self
-                .settle(|| self.store.ack(&self.owner, token, &ids))
-                .await
-            {
-                Ok(n) => {
-                    self.metrics.published.inc_by(ids.len() as u64);
-                    let now = claimed_at.elapsed().as_secs_f64();
-                    for &i in &delivered {
-                        self.metrics
-                            .commit_to_ack_lag
-                            .observe(events[i].age_at_claim + now);
-                    }
-                    if n < ids.len() as u64 {
-                        tracing::warn!(
-                            acked = n,
-                            delivered = ids.len(),
-                            "some delivered events were no longer held by this relay (lease expired and reclaimed): they will be published again"
-                        );
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(
-                        count = ids.len(),
-                        "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
-                    );
-                    keep_permanent(&mut permanent, e);
-                }
+            if let Err(e) = self.ack(&events, &delivered, token, claimed_at).await {
+                keep_permanent(&mut permanent, e);
             }
         }
-        let max_retry = self.max_retry.load(Ordering::Relaxed);
-        for (error, idx) in failed {
-            let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
-            self.metrics.failed.inc_by(ids.len() as u64);
-            tracing::warn!(
-                count = ids.len(),
-                first_id = ids[0],
-                "publish failed: {error}"
-            );
-            match self
-                .settle(|| self.store.nack(&self.owner, token, &ids, &error))
-                .await
-            {
-                Ok(_) => {
-                    for &i in &idx {
-                        let ev = &events[i];
-                        if ev.retry_count + 1 > max_retry {
-                            self.metrics.dead_lettered.inc();
-                            tracing::error!(
-                                outbox_id = ev.id,
-                                event_id = %ev.event_id,
-                                topic = %ev.topic,
-                                attempts = ev.retry_count + 1,
-                                "dead letter: event {} for topic {} failed {} times: {error}",
-                                ev.id,
-                                ev.topic,
-                                ev.retry_count + 1
-                            );
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(
-                        count = ids.len(),
-                        "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
-                    );
-                    keep_permanent(&mut permanent, e);
-                }
+        let broker_down = delivered.is_empty()
+            && failed.keys().any(|(class, _)| *class == FailureClass::Transient);
+        for ((class, error), idx) in failed {
+            for &i in &idx {
+                self.metrics
+                    .failed
+                    .with_label_values(&[&events[i].topic, class.label()])
+                    .inc();
             }
+            let settled = match class {
+                FailureClass::Permanent => self.nack(&events, &idx, token, &error).await,
+                FailureClass::Transient => self.release(&events, &idx, token, &error).await,
+            };
+            if let Err(e) = settled {
+                keep_permanent(&mut permanent, e);
+            }
+        }
+        if broker_down && self.breaker.trip() {
+            tracing::debug!("no delivery and broker-wide failures: circuit breaker opened");
         }
         tracing::debug!(
             events = events.len(),
@@ -199,12 +163,121 @@ impl Relay {
         }
     }
 
-    /// One `outbox_ack` / `outbox_nack` call, retried a few times on transient database errors
+    /// Acks the delivered events.
+    async fn ack(
+        &self,
+        events: &[Event],
+        idx: &[usize],
+        token: i64,
+        claimed_at: Instant,
+    ) -> Result<(), DbError> {
+        let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
+        let n = self
+            .settle(|| self.store.ack(&self.owner, token, &ids))
+            .await
+            .inspect_err(|e| {
+                tracing::error!(
+                    count = ids.len(),
+                    "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
+                )
+            })?;
+        let now = claimed_at.elapsed().as_secs_f64();
+        for &i in idx {
+            let ev = &events[i];
+            self.metrics
+                .published
+                .with_label_values(&[&ev.topic])
+                .inc();
+            self.metrics
+                .commit_to_ack_lag
+                .observe(ev.age_at_claim + now);
+        }
+        if n < ids.len() as u64 {
+            tracing::warn!(
+                acked = n,
+                delivered = ids.len(),
+                "some delivered events were no longer held by this relay (lease expired and reclaimed): they will be published again"
+            );
+        }
+        Ok(())
+    }
+
+    /// The event's own fault: one attempt counted, a dead letter after `outbox.max_retry` (the
+    /// extension says which rows became one).
+    async fn nack(
+        &self,
+        events: &[Event],
+        idx: &[usize],
+        token: i64,
+        error: &str,
+    ) -> Result<(), DbError> {
+        let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
+        tracing::warn!(count = ids.len(), first_id = ids[0], "publish failed: {error}");
+        let nacked = self
+            .settle(|| self.store.nack(&self.owner, token, &ids, error))
+            .await
+            .inspect_err(|e| {
+                tracing::error!(
+                    count = ids.len(),
+                    "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
+                )
+            })?;
+        let by_id: BTreeMap<i64, &Event> = idx.iter().map(|&i| (events[i].id, &events[i])).collect();
+        for row in nacked.iter().filter(|r| r.dead_letter) {
+            let Some(ev) = by_id.get(&row.id) else { continue };
+            self.metrics
+                .dead_lettered
+                .with_label_values(&[&ev.topic])
+                .inc();
+            tracing::error!(
+                outbox_id = ev.id,
+                event_id = %ev.event_id,
+                topic = %ev.topic,
+                attempts = row.retry_count,
+                "dead letter: event {} for topic {} failed {} times: {error}",
+                ev.id,
+                ev.topic,
+                row.retry_count
+            );
+        }
+        Ok(())
+    }
+
+    /// The broker's or the network's fault: back to WAIT after a short delay, no attempt counted,
+    /// however long the outage lasts.
+    async fn release(
+        &self,
+        events: &[Event],
+        idx: &[usize],
+        token: i64,
+        error: &str,
+    ) -> Result<(), DbError> {
+        let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
+        tracing::warn!(
+            count = ids.len(),
+            first_id = ids[0],
+            "publish failed, released without counting an attempt: {error}"
+        );
+        self.settle(|| {
+            self.store
+                .release(&self.owner, token, &ids, defaults::RELEASE_DELAY, error)
+        })
+        .await
+        .inspect_err(|e| {
+            tracing::error!(
+                count = ids.len(),
+                "could not release failed events ({e}): they stay SENDING until reclaimed after the lease"
+            )
+        })?;
+        Ok(())
+    }
+
+    /// One `outbox_ack` / `outbox_nack` / `outbox_release` call, retried a few times on transient database errors
     /// (it is idempotent: rows no longer held are not counted).
-    async fn settle<F, Fut>(&self, call: F) -> Result<u64, DbError>
+    async fn settle<T, F, Fut>(&self, call: F) -> Result<T, DbError>
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = Result<u64, DbError>>,
+        Fut: Future<Output = Result<T, DbError>>,
     {
         let mut attempt = 0u32;
         loop {

@@ -29,6 +29,17 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(3);
 /// its lease could expire.
 pub const LEASE_TO_SEND_TIMEOUT_RATIO: u32 = 4;
 
+/// The circuit breaker's first wait before probing an unreachable broker (doubles per failed
+/// probe, ±20 % jitter).
+pub const BREAKER_BACKOFF_MIN: Duration = Duration::from_secs(1);
+
+/// The circuit breaker's longest wait between probes: the longest an outage is noticed late.
+pub const BREAKER_BACKOFF_MAX: Duration = Duration::from_secs(15);
+
+/// How long events whose publish failed for a broker-wide reason wait before the next claim may
+/// take them (`outbox_release` delay): no attempt is counted, the delay only stops a hot loop.
+pub const RELEASE_DELAY: Duration = Duration::from_secs(1);
+
 /// `--reclaim-interval`: how often expired leases are reclaimed.
 pub const RECLAIM_INTERVAL: Duration = Duration::from_secs(60);
 

@@ -76,6 +76,32 @@ impl PublishError {
         self.source.rdkafka_error_code()
     }
 
+    /// Whether the failure belongs to this event (it would fail the same way on any broker
+    /// state: counted as an attempt, and dead-lettered in the end) or to the broker or the
+    /// network (timeouts, transport, no leader, not enough replicas, authentication: released
+    /// without counting an attempt, however long the outage lasts).
+    pub fn class(&self) -> FailureClass {
+        match self.code() {
+            Some(
+                RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::MessageBatchTooLarge
+                | RDKafkaErrorCode::InvalidMessage
+                | RDKafkaErrorCode::InvalidRecord
+                | RDKafkaErrorCode::BadMessage
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::UnknownTopic
+                | RDKafkaErrorCode::UnknownPartition
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::PolicyViolation
+                | RDKafkaErrorCode::UnsupportedForMessageFormat
+                | RDKafkaErrorCode::InvalidArgument,
+            ) => FailureClass::Permanent,
+            _ => FailureClass::Transient,
+        }
+    }
+
     /// No delivery report within the send timeout.
     pub fn timed_out(&self) -> bool {
         self.code() == Some(RDKafkaErrorCode::MessageTimedOut)
@@ -95,6 +121,26 @@ impl PublishError {
                     | RDKafkaErrorCode::Fatal
             )
         )
+    }
+}
+
+/// What a failed publish says about the event, which decides how it is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FailureClass {
+    /// The event itself is at fault (too large, unknown topic, not authorized, invalid record):
+    /// `outbox_nack`, one attempt counted, a dead letter after `outbox.max_retry`.
+    Permanent,
+    /// The broker or the network is: `outbox_release`, no attempt counted.
+    Transient,
+}
+
+impl FailureClass {
+    /// The `class` label of the failure metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            FailureClass::Permanent => "permanent",
+            FailureClass::Transient => "transient",
+        }
     }
 }
 
@@ -131,6 +177,31 @@ mod tests {
         assert!(e.to_string().contains("topic orders"));
         assert!(e.timed_out());
         assert!(publish_error(RDKafkaErrorCode::ProducerFenced).producer_unusable());
+    }
+
+    #[test]
+    fn only_the_events_own_faults_count_as_attempts() {
+        for code in [
+            RDKafkaErrorCode::MessageSizeTooLarge,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::UnknownTopic,
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+            RDKafkaErrorCode::InvalidRecord,
+        ] {
+            assert_eq!(publish_error(code).class(), FailureClass::Permanent, "{code:?}");
+        }
+        for code in [
+            RDKafkaErrorCode::MessageTimedOut,
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::AllBrokersDown,
+            RDKafkaErrorCode::NotEnoughReplicas,
+            RDKafkaErrorCode::NotLeaderForPartition,
+            RDKafkaErrorCode::Authentication,
+            RDKafkaErrorCode::SaslAuthenticationFailed,
+            RDKafkaErrorCode::ProducerFenced,
+        ] {
+            assert_eq!(publish_error(code).class(), FailureClass::Transient, "{code:?}");
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! them.
 
 pub mod admin;
+pub mod breaker;
 pub mod claim;
 pub mod cli;
 pub mod db;

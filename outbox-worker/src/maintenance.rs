@@ -3,7 +3,6 @@
 //! are logged and retried at the next interval; a configuration error ends the task (and the
 //! relay).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,16 +23,34 @@ pub async fn reclaim_loop(
         let res = relay.store.reclaim(lease).await;
         relay.metrics.db_result(&res);
         match res {
-            Ok(n) => {
-                if n > 0 {
-                    relay.metrics.reclaimed.inc_by(n);
-                    tracing::info!(
-                        reclaimed = n,
-                        "reclaimed events whose lease ({}) expired",
-                        humantime::format_duration(lease)
+            Ok(rows) if rows.is_empty() => {}
+            Ok(rows) => {
+                relay.metrics.reclaimed.inc_by(rows.len() as u64);
+                tracing::info!(
+                    reclaimed = rows.len(),
+                    "reclaimed events whose lease ({}) expired",
+                    humantime::format_duration(lease)
+                );
+                // A reclaim counts as a failed attempt: a poison event that kills its relay
+                // every time ends here, and is as loud as one the relay nacked.
+                for r in rows.iter().filter(|r| r.dead_letter) {
+                    relay
+                        .metrics
+                        .dead_lettered
+                        .with_label_values(&[&r.topic])
+                        .inc();
+                    tracing::error!(
+                        outbox_id = r.id,
+                        topic = %r.topic,
+                        attempts = r.retry_count,
+                        "dead letter: event {} for topic {} failed {} times: lease expired (held by {})",
+                        r.id,
+                        r.topic,
+                        r.retry_count,
+                        r.expired_owner.as_deref().unwrap_or("?")
                     );
-                    wake.send_modify(|g| *g = g.wrapping_add(1));
                 }
+                wake.send_modify(|g| *g = g.wrapping_add(1));
             }
             Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => tracing::warn!("reclaim failed: {e}"),
@@ -63,9 +80,6 @@ pub async fn stats_loop(
                 m.oldest_due_age.set(stats.oldest_due_age.unwrap_or(0.0));
                 m.oldest_lease_age
                     .set(stats.oldest_lease_age.unwrap_or(0.0));
-                if let Some(r) = stats.max_retry {
-                    relay.max_retry.store(r, Ordering::Relaxed);
-                }
             }
             Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => tracing::warn!("reading outbox_stats() failed: {e}"),

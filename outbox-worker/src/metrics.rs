@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{
-    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry,
-    TextEncoder,
+    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec,
+    IntGauge, Opts, Registry, TextEncoder,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -17,9 +17,13 @@ use crate::Fatal;
 
 pub struct Metrics {
     pub registry: Registry,
-    pub published: IntCounter,
-    pub failed: IntCounter,
-    pub dead_lettered: IntCounter,
+    /// By `topic`.
+    pub published: IntCounterVec,
+    /// By `topic` and `class` (permanent: counted as an attempt; transient: released).
+    pub failed: IntCounterVec,
+    /// By `topic`.
+    pub dead_lettered: IntCounterVec,
+    pub broker_circuit_open: IntGauge,
     pub reclaimed: IntCounter,
     pub database_errors: IntCounter,
     pub producer_restarts: IntCounter,
@@ -39,6 +43,12 @@ pub struct Metrics {
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
     c
 }
@@ -66,20 +76,29 @@ impl Metrics {
     pub fn new() -> Arc<Metrics> {
         let r = Registry::new();
         Arc::new(Metrics {
-            published: counter(
+            published: counter_vec(
                 &r,
                 "outbox_published_total",
                 "Events the broker acknowledged (and that were then acked in the outbox)",
+                &["topic"],
             ),
-            failed: counter(
+            failed: counter_vec(
                 &r,
                 "outbox_failed_total",
-                "Publish attempts that failed (nacked: retried later or dead-lettered)",
+                "Failed publishes; class=permanent: the event's fault, nacked (an attempt counted); \
+                 class=transient: the broker's, released (no attempt counted)",
+                &["topic", "class"],
             ),
-            dead_lettered: counter(
+            dead_lettered: counter_vec(
                 &r,
                 "outbox_dead_lettered_total",
-                "Events that this relay's nack moved to FAIL (retries exhausted)",
+                "Events that this relay's nack or reclaim moved to FAIL (retries exhausted)",
+                &["topic"],
+            ),
+            broker_circuit_open: int_gauge(
+                &r,
+                "outbox_broker_circuit_open",
+                "1 while the broker is unreachable and the relay does not claim (circuit breaker open)",
             ),
             reclaimed: counter(
                 &r,

@@ -109,6 +109,14 @@ impl Publisher {
             .set(
                 "message.timeout.ms",
                 send_timeout.as_millis().max(1).to_string(),
+            )
+            // A topic missing from the cluster fails its messages with UnknownTopic (the event's
+            // fault: counted, dead-lettered in the end) only after this wait; librdkafka's 30 s
+            // default would let the send timeout hit first, and a timeout is the broker's fault
+            // (released, never dead-lettered), so a typo in a topic would retry forever.
+            .set(
+                "topic.metadata.propagation.max.ms",
+                (send_timeout / 2).as_millis().max(1).to_string(),
             );
         for (k, v) in properties {
             cfg.set(k, v);
@@ -237,6 +245,22 @@ impl Publisher {
             }
             Err(_) => {}
         }
+    }
+
+    /// Whether a broker answers a metadata request within the send timeout; the number of
+    /// brokers in the cluster when one does. The circuit breaker's probe.
+    pub async fn reachable(&self) -> Result<usize, String> {
+        let producer = self.current();
+        let timeout = self.send_timeout;
+        tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(None, timeout)
+                .map(|md| md.brokers().len())
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| format!("probe task: {e}"))?
     }
 
     /// Waits for whatever is still queued in librdkafka.

@@ -1,13 +1,13 @@
 //! `outbox-worker run`: start-up checks, the claim loops, the reclaimer, the stats poller and the
 //! wake-up listener as tasks, and shutdown.
 
-use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::breaker::{probe_loop, Breaker};
 use crate::claim::{claim_loop, Relay};
 use crate::cli::RunArgs;
 use crate::db;
@@ -90,14 +90,15 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
 
     let publisher = Arc::new(publisher);
     tokio::spawn(publisher.clone().probe());
+    let breaker = Arc::new(Breaker::new());
     let relay = Arc::new(Relay {
         store,
-        publisher,
+        publisher: publisher.clone(),
+        breaker: breaker.clone(),
         metrics: metrics.clone(),
         owner,
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
-        max_retry: AtomicI32::new(max_retry),
     });
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
@@ -116,6 +117,10 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
             wake_tx.clone(),
             cancel.clone(),
         ),
+    );
+    tasks.spawn(
+        "broker prober",
+        probe_loop(breaker, publisher, metrics.clone(), cancel.clone()),
     );
     tasks.spawn(
         "stats poller",

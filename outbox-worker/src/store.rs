@@ -1,5 +1,5 @@
 //! The relay's typed database boundary: one method per extension function it calls (claim, ack,
-//! nack, renew, reclaim, stats), each owning its SQL and mapping its rows by column name. Every
+//! nack, release, renew, reclaim, stats), each owning its SQL and mapping its rows by column name. Every
 //! statement is schema-qualified with the extension's schema, so the relay works whatever its
 //! role's search_path is. Failures are [`DbError`]s that keep the SQLSTATE; retrying is the
 //! caller's decision.
@@ -50,6 +50,50 @@ impl Event {
             claim_token: r.try_get("claim_token")?,
             retry_count: r.try_get("retry_count")?,
             age_at_claim: r.try_get::<_, Option<f64>>("age_at_claim")?.unwrap_or(0.0),
+        })
+    }
+}
+
+/// A row `outbox_nack_returning` settled, in its new state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nacked {
+    pub id: i64,
+    /// FAIL: retries exhausted, a dead letter.
+    pub dead_letter: bool,
+    /// Failed attempts so far.
+    pub retry_count: i32,
+}
+
+impl Nacked {
+    fn from_row(r: &Row) -> Result<Nacked, tokio_postgres::Error> {
+        Ok(Nacked {
+            id: r.try_get("id")?,
+            dead_letter: r.try_get::<_, String>("status")? == "FAIL",
+            retry_count: r.try_get("retry_count")?,
+        })
+    }
+}
+
+/// A row `outbox_reclaim_returning` took back from an expired lease, in its new state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reclaimed {
+    pub id: i64,
+    pub topic: String,
+    /// FAIL: retries exhausted, a dead letter.
+    pub dead_letter: bool,
+    pub retry_count: i32,
+    /// The relay whose lease expired.
+    pub expired_owner: Option<String>,
+}
+
+impl Reclaimed {
+    fn from_row(r: &Row) -> Result<Reclaimed, tokio_postgres::Error> {
+        Ok(Reclaimed {
+            id: r.try_get("id")?,
+            topic: r.try_get("topic")?,
+            dead_letter: r.try_get::<_, String>("status")? == "FAIL",
+            retry_count: r.try_get("retry_count")?,
+            expired_owner: r.try_get("expired_owner")?,
         })
     }
 }
@@ -114,6 +158,7 @@ struct Sql {
     claim: String,
     ack: String,
     nack: String,
+    release: String,
     renew: String,
     reclaim: String,
     stats: String,
@@ -132,9 +177,20 @@ impl Sql {
                 f("claim")
             ),
             ack: format!("SELECT {}($1, $2, $3) AS settled", f("ack")),
-            nack: format!("SELECT {}($1, $2, $3, $4) AS settled", f("nack")),
+            nack: format!(
+                "SELECT id, status::text AS status, retry_count FROM {}($1, $2, $3, $4)",
+                f("nack_returning")
+            ),
+            release: format!(
+                "SELECT {}($1, $2, $3, $4::text::interval, $5) AS released",
+                f("release")
+            ),
             renew: format!("SELECT {}($1, $2, $3) AS renewed", f("renew")),
-            reclaim: format!("SELECT {}($1::text::interval) AS reclaimed", f("reclaim")),
+            reclaim: format!(
+                "SELECT id, topic, status::text AS status, retry_count, expired_owner \
+                 FROM {}($1::text::interval)",
+                f("reclaim_returning")
+            ),
             stats: Stats::sql(schema),
             // Calling outbox_stats() first loads the extension library, which defines the settings.
             settings: format!(
@@ -252,20 +308,49 @@ impl Store {
         .await
     }
 
-    /// `outbox_nack`: one failed attempt (with `error` as last_error) for the ids still held;
-    /// returns how many were.
+    /// `outbox_nack_returning`: one failed attempt (with `error` as last_error) for the ids still
+    /// held; returns each settled row with its new state.
     pub async fn nack(
         &self,
         owner: &str,
         token: i64,
         ids: &[i64],
         error: &str,
+    ) -> Result<Vec<Nacked>, DbError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&self.sql.nack)
+            .await
+            .map_err(DbError::Query)?;
+        let rows = client
+            .query(&stmt, &[&owner, &token, &ids, &error])
+            .await
+            .map_err(DbError::Query)?;
+        rows.iter()
+            .map(Nacked::from_row)
+            .collect::<Result<_, _>>()
+            .map_err(|source| DbError::Row {
+                call: "outbox_nack_returning",
+                source,
+            })
+    }
+
+    /// `outbox_release`: the ids still held go back to WAIT, due after `delay`, with `error` as
+    /// last_error and **no attempt counted** (the broker failed, not the event); returns how many.
+    pub async fn release(
+        &self,
+        owner: &str,
+        token: i64,
+        ids: &[i64],
+        delay: Duration,
+        error: &str,
     ) -> Result<u64, DbError> {
+        let delay = format!("{} milliseconds", delay.as_millis());
         self.count(
-            &self.sql.nack,
-            "settled",
-            "outbox_nack",
-            &[&owner, &token, &ids, &error],
+            &self.sql.release,
+            "released",
+            "outbox_release",
+            &[&owner, &token, &ids, &delay, &error],
         )
         .await
     }
@@ -281,18 +366,24 @@ impl Store {
         .await
     }
 
-    /// `outbox_reclaim(lease)`: expired claims back to WAIT (or FAIL); returns how many.
-    pub async fn reclaim(&self, lease: Duration) -> Result<u64, DbError> {
-        let row = self
+    /// `outbox_reclaim_returning(lease)`: expired claims back to WAIT (or FAIL); returns each.
+    pub async fn reclaim(&self, lease: Duration) -> Result<Vec<Reclaimed>, DbError> {
+        let rows = self
             .client()
             .await?
-            .query_one(
+            .query(
                 &self.sql.reclaim,
                 &[&format!("{} milliseconds", lease.as_millis())],
             )
             .await
             .map_err(DbError::Query)?;
-        row_count(&row, "reclaimed", "outbox_reclaim")
+        rows.iter()
+            .map(Reclaimed::from_row)
+            .collect::<Result<_, _>>()
+            .map_err(|source| DbError::Row {
+                call: "outbox_reclaim_returning",
+                source,
+            })
     }
 
     /// `outbox_stats()`.

@@ -122,6 +122,18 @@ impl Broker {
             .unwrap_or_else(|e| panic!("restarting Kafka on {}: {e}", self.addr()));
     }
 
+    /// Stops the broker cleanly (SIGTERM), keeping its data: clients get connection refused
+    /// until [`Broker::start_again`].
+    pub fn stop(&mut self) {
+        self.kafka.stop();
+    }
+
+    /// Starts a stopped broker again on the same ports with the same data; returns once it
+    /// answers.
+    pub fn start_again(&mut self) {
+        self.restart();
+    }
+
     /// Freezes the broker's JVM (SIGSTOP: connections stay open, nothing is answered).
     pub fn freeze(&self) {
         self.kafka.signal(libc::SIGSTOP);

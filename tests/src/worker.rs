@@ -161,14 +161,28 @@ impl Worker {
         Some((head.lines().next()?.to_string(), body.to_string()))
     }
 
-    /// The value of an unlabelled metric sample (e.g. `outbox_published_total`, or
-    /// `outbox_claim_batch_size_count`), None when the endpoint or the sample is missing.
+    /// A metric's value (e.g. `outbox_claim_batch_size_count`), summed over its labelled series
+    /// (`outbox_failed_total` counts every topic and class); None when the endpoint or the
+    /// metric is missing (a labelled counter appears with its first series).
     pub fn metric(&self, name: &str) -> Option<f64> {
+        self.metric_where(name, "")
+    }
+
+    /// The sum of the series of `name` whose labels contain `labels` (e.g. `class="transient"`).
+    pub fn metric_where(&self, name: &str, labels: &str) -> Option<f64> {
         let (_, body) = self.http_get("/metrics")?;
-        body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
-            let (n, v) = l.split_once(' ')?;
-            (n == name).then(|| v.trim().parse().ok()).flatten()
-        })
+        let values: Vec<f64> = body
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (series, v) = l.rsplit_once(' ')?;
+                let (n, labelset) = series.split_once('{').unwrap_or((series, ""));
+                (n == name && labelset.contains(labels))
+                    .then(|| v.trim().parse().ok())
+                    .flatten()
+            })
+            .collect();
+        (!values.is_empty()).then(|| values.iter().sum())
     }
 
     /// Waits until `metric(name)` satisfies `pred`; returns the last value seen.

@@ -117,7 +117,7 @@ async fn committed_events_arrive_exactly_with_key_value_and_headers() {
         v >= n as f64
     });
     assert_eq!(published, Some(n as f64));
-    assert_eq!(worker.metric("outbox_failed_total"), Some(0.0));
+    assert_eq!(worker.metric("outbox_failed_total").unwrap_or(0.0), 0.0);
     assert!(
         worker
             .metric("outbox_claim_batch_size_count")

@@ -1,0 +1,268 @@
+//! Broker failures against the relay's defaults: a long broker outage is the broker's fault (no
+//! attempt counted, no dead letter, claims stopped by the circuit breaker until the broker is
+//! back), a missing topic is the event's (counted, dead-lettered, listed, requeued by an operator).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outbox_tests::broker::Broker;
+use outbox_tests::db::TestDb;
+use outbox_tests::events::{enqueue, ids_in, status_counts, wait_counts};
+use outbox_tests::worker::{run_cmd, Worker};
+use serde_json::json;
+
+/// How long the broker is down: issue 11's figure, past every backoff of the default retry rule
+/// (5 s, 20 s, 45 s: an 80 s outage used to dead-letter every due event).
+const OUTAGE: Duration = Duration::from_secs(120);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
+    let db = TestDb::create();
+    let mut broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    // The relay's and the extension's defaults: send timeout, lease, retries, backoff, poll.
+    let mut relay = Worker::spawn(&db.url(), &broker.addr(), &[]);
+
+    // One event every 250 ms, before, during and after the outage.
+    let stop_producing = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let url = db.url();
+        let stop = stop_producing.clone();
+        tokio::spawn(async move {
+            let c = outbox_tests::db::connect(&url).await;
+            let mut ids = BTreeSet::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let e = enqueue(
+                    &c,
+                    "orders",
+                    &format!("order-{}", i % 13),
+                    "OrderCreated",
+                    &json!({"i": i}),
+                    &BTreeMap::new(),
+                )
+                .await;
+                ids.insert(e.id);
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            ids
+        })
+    };
+    let c = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] >= 10).await;
+    assert!(c["SUCCESS"] >= 10, "{c:?}\n{}", relay.logs());
+
+    tokio::task::block_in_place(|| broker.stop());
+    let down = Instant::now();
+    // The breaker opens: the relay stops claiming instead of burning attempts.
+    let open = relay.wait_metric("outbox_broker_circuit_open", Duration::from_secs(60), |v| {
+        v == 1.0
+    });
+    assert_eq!(open, Some(1.0), "breaker never opened\n{}", relay.logs());
+    while down.elapsed() < OUTAGE {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            relay.wait_exit(Duration::ZERO).is_none(),
+            "the relay exited during the outage\n{}",
+            relay.logs()
+        );
+        let attempts: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE retry_count > 0 OR status::text = 'FAIL'",
+                &[],
+            )
+            .await
+            .expect("query")
+            .get(0);
+        assert_eq!(
+            attempts,
+            0,
+            "an outage counted attempts after {:?}: {:?}\n{}",
+            down.elapsed(),
+            status_counts(&client).await,
+            relay.logs()
+        );
+    }
+    let backlog = status_counts(&client).await;
+    assert!(
+        backlog["WAIT"] + backlog["SENDING"] >= 100,
+        "events kept being committed during the outage: {backlog:?}"
+    );
+
+    tokio::task::block_in_place(|| broker.start_again());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop_producing.store(true, Ordering::Relaxed);
+    let committed = producer.await.expect("producer task");
+    let n = committed.len() as i64;
+    let c = wait_counts(&client, Duration::from_secs(120), |c| c["SUCCESS"] == n).await;
+    assert_eq!(
+        (c["SUCCESS"], c["FAIL"], c["WAIT"], c["SENDING"]),
+        (n, 0, 0, 0),
+        "after the outage\n{}",
+        relay.logs()
+    );
+    let max_attempts: i32 = client
+        .query_one("SELECT max(retry_count) FROM outbox_event", &[])
+        .await
+        .expect("query")
+        .get(0);
+    assert_eq!(max_attempts, 0, "the outage counted as the events' failures");
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(10))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(got, committed, "every committed event arrives");
+    assert!(
+        relay.wait_exit(Duration::ZERO).is_none(),
+        "the relay never exits"
+    );
+    assert_eq!(relay.metric("outbox_broker_circuit_open"), Some(0.0));
+    assert!(
+        relay
+            .metric_where("outbox_failed_total", "class=\"transient\"")
+            .unwrap_or(0.0)
+            >= 1.0,
+        "the failed publishes are counted as transient"
+    );
+    assert_eq!(
+        relay
+            .metric_where("outbox_failed_total", "class=\"permanent\"")
+            .unwrap_or(0.0),
+        0.0
+    );
+    for needle in ["broker unreachable: claims stopped", "claiming resumed"] {
+        assert!(relay.logs().contains(needle), "no log line {needle:?}");
+    }
+}
+
+/// A topic that does not exist is the event's fault: counted, dead-lettered after
+/// `outbox.max_retry`, loud (error log naming the event and the topic, metrics by topic),
+/// listed by `dead-letters`, and delivered after the operator creates the topic and requeues.
+/// Events of a topic that exists are not held back by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.max_retry = 2",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic("payments");
+    let client = db.connect().await;
+    let relay = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &["--poll-interval", "100ms", "--send-timeout", "1s"],
+    );
+    let mut orders = BTreeSet::new();
+    let mut payments = BTreeSet::new();
+    for i in 0..5 {
+        for (topic, ids) in [("orders", &mut orders), ("payments", &mut payments)] {
+            let e = enqueue(
+                &client,
+                topic,
+                &format!("K{i}"),
+                "Created",
+                &json!({"i": i}),
+                &BTreeMap::new(),
+            )
+            .await;
+            ids.insert(e.id);
+        }
+    }
+
+    // max_retry 2 = 3 attempts, then FAIL; the other topic's events are delivered meanwhile.
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| {
+        c["FAIL"] == 5 && c["SUCCESS"] == 5
+    })
+    .await;
+    assert_eq!(
+        (counts["FAIL"], counts["SUCCESS"]),
+        (5, 5),
+        "{counts:?}\n{}",
+        relay.logs()
+    );
+    let failed: BTreeSet<i64> = ids_in(&client, "FAIL").await.into_iter().collect();
+    assert_eq!(failed, orders, "exactly the missing topic's events are dead letters");
+    for r in client
+        .query(
+            "SELECT retry_count, last_error FROM outbox_event WHERE status::text = 'FAIL'",
+            &[],
+        )
+        .await
+        .expect("query")
+    {
+        assert_eq!(r.get::<_, i32>(0), 3, "max_retry 2 = 3 attempts");
+        let err: String = r.get(1);
+        assert!(
+            err.contains("topic orders does not exist"),
+            "the error names the cause: {err}"
+        );
+    }
+
+    let dead = relay.wait_metric("outbox_dead_lettered_total", Duration::from_secs(5), |v| {
+        v >= 5.0
+    });
+    assert_eq!(dead, Some(5.0));
+    assert_eq!(
+        relay.metric_where("outbox_dead_lettered_total", "topic=\"orders\""),
+        Some(5.0)
+    );
+    assert_eq!(
+        relay.metric_where("outbox_failed_total", "class=\"permanent\""),
+        Some(15.0),
+        "3 counted attempts of 5 events"
+    );
+    let gauge = relay.wait_metric("outbox_dead_letter_events", Duration::from_secs(10), |v| {
+        v >= 5.0
+    });
+    assert_eq!(gauge, Some(5.0));
+    for id in &orders {
+        assert!(
+            relay
+                .wait_log(
+                    &["ERROR", "dead letter", &format!("event {id} for topic orders")],
+                    Duration::from_secs(5),
+                )
+                .is_some(),
+            "no dead-letter error log for event {id}: {}",
+            relay.logs()
+        );
+    }
+
+    let out = run_cmd(&["dead-letters", "--json", "--database-url", &db.url()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed: BTreeSet<i64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json line")["id"]
+                .as_i64()
+                .expect("id")
+        })
+        .collect();
+    assert_eq!(listed, orders);
+
+    // The operator creates the topic and requeues: the events arrive.
+    broker.create_topic("orders");
+    let out = run_cmd(&["requeue", "--all", "--database-url", &db.url()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("requeued 5 of 5"));
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 10).await;
+    assert_eq!(counts["SUCCESS"], 10, "{counts:?}\n{}", relay.logs());
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(got, orders);
+    let got: BTreeSet<i64> = broker
+        .consume_all("payments", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(got, payments);
+}
