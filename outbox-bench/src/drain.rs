@@ -5,6 +5,8 @@ use hdrhistogram::Histogram;
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
+use outbox_tests::db::TestDb;
+
 use crate::db::{self, BenchDb};
 use crate::report::{bytes, ms, num, Table};
 use crate::sys::{HostMeter, ProcSnapshot};
@@ -50,7 +52,7 @@ struct LoopOut {
 /// Stops when the backlog is empty or after `cap`. With `collect_ids`, every claimed id is
 /// checked for double claims.
 pub async fn null_sink(
-    db: &BenchDb,
+    db: &TestDb,
     monitor: &Client,
     loops: usize,
     batch: i32,
@@ -62,7 +64,7 @@ pub async fn null_sink(
     let mut clients = Vec::new();
     let mut pids = Vec::new();
     for _ in 0..loops {
-        let c = db.connect().await?;
+        let c = db.client().await?;
         if sync_off {
             c.batch_execute("SET synchronous_commit = off").await?;
         }
@@ -278,7 +280,7 @@ pub async fn create_seed_table(c: &Client) -> Result<()> {
 /// Runs the seed algorithm with `loops` instances: SELECT 20 candidates without a lock, one
 /// conditional UPDATE per row, one ack UPDATE per row (each its own transaction), then `delay`.
 pub async fn seed(
-    db: &BenchDb,
+    db: &TestDb,
     monitor: &Client,
     loops: usize,
     backlog: i64,
@@ -301,7 +303,7 @@ pub async fn seed(
     let mut clients = Vec::new();
     let mut pids = Vec::new();
     for _ in 0..loops {
-        let c = db.connect().await?;
+        let c = db.client().await?;
         pids.push(db::backend_pid(&c).await?);
         clients.push(c);
     }

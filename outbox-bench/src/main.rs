@@ -33,6 +33,10 @@ use std::time::{Duration, Instant};
 
 use outbox_worker::defaults;
 
+use outbox_tests::broker::{free_port, Broker};
+use outbox_tests::db::TestDb;
+use outbox_tests::kafka;
+
 use crate::db::BenchDb;
 use crate::enqueue::Variant;
 use crate::report::{goals_table, ms, num, pct, Goal, Table};
@@ -59,9 +63,6 @@ struct Args {
     /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md).
     #[arg(long)]
     output: Option<PathBuf>,
-    /// The relay binary. Default: $CARGO_TARGET_DIR/release/outbox-worker.
-    #[arg(long, env = "OUTBOX_BENCH_WORKER_BIN")]
-    worker_bin: Option<PathBuf>,
     /// Skip everything that needs the broker and the relay.
     #[arg(long)]
     no_broker: bool,
@@ -226,8 +227,8 @@ async fn run(args: &Args) -> Result<Vec<String>> {
     } else {
         Profile::quick()
     };
-    let admin = db::admin_config(args.database_url.as_deref())?;
-    let db = BenchDb::create(&admin).await?;
+    let server = db::server(args.database_url.as_deref())?;
+    let db = TestDb::create_on(&server, "outbox_bench");
     progress!(
         "==> outbox-bench {} profile, database {}",
         profile.name,
@@ -239,12 +240,7 @@ async fn run(args: &Args) -> Result<Vec<String>> {
         r = bench(args, &profile, &db, &workdir) => r,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
-    if let Err(e) = db.drop_db().await {
-        eprintln!(
-            "outbox-bench: warning: could not drop database {}: {e:#}",
-            db.name
-        );
-    }
+    drop(db);
     let res = res?;
     if res.is_empty() {
         let _ = std::fs::remove_dir_all(&workdir);
@@ -254,21 +250,13 @@ async fn run(args: &Args) -> Result<Vec<String>> {
     Ok(res)
 }
 
-fn find_worker(args: &Args) -> PathBuf {
-    if let Some(p) = &args.worker_bin {
-        return p.clone();
-    }
-    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
-    PathBuf::from(target).join("release/outbox-worker")
-}
-
 /// The broker line of the report: the installed Kafka's own version (`scripts/broker install`
 /// records it), else the pinned one.
 fn kafka_version() -> String {
-    let home = broker::kafka::home();
+    let home = kafka::home();
     let v = std::fs::read_to_string(home.join("version"))
         .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| broker::kafka::version().to_string());
+        .unwrap_or_else(|_| kafka::version().to_string());
     format!(
         "Apache Kafka {v} (one JVM, KRaft broker+controller, {}, log on local disk)",
         home.display()
@@ -292,11 +280,11 @@ struct Results {
     failures: Vec<String>,
 }
 
-async fn bench(args: &Args, p: &Profile, db: &BenchDb, workdir: &Path) -> Result<Vec<String>> {
+async fn bench(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Result<Vec<String>> {
     let t_start = Instant::now();
     let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
     let smoke = p.name == "smoke";
-    let monitor = db.connect().await?;
+    let monitor = db.client().await?;
     let load_start = sys::loadavg();
     let mut r = Results::default();
 
@@ -456,11 +444,17 @@ async fn bench(args: &Args, p: &Profile, db: &BenchDb, workdir: &Path) -> Result
     let mut broker_version = "not used".to_string();
     let mut worker_version = "not used".to_string();
     if !args.no_broker && (want(Section::Broker) || want(Section::Latency)) {
-        let worker_bin = find_worker(args);
-        worker_version = sys::command_line(&worker_bin, &["--version"])
-            .unwrap_or_else(|| format!("{} (no --version)", worker_bin.display()));
+        let relay_bin = outbox_tests::relay::find_relay_bin();
+        if let Ok(bin) = &relay_bin {
+            worker_version = sys::command_line(bin, &["--version"])
+                .unwrap_or_else(|| format!("{} (no --version)", bin.display()));
+        }
         broker_version = kafka_version();
-        match broker_sections(args, p, db, &monitor, workdir, &worker_bin, &mut r).await {
+        let sections = match relay_bin {
+            Ok(bin) => broker_sections(args, p, db, &monitor, workdir, &bin, &mut r).await,
+            Err(e) => Err(anyhow::anyhow!(e)),
+        };
+        match sections {
             Ok(()) => {}
             Err(e) => {
                 let msg = format!("broker/relay benchmarks: {e:#}");
@@ -512,26 +506,23 @@ fn check_drain(run: &drain::DrainRun, what: &str, strict: bool, failures: &mut V
 async fn broker_sections(
     args: &Args,
     p: &Profile,
-    db: &BenchDb,
+    db: &TestDb,
     monitor: &tokio_postgres::Client,
     workdir: &Path,
-    worker_bin: &Path,
+    relay_bin: &Path,
     r: &mut Results,
 ) -> Result<()> {
     let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
-    if !worker_bin.exists() {
-        anyhow::bail!(
-            "relay binary {} not found (build it: cargo build --release -p outbox-worker)",
-            worker_bin.display()
-        );
-    }
-    let broker = broker::Broker::start(workdir)?;
-    broker.create_topic("bench.drain")?;
+    let broker =
+        Broker::try_start_in(&workdir.join("kafka"), free_port()).map_err(anyhow::Error::msg)?;
+    broker
+        .try_create_topic("bench.drain")
+        .map_err(anyhow::Error::msg)?;
     let env = relay::RelayEnv {
         db,
         monitor,
         broker: &broker,
-        worker_bin,
+        relay_bin,
         workdir,
     };
     if want(Section::Broker) {
@@ -590,7 +581,7 @@ async fn broker_sections(
         }
         let mut n = 0;
         for (ci, extra) in configs.iter().enumerate() {
-            let worker = env.start_worker(extra, &format!("latency-{ci}"))?;
+            let relay = env.start_relay(extra, &format!("latency-{ci}"))?;
             let settings = if extra.is_empty() {
                 "defaults".to_string()
             } else {
@@ -633,7 +624,7 @@ async fn broker_sections(
                     r.latency.push(run);
                 }
             }
-            worker.stop()?;
+            relay.stop()?;
         }
     }
     Ok(())
@@ -641,12 +632,12 @@ async fn broker_sections(
 
 async fn environment(
     p: &Profile,
-    db: &BenchDb,
+    db: &TestDb,
     load_start: &str,
     broker: &str,
     worker: &str,
 ) -> Result<String> {
-    let c = db.connect().await?;
+    let c = db.client().await?;
     let pg: String = c.query_one("SELECT version()", &[]).await?.get(0);
     let ext: String = c
         .query_one(
@@ -1135,7 +1126,7 @@ fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
              CPU from /proc for the database backends, the relay process and the broker process. \
              Best of {} run(s) per row (configurations under 2,500 events/s run once).\n\n",
             num(p.broker_backlog as f64),
-            broker::PARTITIONS,
+            outbox_tests::broker::PARTITIONS,
             p.repeats
         );
         s += &relay::drain_table(&r.broker);

@@ -1,12 +1,17 @@
 //! 2b. Drain through the real relay binary to the local broker; 3. commit-to-broker latency.
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use hdrhistogram::Histogram;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
-use crate::broker::{Arrivals, Broker, Worker};
+use outbox_tests::broker::Broker;
+use outbox_tests::db::TestDb;
+use outbox_tests::relay::Relay;
+
+use crate::broker::Arrivals;
 use crate::db::{self, BenchDb, DbCpu};
 use crate::report::{ms, num, Table};
 use crate::sys::{HostMeter, ProcSnapshot};
@@ -38,22 +43,81 @@ impl BrokerDrain {
 }
 
 pub struct RelayEnv<'a> {
-    pub db: &'a BenchDb,
+    pub db: &'a TestDb,
     pub monitor: &'a Client,
     pub broker: &'a Broker,
-    pub worker_bin: &'a Path,
+    pub relay_bin: &'a Path,
     pub workdir: &'a Path,
 }
 
 impl RelayEnv<'_> {
-    pub fn start_worker(&self, extra: &[String], tag: &str) -> Result<Worker> {
-        Worker::start(
-            self.worker_bin,
-            &self.db.url(),
-            &self.broker.addr(),
-            extra,
-            &self.workdir.join(format!("worker-{tag}.log")),
-        )
+    /// `outbox-worker run --brokers BROKERS <extra>` on the bench database, with no `OUTBOX_*`
+    /// variable of the caller ("default settings" means defaults) and the URL in the environment
+    /// (a password never shows in `ps`); its log is written to `relay-<tag>.log` in the workdir.
+    pub fn start_relay(&self, extra: &[String], tag: &str) -> Result<BenchRelay> {
+        let mut cmd = Command::new(self.relay_bin);
+        cmd.arg("run")
+            .arg("--brokers")
+            .arg(self.broker.addr())
+            .args(extra);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("OUTBOX_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env("OUTBOX_DATABASE_URL", self.db.url());
+        let relay =
+            Relay::start(cmd).map_err(|e| anyhow!("starting {}: {e}", self.relay_bin.display()))?;
+        let mut r = BenchRelay {
+            relay,
+            log: self.workdir.join(format!("relay-{tag}.log")),
+        };
+        if let Some(st) = r.relay.wait_exit(Duration::from_millis(200)) {
+            bail!("the relay exited at start ({st}); {}", r.log_tail());
+        }
+        Ok(r)
+    }
+}
+
+/// A relay started by the bench: stopped with SIGTERM (graceful) by `stop`, killed on drop, its
+/// log kept in the workdir either way.
+pub struct BenchRelay {
+    relay: Relay,
+    log: PathBuf,
+}
+
+impl BenchRelay {
+    pub fn pid(&self) -> i32 {
+        self.relay.pid() as i32
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.relay.is_running()
+    }
+
+    pub fn log_tail(&self) -> String {
+        format!("log {}:\n{}", self.log.display(), self.relay.log_tail(15))
+    }
+
+    /// SIGTERM and wait; an error if it had to be killed or exited with a failure.
+    pub fn stop(mut self) -> Result<()> {
+        let st = self
+            .relay
+            .terminate(Duration::from_secs(20))
+            .map_err(|e| anyhow!("{e}; {}", self.log_tail()))?;
+        if !st.success() {
+            bail!(
+                "the relay exited with {st} after SIGTERM; {}",
+                self.log_tail()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for BenchRelay {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.log, self.relay.logs());
     }
 }
 
@@ -71,21 +135,22 @@ pub async fn drain(
     let mut args = vec!["--concurrency".to_string(), loops.to_string()];
     args.extend(extra.iter().cloned());
     let cpu = DbCpu::start(m, &env.db.name).await?;
-    let b0 = ProcSnapshot::take(&[env.broker.pid()]);
+    let broker_pid = env.broker.pid().map_or(0, |p| p as i32);
+    let b0 = ProcSnapshot::take(&[broker_pid]);
     let host0 = HostMeter::start();
     let start = Instant::now();
-    let mut worker = env.start_worker(&args, tag)?;
+    let mut relay = env.start_relay(&args, tag)?;
     let complete = db::wait_drained(m, cap).await?;
     let wall_secs = start.elapsed().as_secs_f64();
     let db_cpu = cpu.stop(m, &env.db.name).await?;
-    let relay_cpu = ProcSnapshot::take(&[worker.pid()]).cpu_secs_since(&ProcSnapshot::default());
-    let broker_cpu = ProcSnapshot::take(&[env.broker.pid()]).cpu_secs_since(&b0);
+    let relay_cpu = ProcSnapshot::take(&[relay.pid()]).cpu_secs_since(&ProcSnapshot::default());
+    let broker_cpu = ProcSnapshot::take(&[broker_pid]).cpu_secs_since(&b0);
     let (host_busy, other_pct) = host0.stop(db_cpu.unwrap_or(0.0) + relay_cpu + broker_cpu);
-    let running = worker.is_running();
-    let tail = worker.log_tail();
-    worker.stop()?;
+    let running = relay.is_running();
+    let tail = relay.log_tail();
+    relay.stop()?;
     if !running {
-        bail!("outbox-worker died during the drain; {tail}");
+        bail!("the relay died during the drain; {tail}");
     }
     let r = m
         .query_one(
@@ -201,7 +266,7 @@ pub async fn latency(
     settle: Duration,
     settings: &str,
 ) -> Result<LatencyRun> {
-    env.broker.create_topic(topic)?;
+    env.broker.try_create_topic(topic).map_err(|e| anyhow!(e))?;
     let arrivals = Arrivals::start(&env.broker.addr(), topic)?;
     // Warm-up: one event must make it through before the clock starts.
     env.monitor
@@ -221,7 +286,7 @@ pub async fn latency(
     let producers = ((rate / 100.0).ceil() as usize).clamp(1, 16);
     let mut clients = Vec::new();
     for _ in 0..producers {
-        let c = env.db.connect().await?;
+        let c = env.db.client().await?;
         if !notify {
             c.batch_execute("SET outbox.notify = off").await?;
         }

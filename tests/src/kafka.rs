@@ -2,8 +2,7 @@
 //! process: what `scripts/broker start` does, from the same templates (`scripts/kafka/`) and the
 //! Kafka that `scripts/broker install` put into `$OUTBOX_TOOLS/kafka-<version>`.
 //!
-//! Shared by the tests' `Broker` (`tests/src/broker.rs`) and outbox-bench's, which includes this
-//! file with `#[path]`; it only uses std, libc and rdkafka, which both crates depend on.
+//! Used through `Broker` (`tests/src/broker.rs`) by the tests and by outbox-bench.
 
 use std::fs::{File, OpenOptions};
 use std::future::Future;
