@@ -1,4 +1,4 @@
-//! 1. Enqueue cost: business transactions per second with and without the outbox.
+//! Enqueue cost (report section 1): business transactions per second with and without the outbox.
 
 use anyhow::Result;
 use hdrhistogram::Histogram;

@@ -1,4 +1,4 @@
-//! A Kafka consumer that timestamps arrivals (3. commit-to-broker latency); the broker itself is
+//! A Kafka consumer that timestamps arrivals (the latency section); the broker itself is
 //! the tests' (`outbox_tests::broker`).
 
 use anyhow::{Context, Result};
