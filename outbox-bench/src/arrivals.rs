@@ -9,6 +9,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long the consumer lets the broker hold a fetch for more data: as short as possible, so the
+/// arrival time is the message's, not the fetch's.
+pub const FETCH_WAIT_MAX_MS: u32 = 1;
+
 /// (sequence number from the payload, when the consumer got it)
 type Arrival = (i64, Instant);
 
@@ -27,7 +31,7 @@ impl Arrivals {
             .set("bootstrap.servers", brokers)
             .set("group.id", "outbox-bench")
             .set("enable.auto.commit", "false")
-            .set("fetch.wait.max.ms", "1")
+            .set("fetch.wait.max.ms", FETCH_WAIT_MAX_MS.to_string())
             .set("fetch.error.backoff.ms", "10")
             .create()
             .context("creating the Kafka consumer")?;

@@ -19,7 +19,7 @@ pub enum Variant {
 }
 
 impl Variant {
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Variant::OrderOnly => "insert order row",
             Variant::Outbox => "order row + `outbox_enqueue` (notify on)",

@@ -22,6 +22,34 @@ fn cpu_limit_note(host_busy: f64, other: f64) -> String {
     }
 }
 
+/// The goals of issue 5: null-sink and broker drain rates (events/s), the enqueue overhead (%), and
+/// the commit-to-broker latency (ms) at `LATENCY_GOAL_RATE` events/s.
+pub const NULL_SINK_RATE_GOAL: f64 = 20_000.0;
+pub const BROKER_RATE_GOAL: f64 = 10_000.0;
+pub const ENQUEUE_OVERHEAD_GOAL_PCT: f64 = 10.0;
+pub const LATENCY_GOAL_RATE: f64 = 1_000.0;
+pub const LATENCY_P50_GOAL_MS: f64 = 5.0;
+pub const LATENCY_P99_GOAL_MS: f64 = 25.0;
+
+fn rate_target(goal: f64) -> String {
+    format!("≥ {} events/s", num(goal))
+}
+
+fn latency_name() -> String {
+    format!(
+        "commit-to-broker latency at {} ev/s",
+        num(LATENCY_GOAL_RATE)
+    )
+}
+
+fn enqueue_target() -> String {
+    format!("≤ {ENQUEUE_OVERHEAD_GOAL_PCT} %")
+}
+
+fn latency_target() -> String {
+    format!("p50 ≤ {LATENCY_P50_GOAL_MS} ms, p99 ≤ {LATENCY_P99_GOAL_MS} ms")
+}
+
 pub fn goals(r: &Results) -> Vec<Goal> {
     let mut g = Vec::new();
     // Null-sink drain.
@@ -33,36 +61,36 @@ pub fn goals(r: &Results) -> Vec<Goal> {
     g.push(match best {
         Some(b) => Goal {
             name: "drain to the null sink".into(),
-            target: "≥ 20,000 events/s".into(),
+            target: rate_target(NULL_SINK_RATE_GOAL),
             measured: format!(
                 "{} events/s ({} loop(s), batch {})",
                 num(b.rate()),
                 b.loops,
                 b.batch
             ),
-            met: Some(b.rate() >= 20_000.0),
+            met: Some(b.rate() >= NULL_SINK_RATE_GOAL),
             note: format!(
                 "{:.2}× the goal; {}; DB CPU {} µs/event",
-                b.rate() / 20_000.0,
+                b.rate() / NULL_SINK_RATE_GOAL,
                 cpu_limit_note(b.host_busy_pct, b.other_pct),
                 b.cpu_us_per_event()
                     .map(|c| format!("{c:.0}"))
                     .unwrap_or_else(|| "n/a".into())
             ),
         },
-        None => not_measured("drain to the null sink", "≥ 20,000 events/s"),
+        None => not_measured("drain to the null sink", rate_target(NULL_SINK_RATE_GOAL)),
     });
     // Broker drain with default settings (one loop, no flags).
     let def = r.broker.iter().find(|b| b.default_settings && b.loops == 1);
     g.push(match def {
         Some(b) => Goal {
             name: "drain to the broker, relay defaults".into(),
-            target: "≥ 10,000 events/s".into(),
+            target: rate_target(BROKER_RATE_GOAL),
             measured: format!("{} events/s", num(b.rate())),
-            met: Some(b.rate() >= 10_000.0),
+            met: Some(b.rate() >= BROKER_RATE_GOAL),
             note: format!(
                 "{:.2}× the goal; {}; CPU µs/event DB {} / relay {:.0} / broker {:.0}",
-                b.rate() / 10_000.0,
+                b.rate() / BROKER_RATE_GOAL,
                 cpu_limit_note(b.host_busy_pct, b.other_pct),
                 b.db_cpu_secs
                     .map(|c| format!("{:.0}", c * 1e6 / b.drained.max(1) as f64))
@@ -71,7 +99,10 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 b.broker_cpu_secs * 1e6 / b.drained.max(1) as f64
             ),
         },
-        None => not_measured("drain to the broker, relay defaults", "≥ 10,000 events/s"),
+        None => not_measured(
+            "drain to the broker, relay defaults",
+            rate_target(BROKER_RATE_GOAL),
+        ),
     });
     // Enqueue overhead.
     g.push(match &r.enqueue {
@@ -80,22 +111,22 @@ pub fn goals(r: &Results) -> Vec<Goal> {
             let one = e.overhead_pct(Variant::OutboxOneStatement);
             Goal {
                 name: "enqueue overhead".into(),
-                target: "≤ 10 %".into(),
+                target: enqueue_target(),
                 measured: format!(
                     "{} ({} tx/s → {} tx/s)",
                     pct(o),
                     num(e.tps(Variant::OrderOnly)),
                     num(e.tps(Variant::Outbox))
                 ),
-                met: Some(o <= 10.0),
+                met: Some(o <= ENQUEUE_OVERHEAD_GOAL_PCT),
                 note: format!(
                     "{:.1} points {} the goal. Without the extra statement's round trip (one statement): {}; \
                      with `outbox.notify = off`: {}. Server side, `outbox_enqueue` costs {:.1} µs per row \
                      against {:.1} µs for a plain INSERT of the same row and {:.1} µs for the order row: \
                      the function's checks, not the table, dominate the database work; the order \
                      transaction here is a single small INSERT, so any added statement weighs heavily. {}",
-                    (o - 10.0).abs(),
-                    if o <= 10.0 { "under" } else { "over" },
+                    (o - ENQUEUE_OVERHEAD_GOAL_PCT).abs(),
+                    if o <= ENQUEUE_OVERHEAD_GOAL_PCT { "under" } else { "over" },
                     pct(one),
                     pct(e.overhead_pct(Variant::OutboxNoNotify)),
                     e.per_row_us.get(2).copied().unwrap_or(f64::NAN),
@@ -106,19 +137,19 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 ),
             }
         }
-        None => not_measured("enqueue overhead", "≤ 10 %"),
+        None => not_measured("enqueue overhead", enqueue_target()),
     });
-    // Latency at 1000 ev/s with NOTIFY, relay defaults.
+    // Latency at the goal's rate with NOTIFY, relay defaults.
     let lat = r
         .latency
         .iter()
-        .find(|l| l.notify && l.rate == 1000.0 && l.settings == "defaults");
+        .find(|l| l.notify && l.rate == LATENCY_GOAL_RATE && l.settings == "defaults");
     g.push(match lat {
         Some(l) => {
             let (p50, p99) = (l.commit_to_ack[0] / 1000.0, l.commit_to_ack[1] / 1000.0);
             Goal {
-                name: "commit-to-broker latency at 1,000 ev/s".into(),
-                target: "p50 ≤ 5 ms, p99 ≤ 25 ms".into(),
+                name: latency_name(),
+                target: latency_target(),
                 measured: format!(
                     "commit→ack (delivery report + ack): p50 {} ms, p99 {} ms; commit→consumer: p50 {} ms, p99 {} ms",
                     ms(l.commit_to_ack[0]),
@@ -126,22 +157,20 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                     ms(l.q(0.5)),
                     ms(l.q(0.99))
                 ),
-                met: Some(p50 <= 5.0 && p99 <= 25.0),
+                met: Some(p50 <= LATENCY_P50_GOAL_MS && p99 <= LATENCY_P99_GOAL_MS),
                 note: format!(
                     "commit→ack p50 {:.2}× and p99 {:.2}× the limit; claim→ack p50 {} ms (publish with \
-                     `linger.ms`, delivery reports, ack), the rest is the wake-up and the round in \
+                     `linger.ms={}`, delivery reports, ack), the rest is the wake-up and the round in \
                      progress. {}",
-                    p50 / 5.0,
-                    p99 / 25.0,
+                    p50 / LATENCY_P50_GOAL_MS,
+                    p99 / LATENCY_P99_GOAL_MS,
                     ms(l.to_ack.0),
-                    notify_cap_note(r, 1000.0).unwrap_or_default()
+                    defaults::LINGER_MS,
+                    notify_cap_note(r, LATENCY_GOAL_RATE).unwrap_or_default()
                 ),
             }
         }
-        None => not_measured(
-            "commit-to-broker latency at 1,000 ev/s",
-            "p50 ≤ 5 ms, p99 ≤ 25 ms",
-        ),
+        None => not_measured(&latency_name(), latency_target()),
     });
     // Contention.
     let one = r.contention.iter().find(|c| c.loops == 1);
@@ -159,15 +188,15 @@ pub fn goals(r: &Results) -> Vec<Goal> {
             met: Some(b.rate() >= a.rate() && b.duplicates == 0),
             note: format!("ratio {:.2}", b.rate() / a.rate()),
         },
-        _ => not_measured("8 claimers vs 1", "throughput(8) ≥ throughput(1)"),
+        _ => not_measured("8 claimers vs 1", "throughput(8) ≥ throughput(1)".into()),
     });
     g
 }
 
-fn not_measured(name: &str, target: &str) -> Goal {
+fn not_measured(name: &str, target: String) -> Goal {
     Goal {
         name: name.into(),
-        target: target.into(),
+        target,
         measured: "—".into(),
         met: None,
         note: "not run in this profile".into(),
@@ -189,10 +218,11 @@ pub fn recommendations(r: &Results) -> String {
                 .map(|b| format!("{} → {}", b.settings, num(b.rate())))
                 .collect();
             out.push(format!(
-                "- **batch size {}** (`--batch-size`): the smallest batch within 10 % of the best one-loop \
+                "- **batch size {}** (`--batch-size`, the relay's default is {}): the smallest batch within 10 % of the best one-loop \
                  rate. Null sink, 1 loop, events/s by batch: {}{}. Each claim and each ack is one \
                  statement and one commit, so small batches pay that fixed cost per few events.",
                 pick.batch,
+                defaults::BATCH_SIZE,
                 sorted
                     .iter()
                     .map(|m| format!("{} → {}", m.batch, num(m.rate())))
@@ -218,22 +248,24 @@ pub fn recommendations(r: &Results) -> String {
             .join(", ");
         let pick = loops
             .iter()
-            .find(|b| b.rate() >= 10_000.0)
+            .find(|b| b.rate() >= BROKER_RATE_GOAL)
             .or(loops.last())
             .map(|b| b.loops)
             .unwrap_or(1);
         out.push(format!(
-            "- **concurrency {pick}** (`--concurrency`): the fewest claim loops that reach the 10,000 \
-             events/s goal through the broker ({scaling} events/s). More loops help a backlog drain \
+            "- **concurrency {pick}** (`--concurrency`, the relay's default is {}): the fewest claim \
+             loops that reach the {} events/s goal through the broker ({scaling} events/s). More loops help a backlog drain \
              on an idle machine but cost a connection each and interleave batches across loops; raise \
-             it (or run more relay processes) only when the backlog grows faster than one loop drains."
+             it (or run more relay processes) only when the backlog grows faster than one loop drains.",
+            defaults::CONCURRENCY,
+            num(BROKER_RATE_GOAL)
         ));
     }
-    // Linger: the setting with the lowest commit->ack p50 at 1,000 ev/s, with its drain rate.
+    // Linger: the setting with the lowest commit->ack p50 at the goal's rate, with its drain rate.
     let lat: Vec<&latency::LatencyRun> = r
         .latency
         .iter()
-        .filter(|l| l.notify && l.rate == 1000.0)
+        .filter(|l| l.notify && l.rate == LATENCY_GOAL_RATE)
         .collect();
     if lat.len() > 1 {
         let drain_of = |settings: &str| {
@@ -275,8 +307,9 @@ pub fn recommendations(r: &Results) -> String {
             _ => "The relay's default is the best setting measured.".to_string(),
         };
         out.push(format!(
-            "- **producer linger**: lowest commit→ack p50 at 1,000 events/s with {}. By setting \
+            "- **producer linger**: lowest commit→ack p50 at {} events/s with {}. By setting \
              (commit→ack p50 / p99 ms; one-loop drain events/s): {}. {verdict}",
+            num(LATENCY_GOAL_RATE),
             if best.settings == "defaults" {
                 format!("the relay's default (`linger.ms={}`)", defaults::LINGER_MS)
             } else {
@@ -298,16 +331,17 @@ pub fn recommendations(r: &Results) -> String {
     let polled = r
         .latency
         .iter()
-        .find(|l| !l.notify && l.rate == 1000.0 && l.settings == "defaults");
+        .find(|l| !l.notify && l.rate == LATENCY_GOAL_RATE && l.settings == "defaults");
     let notified = r
         .latency
         .iter()
-        .find(|l| l.notify && l.rate == 1000.0 && l.settings == "defaults");
+        .find(|l| l.notify && l.rate == LATENCY_GOAL_RATE && l.settings == "defaults");
     if let (Some(p), Some(n)) = (polled, notified) {
         out.push(format!(
-            "- **keep `outbox.notify` on and the {} s poll interval as the fallback**: at 1,000 events/s \
+            "- **keep `outbox.notify` on and the {} s poll interval as the fallback**: at {} events/s \
              the commit→ack p50 is {} ms with NOTIFY and {} ms with polling alone.",
             defaults::POLL_INTERVAL.as_secs(),
+            num(LATENCY_GOAL_RATE),
             ms(n.commit_to_ack[0]),
             ms(p.commit_to_ack[0])
         ));

@@ -2,6 +2,8 @@
 //! `outbox_stats()` after the headline drain, after `outbox_purge`, and after VACUUM.
 
 use anyhow::Result;
+use outbox_worker::defaults;
+use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
@@ -16,6 +18,20 @@ struct Health {
     autovacuums: i64,
     empty_claim_us: f64,
     stats_us: f64,
+}
+
+impl Health {
+    fn json(&self) -> Value {
+        json!({
+            "table_bytes": self.table,
+            "index_bytes": self.indexes.iter().map(|(n, b)| (n.clone(), json!(b))).collect::<serde_json::Map<_, _>>(),
+            "live_tuples": self.live,
+            "dead_tuples": self.dead,
+            "autovacuum_runs": self.autovacuums,
+            "empty_claim_us": self.empty_claim_us,
+            "stats_us": self.stats_us,
+        })
+    }
 }
 
 async fn health_snapshot(c: &Client) -> Result<Health> {
@@ -44,7 +60,10 @@ async fn health_snapshot(c: &Client) -> Result<Health> {
         )
         .await?;
     let probe = c
-        .prepare("SELECT count(*) FROM outbox_claim('health-probe', 100)")
+        .prepare(&format!(
+            "SELECT count(*) FROM outbox_claim('health-probe', {})",
+            defaults::BATCH_SIZE
+        ))
         .await?;
     let t0 = Instant::now();
     for _ in 0..20 {
@@ -69,7 +88,7 @@ async fn health_snapshot(c: &Client) -> Result<Health> {
 
 /// Sizes and dead tuples after the drain that just ran, then after `outbox_purge('0')` in a loop,
 /// then after VACUUM.
-pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool)> {
+pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool, Value)> {
     // The claim loops have disconnected: give their backends time to report their statistics.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let a = health_snapshot(monitor).await?;
@@ -78,7 +97,7 @@ pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool)> {
     let mut calls = 0;
     loop {
         let n: i64 = monitor
-            .query_one("SELECT outbox_purge('0', 10000)", &[])
+            .query_one("SELECT outbox_purge('0', $1)", &[&defaults::PURGE_MAX_ROWS])
             .await?
             .get(0);
         calls += 1;
@@ -127,7 +146,7 @@ pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool)> {
         c.autovacuums.to_string(),
     ]);
     t.row(vec![
-        "empty `outbox_claim(…, 100)` ms".into(),
+        format!("empty `outbox_claim(…, {})` ms", defaults::BATCH_SIZE),
         ms(a.empty_claim_us),
         ms(b.empty_claim_us),
         ms(c.empty_claim_us),
@@ -152,23 +171,35 @@ pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool)> {
     };
     let md = format!(
         "After the headline null-sink drain of {} events ({av}). \
-         `outbox_purge('0', 10000)` was called {calls} times and deleted {} SUCCESS rows in {:.2} s \
+         `outbox_purge('0', {})` was called {calls} times and deleted {} SUCCESS rows in {:.2} s \
          ({} rows/s); VACUUM then took {:.2} s.\n\n{}",
         num(drained as f64),
+        defaults::PURGE_MAX_ROWS,
         num(purged as f64),
         purge_secs,
         num(purged as f64 / purge_secs.max(1e-9)),
         vacuum_secs,
         t.render()
     );
-    Ok((md, ok))
+    let figures = json!({
+        "drained": drained,
+        "after_drain": a.json(),
+        "after_purge": b.json(),
+        "after_vacuum": c.json(),
+        "purge_calls": calls,
+        "purged": purged,
+        "purge_secs": purge_secs,
+        "vacuum_secs": vacuum_secs,
+    });
+    Ok((md, ok, figures))
 }
 
 /// Measures the table after a drain of `drained` events; a purge that leaves SUCCESS rows fails
 /// the run.
 pub async fn run(monitor: &Client, drained: i64, r: &mut Results) -> Result<()> {
     progress!("==> 6. table health");
-    let (md, ok) = health(monitor, drained).await?;
+    let (md, ok, figures) = health(monitor, drained).await?;
+    r.health = Some(figures);
     if !ok {
         r.failures
             .push("outbox_purge did not delete every SUCCESS row of the drain".into());

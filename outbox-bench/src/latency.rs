@@ -7,12 +7,17 @@ use outbox_worker::defaults;
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
-use crate::arrivals::Arrivals;
+use crate::arrivals::{Arrivals, FETCH_WAIT_MAX_MS};
 use crate::db::BenchDb;
+use crate::goals::LATENCY_GOAL_RATE;
 use crate::relay_env::RelayEnv;
 use crate::report::{ms, num, Table};
 use crate::results::Results;
 use crate::Profile;
+
+/// One producer connection per this many offered events/s, at most `MAX_PRODUCERS`.
+const EVENTS_PER_PRODUCER: f64 = 100.0;
+const MAX_PRODUCERS: usize = 16;
 
 pub struct LatencyRun {
     pub rate: f64,
@@ -69,7 +74,7 @@ pub async fn latency(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let total = (rate * secs).round().max(1.0) as i64;
-    let producers = ((rate / 100.0).ceil() as usize).clamp(1, 16);
+    let producers = ((rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS);
     let mut clients = Vec::new();
     for _ in 0..producers {
         let c = env.db.client().await?;
@@ -297,7 +302,7 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
         let (rates, modes): (Vec<f64>, Vec<bool>) = if extra.is_empty() {
             (p.latency_rates.clone(), vec![true, false])
         } else {
-            (vec![1000.0], vec![true])
+            (vec![LATENCY_GOAL_RATE], vec![true])
         };
         for &notify in &modes {
             for &rate in &rates {
@@ -370,12 +375,12 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
     } else {
         s += &format!(
             "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) on a \
-             fixed schedule from one connection per 100 events/s (at most 16), {:.0} s per run, relay with default settings \
+             fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s (at most {MAX_PRODUCERS}), {:.0} s per run, relay with default settings \
              (poll interval {} s) unless noted. **commit→ack** ({}): from the moment the producer saw \
              its COMMIT complete to the row's ack timestamp; the relay acks right after the broker's \
              delivery reports, so this is the issue's \"commit to delivery report\" plus one ack \
              statement. **commit→consumer**: arrival at a Kafka consumer (assigned partitions, \
-             `fetch.wait.max.ms=1`), matched by a sequence number in the payload; HdrHistogram, µs \
+             `fetch.wait.max.ms={FETCH_WAIT_MAX_MS}`), matched by a sequence number in the payload; HdrHistogram, µs \
              resolution. The split columns come from the rows' own timestamps (`created_at` = \
              transaction start, `claimed_at`, ack). \"Polling only\" sets `outbox.notify = off` in the \
              producers.\n\n",

@@ -66,12 +66,24 @@ pub struct Args {
     /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Also write every figure as JSON to this file. Default with `--output X.md`: `X.json`.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
     /// Skip everything that needs the broker and the relay.
     #[arg(long)]
     pub no_broker: bool,
     /// Run only these sections (comma-separated).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<Section>,
+}
+
+impl Args {
+    /// Where the JSON figures go, if anywhere.
+    pub fn json_path(&self) -> Option<PathBuf> {
+        self.json
+            .clone()
+            .or_else(|| self.output.as_ref().map(|o| o.with_extension("json")))
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]

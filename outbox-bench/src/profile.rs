@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::goals::LATENCY_GOAL_RATE;
+
 /// Sizes and durations of one profile.
 pub struct Profile {
     pub name: &'static str,
@@ -63,7 +65,7 @@ impl Profile {
             // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
             // alternatives.
             linger_ms: vec![1, 5, 20],
-            latency_rates: vec![100.0, 1000.0, 5000.0],
+            latency_rates: vec![100.0, LATENCY_GOAL_RATE, 5000.0],
             latency_time: Duration::from_secs(5),
         }
     }

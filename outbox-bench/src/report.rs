@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::goals::{goals, recommendations};
+use crate::goals::recommendations;
 use crate::results::Results;
 use crate::{broker_drain, contention, latency, null_sink, seed, Profile};
 
@@ -130,7 +130,7 @@ pub fn hist() -> hdrhistogram::Histogram<u64> {
     hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("histogram bounds")
 }
 
-pub fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
+pub fn render(p: &Profile, r: &Results, goals: &[Goal], env: &str, took: Duration) -> String {
     let mut s = String::new();
     s += "# Benchmarks\n\n";
     s += &format!(
@@ -143,7 +143,7 @@ pub fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
     s += "## Machine\n\n";
     s += env;
     s += "\n## Goals (issue 5)\n\n";
-    s += &goals_table(&goals(r));
+    s += &goals_table(goals);
     s += "\n## Recommended relay defaults\n\n";
     s += &recommendations(r);
     s += "\n\n## 1. Enqueue cost\n\n";
@@ -172,6 +172,7 @@ pub fn render(p: &Profile, r: &Results, env: &str, took: Duration) -> String {
             s += &format!("- {f}\n");
         }
     }
-    s += "\n## Reproduce\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\n```\n";
+    s += "\n## Reproduce\n\nThe same figures, unrounded, are in `BENCHMARKS.json` next to this file (`--json PATH` \
+          writes them elsewhere; keys in `outbox-bench/src/results.rs`).\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\n```\n";
     s
 }

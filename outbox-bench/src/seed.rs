@@ -14,6 +14,10 @@ use crate::results::Results;
 use crate::sys::ProcSnapshot;
 use crate::Profile;
 
+/// Candidates the seed design selects per round (its `LIMIT`), and the batch this project is
+/// compared at.
+pub const SEED_BATCH: i32 = 20;
+
 pub struct SeedRun {
     pub loops: usize,
     pub delay: Option<Duration>,
@@ -146,11 +150,11 @@ async fn seed_loop(
     max_rounds: Option<u64>,
 ) -> Result<(i64, i64, u64, Vec<i64>, Client)> {
     let select = c
-        .prepare(
+        .prepare(&format!(
             "SELECT id, topic, event_key, event_type, payload::text, headers::text FROM seed_event
               WHERE status = 'WAIT' AND next_retry_time <= now()
-              ORDER BY next_retry_time LIMIT 20",
-        )
+              ORDER BY next_retry_time LIMIT {SEED_BATCH}"
+        ))
         .await?;
     let claim = c
         .prepare(
@@ -225,8 +229,17 @@ pub async fn run(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Results) ->
     .await?;
     r.seed.push(s);
     // This project on the same footing: one loop, batch 20, same backlog and cap.
-    progress!("  this project, 1 loop, batch 20, same backlog and cap");
-    let run = null_sink::drain(db, monitor, 1, 20, p.seed_backlog, p.seed_cap, false).await?;
+    progress!("  this project, 1 loop, batch {SEED_BATCH}, same backlog and cap");
+    let run = null_sink::drain(
+        db,
+        monitor,
+        1,
+        SEED_BATCH,
+        p.seed_backlog,
+        p.seed_cap,
+        false,
+    )
+    .await?;
     check_drain(
         &run,
         "project drain for the seed comparison",
@@ -245,7 +258,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         s += &format!(
             "Same harness, same columns and backlog ({} events), the seed's table shape (status as \
              text, composite indexes `(status, next_retry_time)` and `(status, claimed_at)`) and \
-             algorithm: SELECT 20 candidates without a lock, one conditional `UPDATE … WHERE id = $1 \
+             algorithm: SELECT {SEED_BATCH} candidates without a lock, one conditional `UPDATE … WHERE id = $1 \
              AND status = 'WAIT'` per row, one ack UPDATE per row, each statement its own transaction; \
              then the fixed delay. Null sink.\n\n",
             num(p.seed_backlog as f64)
@@ -276,7 +289,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         }
         if let Some(c) = &r.seed_compare {
             t.row(vec![
-                "this project (`outbox_claim`/`outbox_ack`, batch 20)".into(),
+                format!("this project (`outbox_claim`/`outbox_ack`, batch {SEED_BATCH})"),
                 "1".into(),
                 "none".into(),
                 num(c.drained as f64),
@@ -300,9 +313,9 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         if let Some(d) = seed_delay {
             let cfg = d.delay.unwrap_or_default().as_secs_f64();
             s += &format!(
-                "- As configured ({cfg:.1} s delay) the seed moves at most 20 events per round: implied \
+                "- As configured ({cfg:.1} s delay) the seed moves at most {SEED_BATCH} events per round: implied \
                  ceiling {:.1} events/s, measured {:.1} events/s.\n",
-                20.0 / cfg,
+                f64::from(SEED_BATCH) / cfg,
                 d.rate()
             );
             if best > 0.0 {
@@ -315,7 +328,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         }
         if let (Some(n), Some(c)) = (seed_nodelay, &r.seed_compare) {
             s += &format!(
-                "- With no delay, same batch of 20 and one instance: this project {} vs seed {} events/s \
+                "- With no delay, same batch of {SEED_BATCH} and one instance: this project {} vs seed {} events/s \
                  (**{:.1}×**); best configuration vs seed without delay: **{:.1}×**.\n",
                 num(c.rate()),
                 num(n.rate()),

@@ -9,8 +9,10 @@ use outbox_tests::db::TestDb;
 
 use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
-use crate::results::Results;
-use crate::{broker_drain, contention, enqueue, health, latency, null_sink, report, seed, sys};
+use crate::results::{self, Results};
+use crate::{
+    broker_drain, contention, enqueue, goals, health, latency, null_sink, report, seed, sys,
+};
 use crate::{Args, Profile, Section};
 
 pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Result<Vec<String>> {
@@ -70,11 +72,19 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let env = sys::environment(p, db, &load_start, &broker_version, &relay_version)
         .await
         .unwrap_or_else(|e| format!("(could not query the environment: {e:#})\n"));
-    let md = report::render(p, &r, &env, t_start.elapsed());
+    let goals = goals::goals(&r);
+    let took = t_start.elapsed();
+    let md = report::render(p, &r, &goals, &env, took);
     println!("{md}");
     if let Some(out) = &args.output {
         std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
         progress!("==> report written to {}", out.display());
+    }
+    let json = results::to_json(p, &r, &goals, took.as_secs_f64());
+    if let Some(out) = args.json_path() {
+        let text = serde_json::to_string_pretty(&json)?;
+        std::fs::write(&out, text + "\n").with_context(|| format!("writing {}", out.display()))?;
+        progress!("==> figures written to {}", out.display());
     }
     Ok(r.failures)
 }
