@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::db::{self, DbCpu};
 use crate::relay_env::RelayEnv;
-use crate::report::{num, Table};
+use crate::report::{not_run, num, Table};
 use crate::results::Results;
 use crate::sys::{HostMeter, ProcSnapshot};
 use crate::Profile;
@@ -198,10 +198,7 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
 pub fn markdown(p: &Profile, r: &Results) -> String {
     let mut s = String::new();
     if r.broker.is_empty() {
-        s += &format!(
-            "Not run: {}.\n",
-            r.broker_note.as_deref().unwrap_or("section not selected")
-        );
+        s += &not_run(r);
     } else {
         s += &format!(
             "`outbox-worker run` (release build) against a fresh backlog of {} events, topic with {} \

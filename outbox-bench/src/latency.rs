@@ -11,7 +11,7 @@ use crate::arrivals::{Arrivals, FETCH_WAIT_MAX_MS};
 use crate::db::BenchDb;
 use crate::goals::LATENCY_GOAL_RATE;
 use crate::relay_env::RelayEnv;
-use crate::report::{ms, num, Table};
+use crate::report::{ms, not_run, num, Table};
 use crate::results::Results;
 use crate::Profile;
 
@@ -368,10 +368,7 @@ pub fn notify_cap_note(r: &Results, rate: f64) -> Option<String> {
 pub fn markdown(p: &Profile, r: &Results) -> String {
     let mut s = String::new();
     if r.latency.is_empty() {
-        s += &format!(
-            "Not run: {}.\n",
-            r.broker_note.as_deref().unwrap_or("section not selected")
-        );
+        s += &not_run(r);
     } else {
         s += &format!(
             "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) on a \

@@ -249,16 +249,7 @@ pub async fn run(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Results) ->
             );
             let mut best: Option<DrainRun> = None;
             for _ in 0..p.repeats {
-                let run = drain(
-                    db,
-                    monitor,
-                    loops,
-                    batch,
-                    p.matrix_backlog,
-                    p.matrix_cap,
-                    false,
-                )
-                .await?;
+                let run = matrix_drain(p, db, monitor, (loops, batch), false).await?;
                 check_drain(&run, "null-sink drain", smoke, &mut r.failures);
                 if best.as_ref().is_none_or(|b| run.rate() > b.rate()) {
                     best = Some(run);
@@ -271,16 +262,7 @@ pub async fn run(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Results) ->
     // claim or ack after a crash only means the event is sent again (at-least-once anyway).
     if let Some((loops, batch)) = best_config(&r.matrix) {
         progress!("  same as the best, with synchronous_commit = off in the claim sessions");
-        let run = drain(
-            db,
-            monitor,
-            loops,
-            batch,
-            p.matrix_backlog,
-            p.matrix_cap,
-            true,
-        )
-        .await?;
+        let run = matrix_drain(p, db, monitor, (loops, batch), true).await?;
         check_drain(
             &run,
             "null-sink drain (sync commit off)",
@@ -290,6 +272,26 @@ pub async fn run(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Results) ->
         r.sync_off = Some(run);
     }
     Ok(())
+}
+
+/// One drain of the matrix's backlog and time cap with (loops, batch).
+async fn matrix_drain(
+    p: &Profile,
+    db: &TestDb,
+    monitor: &Client,
+    (loops, batch): (usize, i32),
+    sync_off: bool,
+) -> Result<DrainRun> {
+    drain(
+        db,
+        monitor,
+        loops,
+        batch,
+        p.matrix_backlog,
+        p.matrix_cap,
+        sync_off,
+    )
+    .await
 }
 
 /// The headline drain: the best configuration of the matrix on the full backlog; returns the

@@ -41,6 +41,15 @@ impl Table {
     }
 }
 
+/// The text of a broker section that did not run: why (the failure, `--no-broker`) or that it was
+/// not selected.
+pub fn not_run(r: &Results) -> String {
+    format!(
+        "Not run: {}.\n",
+        r.broker_note.as_deref().unwrap_or("section not selected")
+    )
+}
+
 /// 12345.6 -> "12,346"
 pub fn num(x: f64) -> String {
     if !x.is_finite() {
