@@ -17,6 +17,7 @@ pub fn started() -> Instant {
     *STARTED.get_or_init(Instant::now)
 }
 
+mod args;
 mod arrivals;
 mod broker_drain;
 mod contention;
@@ -35,67 +36,14 @@ mod suite;
 mod sys;
 
 use anyhow::Result;
-use clap::{Parser, ValueEnum};
-use std::path::PathBuf;
+use clap::Parser;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use outbox_tests::db::TestDb;
 
+pub use crate::args::{Args, Section};
 pub use crate::profile::Profile;
-
-#[derive(Parser)]
-#[command(
-    version,
-    about = "Benchmarks of the outbox extension and relay (issue 5)"
-)]
-pub struct Args {
-    /// Quick profile (default): backlogs of 100k-200k events, under 10 minutes.
-    #[arg(long, conflicts_with_all = ["long", "smoke"])]
-    pub quick: bool,
-    /// Long profile: 1M-event backlogs and longer latency runs.
-    #[arg(long, conflicts_with = "smoke")]
-    pub long: bool,
-    /// Smallest case of every harness path, in seconds; fails if any path fails.
-    #[arg(long)]
-    pub smoke: bool,
-    /// Admin connection (the bench creates and drops its own database). Default: PGHOST, PGPORT,
-    /// PGUSER, PGPASSWORD or 127.0.0.1:5432 user postgres.
-    #[arg(long, env = "OUTBOX_BENCH_DATABASE_URL")]
-    pub database_url: Option<String>,
-    /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md).
-    #[arg(long)]
-    pub output: Option<PathBuf>,
-    /// Also write every figure as JSON to this file. Default with `--output X.md`: `X.json`.
-    #[arg(long)]
-    pub json: Option<PathBuf>,
-    /// Skip everything that needs the broker and the relay.
-    #[arg(long)]
-    pub no_broker: bool,
-    /// Run only these sections (comma-separated).
-    #[arg(long, value_delimiter = ',')]
-    pub only: Vec<Section>,
-}
-
-impl Args {
-    /// Where the JSON figures go, if anywhere.
-    pub fn json_path(&self) -> Option<PathBuf> {
-        self.json
-            .clone()
-            .or_else(|| self.output.as_ref().map(|o| o.with_extension("json")))
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
-pub enum Section {
-    Enqueue,
-    Drain,
-    Health,
-    Contention,
-    Seed,
-    Broker,
-    Latency,
-}
 
 #[tokio::main]
 async fn main() -> ExitCode {
