@@ -15,6 +15,8 @@ export KAFKA_HOME=${KAFKA_HOME:-$OUTBOX_TOOLS/kafka-$KAFKA_VERSION}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}
 export PATH=$HOME/.cargo/bin:$OUTBOX_TOOLS/bin:$PATH
 export PGHOST=${PGHOST:-127.0.0.1} PGPORT=${PGPORT:-5432} PGUSER=${PGUSER:-postgres}
-WORKER_BIN=$CARGO_TARGET_DIR/release/outbox-worker
+# The relay binary, found the same way by the tests and outbox-bench (tests/src/relay.rs). Not
+# exported: a caller that changes CARGO_TARGET_DIR after sourcing this file still gets its own.
+OUTBOX_RELAY_BIN=${OUTBOX_RELAY_BIN:-$CARGO_TARGET_DIR/release/outbox-worker}
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

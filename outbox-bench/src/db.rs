@@ -1,163 +1,56 @@
 //! Connections, the throw-away benchmark database, backlog creation and CPU accounting of the
 //! PostgreSQL backends that serve it.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use std::time::Duration;
 use tokio_postgres::config::Host;
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::{Client, Config};
+
+use outbox_tests::db::{conninfo_value, try_connect, TestDb};
 
 use crate::sys::ProcSnapshot;
 
-/// Admin connection settings: `--database-url`, else PGHOST/PGPORT/PGUSER/PGPASSWORD (libpq
-/// defaults otherwise), database `postgres`.
-pub fn admin_config(url: Option<&str>) -> Result<Config> {
-    if let Some(u) = url {
-        let mut c: Config = u.parse().context("parsing --database-url")?;
-        if c.get_dbname().is_none() {
-            c.dbname("postgres");
-        }
-        return Ok(c);
-    }
-    let mut c = Config::new();
-    c.host(std::env::var("PGHOST").unwrap_or_else(|_| "127.0.0.1".into()));
-    c.port(
-        std::env::var("PGPORT")
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(5432),
-    );
-    c.user(std::env::var("PGUSER").unwrap_or_else(|_| "postgres".into()));
-    if let Ok(pw) = std::env::var("PGPASSWORD") {
-        c.password(pw);
-    }
-    c.dbname("postgres");
-    Ok(c)
-}
-
-pub async fn connect(cfg: &Config) -> Result<Client> {
-    let (client, conn) = cfg
-        .connect(NoTls)
-        .await
-        .with_context(|| format!("connecting to PostgreSQL ({})", describe(cfg)))?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
-}
-
-/// host:port/db without secrets.
-pub fn describe(cfg: &Config) -> String {
-    let host = match cfg.get_hosts().first() {
-        Some(Host::Tcp(h)) => h.clone(),
-        Some(Host::Unix(p)) => p.display().to_string(),
-        None => "localhost".into(),
+/// The server the bench creates its database on, as libpq parameters without a database name:
+/// `--database-url` (a URL or key=value string), else the tests' `server_params()` (PGHOST,
+/// PGPORT, PGUSER, PGPASSWORD with `scripts/env.sh`'s defaults).
+pub fn server(url: Option<&str>) -> Result<String> {
+    let Some(u) = url else {
+        return Ok(outbox_tests::db::server_params());
     };
-    let port = cfg.get_ports().first().copied().unwrap_or(5432);
-    format!(
-        "{}@{host}:{port}/{}",
-        cfg.get_user().unwrap_or("?"),
-        cfg.get_dbname().unwrap_or("?")
-    )
-}
-
-fn pct_encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
-
-/// A postgresql:// URL for the relay binary (it holds the password if one was configured; it is
-/// passed in the child's environment, never printed).
-pub fn url(cfg: &Config) -> String {
-    let user = pct_encode(cfg.get_user().unwrap_or("postgres"));
-    let auth = match cfg.get_password() {
-        Some(pw) => format!("{user}:{}", pct_encode(&String::from_utf8_lossy(pw))),
-        None => user,
+    let c: Config = u.parse().context("parsing --database-url")?;
+    let mut p = match c.get_hosts().first() {
+        Some(Host::Tcp(h)) => format!("host={}", conninfo_value(h)),
+        Some(Host::Unix(d)) => format!("host={}", conninfo_value(&d.to_string_lossy())),
+        None => "host=127.0.0.1".into(),
     };
-    let port = cfg.get_ports().first().copied().unwrap_or(5432);
-    let db = pct_encode(cfg.get_dbname().unwrap_or("postgres"));
-    match cfg.get_hosts().first() {
-        Some(Host::Unix(p)) => format!(
-            "postgresql://{auth}@/{db}?host={}&port={port}",
-            pct_encode(&p.display().to_string())
-        ),
-        Some(Host::Tcp(h)) => format!("postgresql://{auth}@{h}:{port}/{db}"),
-        None => format!("postgresql://{auth}@localhost:{port}/{db}"),
+    p += &format!(" port={}", c.get_ports().first().copied().unwrap_or(5432));
+    if let Some(user) = c.get_user() {
+        p += &format!(" user={}", conninfo_value(user));
     }
+    if let Some(pw) = c.get_password() {
+        p += &format!(" password={}", conninfo_value(&String::from_utf8_lossy(pw)));
+    }
+    Ok(p)
 }
 
-/// The benchmark's own database: created with a unique name, dropped at the end.
-pub struct BenchDb {
-    pub admin: Config,
-    pub cfg: Config,
-    pub name: String,
-}
-
-impl BenchDb {
-    pub async fn create(admin: &Config) -> Result<BenchDb> {
-        let a = connect(admin).await?;
-        let avail: Option<String> = a
-            .query_opt(
-                "SELECT default_version FROM pg_available_extensions WHERE name = 'outbox'",
-                &[],
-            )
-            .await?
-            .map(|r| r.get(0));
-        if avail.is_none() {
-            bail!(
-                "the outbox extension is not installed in this PostgreSQL server ({}): run scripts/setup first",
-                describe(admin)
-            );
-        }
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis();
-        let name = format!("outbox_bench_{}_{}", std::process::id(), stamp);
-        a.batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .with_context(|| format!("CREATE DATABASE {name}"))?;
-        let mut cfg = admin.clone();
-        cfg.dbname(&name);
-        let db = BenchDb {
-            admin: admin.clone(),
-            cfg,
-            name,
-        };
-        let c = connect(&db.cfg).await?;
-        c.batch_execute("CREATE EXTENSION outbox")
-            .await
-            .context("CREATE EXTENSION outbox")?;
-        Ok(db)
-    }
-
-    pub async fn drop_db(&self) -> Result<()> {
-        let a = connect(&self.admin).await?;
-        a.batch_execute(&format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.name
-        ))
-        .await?;
-        Ok(())
-    }
-
-    pub async fn connect(&self) -> Result<Client> {
-        connect(&self.cfg).await
-    }
-
-    pub fn url(&self) -> String {
-        url(&self.cfg)
-    }
-
+/// What the bench needs of its scratch database beyond the tests' [`TestDb`].
+pub trait BenchDb {
+    /// A new session, its failure an error of the run rather than a panic.
+    async fn client(&self) -> Result<Client>;
     /// The server runs on this machine (loopback or a Unix socket): one clock for both sides.
-    pub fn is_local(&self) -> bool {
-        match self.cfg.get_hosts().first() {
+    fn is_local(&self) -> bool;
+}
+
+impl BenchDb for TestDb {
+    async fn client(&self) -> Result<Client> {
+        try_connect(&self.url())
+            .await
+            .with_context(|| format!("connecting to database {}", self.name))
+    }
+
+    fn is_local(&self) -> bool {
+        let cfg: Option<Config> = self.url().parse().ok();
+        match cfg.as_ref().and_then(|c| c.get_hosts().first().cloned()) {
             Some(Host::Tcp(h)) => matches!(h.as_str(), "127.0.0.1" | "localhost" | "::1"),
             Some(Host::Unix(_)) | None => true,
         }

@@ -1,8 +1,10 @@
-//! 1. Enqueue cost: business transactions per second with and without the outbox.
+//! Enqueue cost (report section 1): business transactions per second with and without the outbox.
 
 use anyhow::Result;
 use hdrhistogram::Histogram;
 use std::time::Instant;
+
+use outbox_tests::db::TestDb;
 
 use crate::db::{BenchDb, DbCpu};
 use crate::report::{ms, num, pct, Table};
@@ -17,7 +19,7 @@ pub enum Variant {
 }
 
 impl Variant {
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Variant::OrderOnly => "insert order row",
             Variant::Outbox => "order row + `outbox_enqueue` (notify on)",
@@ -80,8 +82,8 @@ const VARIANTS: [Variant; 4] = [
     Variant::OutboxOneStatement,
 ];
 
-pub async fn run(db: &BenchDb, p: &Profile) -> Result<EnqueueSummary> {
-    let admin = db.connect().await?;
+pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
+    let admin = db.client().await?;
     admin
         .batch_execute(
             "CREATE TABLE bench_order (
@@ -92,7 +94,7 @@ pub async fn run(db: &BenchDb, p: &Profile) -> Result<EnqueueSummary> {
         )
         .await?;
     // A relay would be listening: NOTIFY costs more with a listener to signal.
-    let listener = db.connect().await?;
+    let listener = db.client().await?;
     listener
         .batch_execute(&format!("LISTEN {}", outbox_worker::WAKEUP_CHANNEL))
         .await?;
@@ -189,7 +191,7 @@ pub async fn run(db: &BenchDb, p: &Profile) -> Result<EnqueueSummary> {
 }
 
 async fn run_variant(
-    db: &BenchDb,
+    db: &TestDb,
     monitor: &tokio_postgres::Client,
     v: Variant,
     p: &Profile,
@@ -197,7 +199,7 @@ async fn run_variant(
     // Connect all clients first, then start them together.
     let mut clients = Vec::new();
     for _ in 0..p.enqueue_clients {
-        let c = db.connect().await?;
+        let c = db.client().await?;
         if v == Variant::OutboxNoNotify {
             c.batch_execute("SET outbox.notify = off").await?;
         }
@@ -287,8 +289,8 @@ async fn client_loop(
 
 /// Where the enqueue time goes, server side: per-row cost of N rows in one statement (one
 /// transaction, so commit and NOTIFY delivery are excluded).
-pub async fn breakdown(db: &BenchDb, n: i64) -> Result<(String, Vec<f64>)> {
-    let c = db.connect().await?;
+pub async fn breakdown(db: &TestDb, n: i64) -> Result<(String, Vec<f64>)> {
+    let c = db.client().await?;
     let cases: [(&str, &str, bool); 4] = [
         (
             "INSERT order row",

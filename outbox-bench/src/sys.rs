@@ -1,7 +1,16 @@
-//! Facts about the machine and per-process CPU time, read from /proc (Linux only).
+//! Facts about the machine (the report's environment table) and per-process CPU time, read from
+//! /proc (Linux only).
 
 use std::collections::HashMap;
 use std::fs;
+
+use anyhow::Result;
+use outbox_tests::db::TestDb;
+use outbox_tests::kafka;
+
+use crate::db::BenchDb;
+use crate::report::Table;
+use crate::Profile;
 
 /// Clock ticks per second for /proc/<pid>/stat times.
 pub fn clk_tck() -> f64 {
@@ -158,4 +167,80 @@ impl HostMeter {
             (100.0 * (busy - ours) / total).max(0.0),
         )
     }
+}
+
+/// The broker line of the report: the installed Kafka's own version (`scripts/broker install`
+/// records it), else the pinned one.
+pub fn kafka_version() -> String {
+    let home = kafka::home();
+    let v = std::fs::read_to_string(home.join("version"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| kafka::version().to_string());
+    format!(
+        "Apache Kafka {v} (one JVM, KRaft broker+controller, {}, log on local disk)",
+        home.display()
+    )
+}
+
+pub async fn environment(
+    p: &Profile,
+    db: &TestDb,
+    load_start: &str,
+    broker: &str,
+    relay: &str,
+) -> Result<String> {
+    let c = db.client().await?;
+    let pg: String = c.query_one("SELECT version()", &[]).await?.get(0);
+    let ext: String = c
+        .query_one(
+            "SELECT extversion FROM pg_extension WHERE extname = 'outbox'",
+            &[],
+        )
+        .await?
+        .get(0);
+    let settings = c
+        .query(
+            "SELECT name || ' = ' || setting || coalesce(unit, '') FROM pg_settings
+              WHERE name IN ('shared_buffers', 'synchronous_commit', 'fsync', 'wal_level',
+                             'max_connections', 'autovacuum', 'shared_preload_libraries',
+                             'max_wal_size', 'checkpoint_timeout')
+              ORDER BY name",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| format!("`{}`", r.get::<_, String>(0)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let date: String = c
+        .query_one(
+            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI \"UTC\"')",
+            &[],
+        )
+        .await?
+        .get(0);
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let mut t = Table::new(&["", ""]);
+    t.row(vec!["date".into(), date]);
+    t.row(vec!["profile".into(), format!("`{}`", p.name)]);
+    t.row(vec!["checkout".into(), format!("`{commit}`")]);
+    t.row(vec!["CPU".into(), format!("{} × {}", cpus(), cpu_model())]);
+    t.row(vec!["memory".into(), format!("{:.1} GiB", mem_total_gib())]);
+    t.row(vec!["kernel".into(), kernel()]);
+    t.row(vec!["PostgreSQL".into(), pg]);
+    t.row(vec!["PostgreSQL settings".into(), settings]);
+    t.row(vec!["outbox extension".into(), ext]);
+    t.row(vec!["broker".into(), broker.to_string()]);
+    t.row(vec!["relay".into(), relay.to_string()]);
+    t.row(vec![
+        "load average (1/5/15 min) at start → end".into(),
+        format!("{load_start} → {}", loadavg()),
+    ]);
+    Ok(t.render())
 }

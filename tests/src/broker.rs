@@ -4,8 +4,7 @@
 //! it with `outbox-worker tail --follow`.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -15,18 +14,14 @@ use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use crate::kafka::{self, Kafka};
-use crate::worker::worker_bin;
+use crate::relay::relay_bin;
 
 /// Partitions of the topics `create_topic` makes.
 pub const PARTITIONS: i32 = 4;
 
 /// A loopback port nothing listens on right now.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind 127.0.0.1:0")
-        .local_addr()
-        .expect("local addr")
-        .port()
+    kafka::free_port().expect("bind 127.0.0.1:0")
 }
 
 pub struct Broker {
@@ -96,10 +91,21 @@ impl Broker {
     pub fn start_on(port: u16) -> Broker {
         let dir =
             std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
-        let kafka = Kafka::start(&dir, port)
-            .unwrap_or_else(|e| panic!("starting Kafka on 127.0.0.1:{port}: {e}"));
+        Broker::try_start_in(&dir, port).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts a new, empty broker on 127.0.0.1:`port` with its data in `dir`; an error (with the
+    /// broker's log) instead of a panic, for callers that report it (outbox-bench).
+    pub fn try_start_in(dir: &Path, port: u16) -> Result<Broker, String> {
+        let kafka = Kafka::start(dir, port)
+            .map_err(|e| format!("starting Kafka on 127.0.0.1:{port}: {e}"))?;
         let log = kafka.log();
-        Broker { port, kafka, log }
+        Ok(Broker { port, kafka, log })
+    }
+
+    /// The broker JVM's pid while it runs (for its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.kafka.pid()
     }
 
     /// `host:port` for `--brokers`.
@@ -110,8 +116,19 @@ impl Broker {
     /// Creates a topic with 4 partitions (the broker does not create topics on first produce) and
     /// waits until every partition has a leader.
     pub fn create_topic(&self, name: &str) {
-        kafka::create_topics(&self.addr(), &[name], PARTITIONS)
-            .unwrap_or_else(|e| panic!("{e}\nbroker log:\n{}", kafka::log_tail(&self.log, 20)));
+        self.try_create_topic(name)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// `create_topic`, returning the failure with the tail of the broker's log.
+    pub fn try_create_topic(&self, name: &str) -> Result<(), String> {
+        kafka::create_topics(&self.addr(), &[name], PARTITIONS).map_err(|e| {
+            format!(
+                "{e}\nbroker log {}:\n{}",
+                self.log.display(),
+                kafka::log_tail(&self.log, 20)
+            )
+        })
     }
 
     /// Stops the broker cleanly (SIGTERM) and starts it again on the same ports with the same
@@ -156,7 +173,7 @@ impl Broker {
 
     /// A `tail --follow` consumer whose messages arrive on the returned channel as they come.
     pub fn follow(&self, topic: &str) -> Follower {
-        let mut child = Command::new(worker_bin())
+        let mut child = Command::new(relay_bin())
             .args([
                 "tail",
                 "--json",

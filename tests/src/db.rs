@@ -1,4 +1,4 @@
-//! Throwaway databases on the real PostgreSQL server.
+//! Throwaway databases on the real PostgreSQL server (the tests' and outbox-bench's).
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -9,11 +9,31 @@ use futures_util::{stream, StreamExt};
 use tokio_postgres::types::{FromSqlOwned, ToSql};
 use tokio_postgres::{AsyncMessage, Client, NoTls};
 
-/// libpq-style parameters of the server the tests use, without a database name.
-/// `OUTBOX_TEST_PG` overrides the default local superuser connection.
+/// libpq-style parameters of the server the tests use, without a database name: `OUTBOX_TEST_PG`,
+/// else `PGHOST`, `PGPORT`, `PGUSER` (and `PGPASSWORD`) with `scripts/env.sh`'s defaults.
 pub fn server_params() -> String {
-    std::env::var("OUTBOX_TEST_PG")
-        .unwrap_or_else(|_| "host=127.0.0.1 port=5432 user=postgres".to_string())
+    if let Ok(p) = std::env::var("OUTBOX_TEST_PG") {
+        return p;
+    }
+    let var = |k: &str, default: &str| std::env::var(k).unwrap_or_else(|_| default.to_string());
+    let mut p = format!(
+        "host={} port={} user={}",
+        conninfo_value(&var("PGHOST", "127.0.0.1")),
+        conninfo_value(&var("PGPORT", "5432")),
+        conninfo_value(&var("PGUSER", "postgres"))
+    );
+    if let Ok(pw) = std::env::var("PGPASSWORD") {
+        p += &format!(" password={}", conninfo_value(&pw));
+    }
+    p
+}
+
+/// A value for a libpq `key=value` connection string, quoted when it needs to be.
+pub fn conninfo_value(v: &str) -> String {
+    if !v.is_empty() && !v.contains([' ', '\'', '\\']) {
+        return v.to_string();
+    }
+    format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
 /// Runs one SQL command with psql on the database named by `conninfo`; panics with psql's output.
@@ -38,13 +58,21 @@ pub fn psql_admin(sql: &str) {
 /// A database created for one test (with `CREATE EXTENSION outbox` unless `empty`), dropped on drop.
 pub struct TestDb {
     pub name: String,
+    /// The server's connection parameters, without a database name.
+    pub server: String,
 }
 
 impl TestDb {
     /// `OUTBOX_TEST_EXT_VERSION` installs that version instead of the default one (to show a
     /// test failing on an earlier release).
     pub fn create() -> TestDb {
-        let db = TestDb::empty();
+        TestDb::create_on(&server_params(), "outbox_test")
+    }
+
+    /// A database named `<prefix>_<pid>_<n>_<nanos>` with the extension on the server `server`
+    /// (libpq parameters without a database name); outbox-bench uses its own prefix.
+    pub fn create_on(server: &str, prefix: &str) -> TestDb {
+        let db = TestDb::empty_on(server, prefix);
         match std::env::var("OUTBOX_TEST_EXT_VERSION") {
             Ok(v) => db.psql(&format!("CREATE EXTENSION outbox VERSION '{v}'")),
             Err(_) => db.psql("CREATE EXTENSION outbox"),
@@ -54,24 +82,38 @@ impl TestDb {
 
     /// A database without the extension (for installing a given version).
     pub fn empty() -> TestDb {
+        TestDb::empty_on(&server_params(), "outbox_test")
+    }
+
+    fn empty_on(server: &str, prefix: &str) -> TestDb {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap()
             .subsec_nanos();
         let name = format!(
-            "outbox_test_{}_{}_{}",
+            "{prefix}_{}_{}_{}",
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed),
             nanos
         );
-        psql_admin(&format!("CREATE DATABASE {name}"));
-        TestDb { name }
+        let db = TestDb {
+            name,
+            server: server.to_string(),
+        };
+        run_psql(&db.admin_url(), &format!("CREATE DATABASE {}", db.name));
+        db
     }
 
-    /// Connection string for this database (libpq key=value form, accepted by tokio-postgres).
+    /// Connection string for this database (libpq key=value form, accepted by tokio-postgres and
+    /// by the relay).
     pub fn url(&self) -> String {
-        format!("{} dbname={}", server_params(), self.name)
+        format!("{} dbname={}", self.server, self.name)
+    }
+
+    /// The server's `postgres` database, to create and drop this one.
+    fn admin_url(&self) -> String {
+        format!("{} dbname=postgres", self.server)
     }
 
     /// Runs SQL in this database through psql (for set-up that needs psql features).
@@ -88,7 +130,7 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         let _ = Command::new("psql")
-            .arg(format!("{} dbname=postgres", server_params()))
+            .arg(self.admin_url())
             .args(["-X", "-q", "-c"])
             .arg(format!(
                 "DROP DATABASE IF EXISTS {} WITH (FORCE)",
@@ -100,13 +142,18 @@ impl Drop for TestDb {
 
 /// Connects and drives the connection on the current runtime.
 pub async fn connect(url: &str) -> Client {
-    let (client, conn) = tokio_postgres::connect(url, NoTls)
+    try_connect(url)
         .await
-        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
+/// [`connect`], returning the error (outbox-bench reports it instead of panicking).
+pub async fn try_connect(url: &str) -> Result<Client, tokio_postgres::Error> {
+    let (client, conn) = tokio_postgres::connect(url, NoTls).await?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    client
+    Ok(client)
 }
 
 /// Connects like [`connect`] and collects the session's notices and warnings (RAISE NOTICE,

@@ -30,7 +30,7 @@ use tokio_postgres::Client;
 
 use crate::broker::{read_to_end, Broker};
 use crate::db::{connect, TestDb};
-use crate::worker::Worker;
+use crate::relay::Relay as Worker;
 
 /// Topics the events go to; the poison topic is never created on the broker.
 pub const TOPICS: [&str; 2] = ["orders", "payments"];

@@ -2,8 +2,7 @@
 //! process: what `scripts/broker start` does, from the same templates (`scripts/kafka/`) and the
 //! Kafka that `scripts/broker install` put into `$OUTBOX_TOOLS/kafka-<version>`.
 //!
-//! Shared by the tests' `Broker` (`tests/src/broker.rs`) and outbox-bench's, which includes this
-//! file with `#[path]`; it only uses std, libc and rdkafka, which both crates depend on.
+//! Used through `Broker` (`tests/src/broker.rs`) by the tests and by outbox-bench.
 
 use std::fs::{File, OpenOptions};
 use std::future::Future;
@@ -62,8 +61,18 @@ pub fn log_tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding.
+/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding, not starting
+/// with '-' (the storage tool's argument parser would take such an id for an option).
 fn random_cluster_id() -> std::io::Result<String> {
+    loop {
+        let id = random_base64_id()?;
+        if !id.starts_with('-') {
+            return Ok(id);
+        }
+    }
+}
+
+fn random_base64_id() -> std::io::Result<String> {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut b = [0u8; 16];
     File::open("/dev/urandom")?.read_exact(&mut b)?;
@@ -391,6 +400,7 @@ mod tests {
         let a = random_cluster_id().expect("urandom");
         let b = random_cluster_id().expect("urandom");
         assert_eq!(a.len(), 22, "{a}");
+        assert!(!a.starts_with('-'), "{a}");
         assert!(
             a.bytes()
                 .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_'),

@@ -1,11 +1,12 @@
-//! Shared harness for the integration tests: every test gets its own database on the real server,
-//! with the installed extension, dropped again when the test ends (so a broken run cannot poison
-//! the next one). The relay tests also get their own broker and run the real worker binary.
+//! Shared harness for the integration tests and outbox-bench: every test gets its own database on
+//! the real server, with the installed extension, dropped again when the test ends (so a broken
+//! run cannot poison the next one). The relay tests also get their own broker and run the real
+//! relay binary.
 
 pub mod broker;
 pub mod db;
 pub mod events;
 pub mod fault;
 pub mod kafka;
+pub mod relay;
 pub mod roles;
-pub mod worker;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, ids_in, status_counts, wait_counts};
-use outbox_tests::worker::{run_cmd, Worker};
+use outbox_tests::relay::{run_cmd, Relay};
 use serde_json::json;
 
 /// How long the broker is down: issue 11's figure, past every backoff of the default retry rule
@@ -24,7 +24,7 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
     broker.create_topic("orders");
     let client = db.connect().await;
     // The relay's and the extension's defaults: send timeout, lease, retries, backoff, poll.
-    let mut relay = Worker::spawn(&db.url(), &broker.addr(), &[]);
+    let mut relay = Relay::spawn(&db.url(), &broker.addr(), &[]);
 
     // One event every 250 ms, before, during and after the outage.
     let stop_producing = Arc::new(AtomicBool::new(false));
@@ -65,7 +65,7 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
     while down.elapsed() < OUTAGE {
         tokio::time::sleep(Duration::from_secs(5)).await;
         assert!(
-            relay.wait_exit(Duration::ZERO).is_none(),
+            relay.is_running(),
             "the relay exited during the outage\n{}",
             relay.logs()
         );
@@ -116,10 +116,7 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
         .map(|m| m.outbox_id())
         .collect();
     assert_eq!(got, committed, "every committed event arrives");
-    assert!(
-        relay.wait_exit(Duration::ZERO).is_none(),
-        "the relay never exits"
-    );
+    assert!(relay.is_running(), "the relay never exits");
     assert_eq!(relay.metric("outbox_broker_circuit_open"), Some(0.0));
     assert!(
         relay
@@ -153,7 +150,7 @@ async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
     let broker = Broker::start();
     broker.create_topic("payments");
     let client = db.connect().await;
-    let relay = Worker::spawn(
+    let relay = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &["--poll-interval", "100ms", "--send-timeout", "1s"],

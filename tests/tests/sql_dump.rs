@@ -50,6 +50,7 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
 
     let target = TestDb {
         name: format!("{}_restored", source.name),
+        server: source.server.clone(),
     };
     psql_admin(&format!("CREATE DATABASE {}", target.name));
     let out = Command::new("pg_restore")

@@ -526,6 +526,8 @@ async fn lifecycle(
     tokio::time::sleep(Duration::from_millis(20)).await;
     let reclaimed = api.count("outbox_reclaim", "'1 millisecond'", &[]).await;
     api.expect(reclaimed == Some(1), &format!("reclaimed {reclaimed:?}"));
+    let reclaimed = api.call("outbox_reclaim_returning", "", &[]).await.len();
+    api.expect(reclaimed == 0, "outbox_reclaim_returning() with the default lease");
     let reclaimed = api.count("outbox_reclaim", "", &[]).await;
     api.expect(
         reclaimed == Some(0),
@@ -539,8 +541,14 @@ async fn lifecycle(
         tokio::time::sleep(Duration::from_millis(20)).await;
         let (token, ids) = api.claim(owner).await;
         if !ids.is_empty() {
-            api.count("outbox_nack", "$1, $2, $3", &[&owner, &token, &ids])
+            // The relay's form: the settled rows with their new state.
+            let settled = api
+                .call("outbox_nack_returning", "$1, $2, $3", &[&owner, &token, &ids])
                 .await;
+            api.expect(
+                settled.len() == ids.len(),
+                &format!("outbox_nack_returning settled {} of {ids:?}", settled.len()),
+            );
         }
     }
     let failed = api.failed_events().await;
@@ -649,6 +657,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_check_isolation", "'f'"),
         ("outbox_check_topic", "'orders'"),
         ("outbox_uuidv7", ""),
+        ("outbox_status_after_failure", "4, 3"),
     ] {
         api.call(func, args, &[]).await;
     }

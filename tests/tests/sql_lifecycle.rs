@@ -401,6 +401,80 @@ async fn reclaim_dead_letters_an_event_that_keeps_losing_its_lease() {
     }
 }
 
+/// The `_returning` forms say which settled rows became dead letters (the relay logs and counts
+/// exactly those), and the rows of another holder are not reported.
+#[tokio::test]
+async fn nack_and_reclaim_returning_report_each_settled_row_and_its_dead_letters() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.max_retry = 1").await.unwrap();
+    let fresh = enqueue(&c, "orders").await;
+    let tired = enqueue(&c, "payments").await;
+    c.execute(
+        "UPDATE outbox_event SET retry_count = 1 WHERE id = $1",
+        &[&tired],
+    )
+    .await
+    .unwrap();
+    let (token, ids) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids.len(), 2);
+    let rows = c
+        .query(
+            "SELECT id, topic, status::text, retry_count FROM outbox_nack_returning('relay-a', $1, $2, 'boom')",
+            &[&token, &vec![fresh, tired, 424_242]],
+        )
+        .await
+        .unwrap();
+    let got: Vec<(i64, String, String, i32)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (fresh, "orders".into(), "WAIT".into(), 1),
+            (tired, "payments".into(), "FAIL".into(), 2),
+        ]
+    );
+    // Nothing held any more: a second nack reports nothing.
+    let again = c
+        .query(
+            "SELECT id FROM outbox_nack_returning('relay-a', $1, $2)",
+            &[&token, &vec![fresh, tired]],
+        )
+        .await
+        .unwrap();
+    assert!(again.is_empty());
+
+    c.execute(
+        "UPDATE outbox_event SET next_retry_time = now() WHERE id = $1",
+        &[&fresh],
+    )
+    .await
+    .unwrap();
+    let (_, got) = claim(&c, "crashy", 1).await;
+    assert_eq!(got, vec![fresh]);
+    c.execute(
+        "UPDATE outbox_event SET claimed_at = clock_timestamp() - interval '1 hour' WHERE id = $1",
+        &[&fresh],
+    )
+    .await
+    .unwrap();
+    let r = c
+        .query_one(
+            "SELECT id, topic, status::text, retry_count, expired_owner FROM outbox_reclaim_returning('1 minute')",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.get::<_, i64>(0), r.get::<_, String>(1), r.get::<_, String>(2), r.get::<_, i32>(3)),
+        (fresh, "orders".to_string(), "FAIL".to_string(), 2),
+        "second failed attempt with max_retry 1: a dead letter"
+    );
+    assert_eq!(r.get::<_, Option<String>>(4).as_deref(), Some("crashy"));
+}
+
 #[tokio::test]
 async fn requeue_returns_dead_letters_only() {
     let db = TestDb::create();

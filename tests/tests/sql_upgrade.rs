@@ -1,14 +1,14 @@
 //! The upgrade chain (sql/outbox--A--B.sql): a database on the first release with events in
 //! flight is updated with `ALTER EXTENSION outbox UPDATE`, the relay's held claims still settle,
 //! everything drains, and the updated catalog is exactly what a fresh install creates.
-//! Every schema change adds its step to the chain, and this test starts from the first release.
+//! Every schema change adds its step to the chain, and this test starts from every earlier
+//! release. A relay role's grants carry over to the functions a new relay calls.
 
 use std::collections::BTreeMap;
 
-use outbox_tests::db::{scalar, TestDb};
+use outbox_tests::db::{psql_admin, scalar, TestDb};
 use tokio_postgres::Client;
 
-const FIRST_RELEASE: &str = "0.1.0";
 const CURRENT: &str = env!("CARGO_PKG_VERSION");
 
 /// Everything the extension defines, as text keyed by object, for comparing two databases.
@@ -45,11 +45,35 @@ async fn catalog(c: &Client) -> BTreeMap<String, String> {
 }
 
 #[tokio::test]
-async fn update_from_the_first_release_with_events_in_flight() {
+async fn update_from_0_1_0_with_events_in_flight() {
+    update_with_events_in_flight("0.1.0").await;
+}
+
+#[tokio::test]
+async fn update_from_0_2_0_with_events_in_flight() {
+    update_with_events_in_flight("0.2.0").await;
+}
+
+/// A role granted what the 0.1.0 / 0.2.0 recipe gave a relay; dropped on drop.
+struct OldRelayRole(String);
+
+impl Drop for OldRelayRole {
+    fn drop(&mut self) {
+        psql_admin(&format!("DROP ROLE IF EXISTS {}", self.0));
+    }
+}
+
+async fn update_with_events_in_flight(from: &str) {
     let db = TestDb::empty();
+    let role = OldRelayRole(format!("outbox_old_relay_{}", db.name.trim_start_matches("outbox_test_")));
     let c = db.connect().await;
+    c.batch_execute(&format!("CREATE EXTENSION outbox VERSION '{from}'"))
+        .await
+        .unwrap();
     c.batch_execute(&format!(
-        "CREATE EXTENSION outbox VERSION '{FIRST_RELEASE}'"
+        "CREATE ROLE {0} NOLOGIN; GRANT EXECUTE ON FUNCTION outbox_nack(text, bigint, bigint[], text), \
+         outbox_reclaim(interval) TO {0}",
+        role.0
     ))
     .await
     .unwrap();
@@ -76,6 +100,25 @@ async fn update_from_the_first_release_with_events_in_flight() {
     )
     .await;
     assert_eq!(version, CURRENT);
+    for f in [
+        "outbox_nack_returning(text, bigint, bigint[], text)",
+        "outbox_reclaim_returning(interval)",
+    ] {
+        let may: bool = scalar(
+            &c,
+            "SELECT has_function_privilege($1, $2, 'EXECUTE')",
+            &[&role.0, &f],
+        )
+        .await;
+        assert!(may, "{} may no longer call {f} after the update", role.0);
+    }
+    c.batch_execute(&format!(
+        "REVOKE ALL ON FUNCTION outbox_nack(text, bigint, bigint[], text), outbox_reclaim(interval), \
+         outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval) FROM {}",
+        role.0
+    ))
+    .await
+    .unwrap();
     let distinct_ids: i64 =
         scalar(&c, "SELECT count(DISTINCT event_id) FROM outbox_event", &[]).await;
     assert_eq!(

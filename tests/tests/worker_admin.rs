@@ -2,7 +2,7 @@
 
 use outbox_tests::db::TestDb;
 use outbox_tests::events::status_counts;
-use outbox_tests::worker::run_cmd;
+use outbox_tests::relay::run_cmd;
 
 fn ok(args: &[&str]) -> String {
     let out = run_cmd(args);

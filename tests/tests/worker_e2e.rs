@@ -7,7 +7,7 @@ use std::time::Duration;
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, wait_counts, Expected};
-use outbox_tests::worker::Worker;
+use outbox_tests::relay::Relay;
 use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
 use serde_json::json;
 
@@ -21,7 +21,7 @@ async fn committed_events_arrive_exactly_with_key_value_and_headers() {
 
     // The worker runs while events are committed, with a short poll so the test does not depend
     // on NOTIFY (tested separately).
-    let worker = Worker::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+    let worker = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
 
     let mut expected: BTreeMap<i64, Expected> = BTreeMap::new();
     let mut rolled_back = BTreeSet::new();
@@ -156,8 +156,8 @@ async fn two_relays_share_the_work_without_duplicates() {
         "--poll-interval",
         "100ms",
     ];
-    let a = Worker::spawn(&db.url(), &broker.addr(), &args);
-    let b = Worker::spawn(&db.url(), &broker.addr(), &args);
+    let a = Relay::spawn(&db.url(), &broker.addr(), &args);
+    let b = Relay::spawn(&db.url(), &broker.addr(), &args);
     let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
     assert_eq!(counts["SUCCESS"], n, "{counts:?}");
     let pa = a

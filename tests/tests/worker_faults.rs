@@ -4,10 +4,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use outbox_tests::broker::{free_port, Broker};
+use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, enqueue_burst, ids_in, status_counts, wait_counts};
-use outbox_tests::worker::{run_cmd, Worker};
+use outbox_tests::relay::Relay;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,7 +18,7 @@ async fn sigterm_during_a_burst_settles_every_claimed_row() {
     let client = db.connect().await;
     let n = 20_000i64;
     enqueue_burst(&client, "orders", n).await;
-    let mut worker = Worker::spawn(
+    let mut worker = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &["--batch-size", "500", "--concurrency", "2"],
@@ -67,7 +67,7 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
 
     // Worker A claims while the broker is frozen, so its claims stay open; then it is killed.
     broker.freeze();
-    let mut a = Worker::spawn(
+    let mut a = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &[
@@ -100,7 +100,7 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
     broker.thaw();
 
     // Worker B with a short lease reclaims them (one failed attempt each) and delivers everything.
-    let b = Worker::spawn(
+    let b = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &[
@@ -168,7 +168,7 @@ async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
         &BTreeMap::new(),
     )
     .await;
-    let worker = Worker::spawn(
+    let worker = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &[
@@ -247,7 +247,7 @@ async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
     let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
-    let worker = Worker::spawn(
+    let worker = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &[
@@ -324,7 +324,7 @@ async fn broker_restart_keeps_delivered_messages_and_the_relay_resumes() {
     let mut broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
-    let worker = Worker::spawn(
+    let worker = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &[

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
-use outbox_tests::worker::Worker;
+use outbox_tests::relay::Relay;
 use outbox_worker::WAKEUP_CHANNEL;
 use serde_json::json;
 
@@ -18,7 +18,7 @@ async fn event_committed_while_idle_arrives_within_one_second() {
     broker.create_topic("orders");
     let client = db.connect().await;
     let follower = broker.follow("orders");
-    let worker = Worker::spawn(&db.url(), &broker.addr(), &["--poll-interval", "60s"]);
+    let worker = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "60s"]);
     assert!(
         worker
             .wait_log(

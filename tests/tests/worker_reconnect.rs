@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
-use outbox_tests::worker::Worker;
+use outbox_tests::relay::Relay;
 use outbox_worker::WAKEUP_CHANNEL;
 use serde_json::json;
 
@@ -19,7 +19,7 @@ async fn listen_session_and_pool_reconnect_after_their_backends_are_terminated()
     broker.create_topic("orders");
     let client = db.connect().await;
     let follower = broker.follow("orders");
-    let worker = Worker::spawn(
+    let worker = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &["--poll-interval", "60s", "--stats-interval", "200ms"],
@@ -88,7 +88,7 @@ async fn health_reports_an_unreachable_database() {
     let db = TestDb::create();
     let broker = Broker::start();
     broker.create_topic("orders");
-    let worker = Worker::spawn(
+    let worker = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &["--poll-interval", "100ms", "--stats-interval", "100ms"],

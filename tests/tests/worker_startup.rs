@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use outbox_tests::broker::free_port;
 use outbox_tests::db::TestDb;
+use outbox_tests::relay::{relay_bin, run_cmd, Relay};
 use outbox_tests::roles::Roles;
-use outbox_tests::worker::{run_cmd, worker_bin, Worker};
 
 fn one_line_failure(out: &Output, must_contain: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -90,7 +90,7 @@ fn unknown_kafka_property() {
 
 #[test]
 fn missing_database_url() {
-    let out = Command::new(worker_bin())
+    let out = Command::new(relay_bin())
         .arg("run")
         .env_remove("OUTBOX_DATABASE_URL")
         .output()
@@ -113,7 +113,7 @@ fn secrets_from_files_are_used_and_never_logged() {
     )
     .expect("write");
     let brokers = format!("127.0.0.1:{}", free_port());
-    let mut w = Worker::spawn_args(&[
+    let mut w = Relay::spawn_args(&[
         "run",
         "--brokers",
         &brokers,
@@ -155,7 +155,7 @@ fn secrets_from_files_are_used_and_never_logged() {
 /// Runs `outbox-worker ARGS` to completion, killing it after `timeout` (a relay that retries
 /// forever would never end).
 fn run_with_timeout(args: &[&str], timeout: Duration) -> Output {
-    let mut child = Command::new(worker_bin())
+    let mut child = Command::new(relay_bin())
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -191,7 +191,7 @@ fn relay_role_without_execute_on_claim_exits_non_zero() {
     let url = format!("{} user={relay}", db.url());
     let brokers = format!("127.0.0.1:{}", free_port());
 
-    let mut w = Worker::spawn_args(&["run", "--database-url", &url, "--brokers", &brokers]);
+    let mut w = Relay::spawn_args(&["run", "--database-url", &url, "--brokers", &brokers]);
     assert!(
         w.wait_log(&["claim returned no due events"], Duration::from_secs(15))
             .is_some(),
@@ -232,7 +232,7 @@ fn relay_role_without_execute_on_claim_exits_non_zero() {
 fn sigterm_stops_idle_claim_loops_at_once() {
     let db = TestDb::create();
     let brokers = format!("127.0.0.1:{}", free_port());
-    let mut w = Worker::spawn(
+    let mut w = Relay::spawn(
         &db.url(),
         &brokers,
         &["--poll-interval", "60s", "--concurrency", "4"],

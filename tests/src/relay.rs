@@ -1,5 +1,5 @@
-//! The release `outbox-worker` binary run as a real process: logs captured, metrics scraped,
-//! signals sent, killed on drop.
+//! The relay (the release `outbox-worker` binary) run as a real process: logs captured, metrics
+//! scraped, signals sent, killed on drop. Used by the tests and by outbox-bench.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -10,63 +10,77 @@ use std::time::{Duration, Instant};
 
 use crate::broker::free_port;
 
-/// `OUTBOX_WORKER_BIN`, else `$CARGO_TARGET_DIR/release/outbox-worker`, else the workspace's
-/// `target/release/outbox-worker`.
-pub fn worker_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("OUTBOX_WORKER_BIN") {
-        return p.into();
+/// The relay binary, found as `scripts/env.sh` finds it: `OUTBOX_RELAY_BIN`, else
+/// `$CARGO_TARGET_DIR/release/outbox-worker`, else the workspace's `target/release/outbox-worker`.
+pub fn find_relay_bin() -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var("OUTBOX_RELAY_BIN") {
+        return Ok(p.into());
     }
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
     let p = target.join("release/outbox-worker");
-    assert!(
-        p.exists(),
-        "{} not found: build it with cargo build --release -p outbox-worker (or set OUTBOX_WORKER_BIN)",
-        p.display()
-    );
-    p
+    if !p.exists() {
+        return Err(format!(
+            "{} not found: build it with cargo build --release -p outbox-worker (or set OUTBOX_RELAY_BIN)",
+            p.display()
+        ));
+    }
+    Ok(p)
+}
+
+/// [`find_relay_bin`], panicking (failing the test) when the binary is missing.
+pub fn relay_bin() -> PathBuf {
+    find_relay_bin().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs an `outbox-worker` subcommand to completion.
 pub fn run_cmd(args: &[&str]) -> Output {
-    Command::new(worker_bin())
+    Command::new(relay_bin())
         .args(args)
         .stdin(Stdio::null())
         .output()
         .expect("run outbox-worker")
 }
 
-pub struct Worker {
+pub struct Relay {
     child: Child,
     logs: Arc<Mutex<Vec<String>>>,
     readers: Vec<std::thread::JoinHandle<()>>,
     pub metrics_port: u16,
 }
 
-impl Worker {
+impl Relay {
     /// `outbox-worker run --database-url URL --brokers BROKERS --metrics-addr 127.0.0.1:<free>`
     /// plus `extra`, logging at debug level.
-    pub fn spawn(db_url: &str, brokers: &str, extra: &[&str]) -> Worker {
+    pub fn spawn(db_url: &str, brokers: &str, extra: &[&str]) -> Relay {
         let mut args = vec!["run", "--database-url", db_url, "--brokers", brokers];
         args.extend_from_slice(extra);
-        Worker::spawn_args(&args)
+        Relay::spawn_args(&args)
     }
 
     /// `outbox-worker --log-level debug ARGS --metrics-addr 127.0.0.1:<free>` (ARGS start with
     /// the subcommand, `run`).
-    pub fn spawn_args(args: &[&str]) -> Worker {
+    pub fn spawn_args(args: &[&str]) -> Relay {
         let metrics_port = free_port();
-        let mut child = Command::new(worker_bin())
-            .args(["--log-level", "debug"])
+        let mut cmd = Command::new(relay_bin());
+        cmd.args(["--log-level", "debug"])
             .args(args)
             .arg("--metrics-addr")
-            .arg(format!("127.0.0.1:{metrics_port}"))
+            .arg(format!("127.0.0.1:{metrics_port}"));
+        let mut relay = Relay::start(cmd).expect("spawn outbox-worker");
+        relay.metrics_port = metrics_port;
+        relay
+    }
+
+    /// Starts `cmd` (a relay command line) with its output captured line by line (echoed to
+    /// stderr with `OUTBOX_TEST_ECHO` set); `metrics_port` is 0 until the caller sets it.
+    pub fn start(mut cmd: Command) -> std::io::Result<Relay> {
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn outbox-worker");
+            .spawn()?;
         let logs = Arc::new(Mutex::new(Vec::new()));
         let pid = child.id();
         let out: Box<dyn Read + Send> = Box::new(child.stdout.take().expect("stdout"));
@@ -78,27 +92,38 @@ impl Worker {
                 for line in BufReader::new(stream).lines() {
                     let Ok(line) = line else { return };
                     if std::env::var_os("OUTBOX_TEST_ECHO").is_some() {
-                        eprintln!("[worker {pid}] {line}");
+                        eprintln!("[relay {pid}] {line}");
                     }
                     logs.lock().expect("logs").push(line);
                 }
             }));
         }
-        Worker {
+        Ok(Relay {
             child,
             logs,
             readers,
-            metrics_port,
-        }
+            metrics_port: 0,
+        })
     }
 
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    /// Everything the worker logged so far.
+    /// Everything the relay logged so far.
     pub fn logs(&self) -> String {
         self.logs.lock().expect("logs").join("\n")
+    }
+
+    /// The last `n` lines the relay logged.
+    pub fn log_tail(&self, n: usize) -> String {
+        let logs = self.logs.lock().expect("logs");
+        logs[logs.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Waits until a log line contains every one of `needles`; returns that line.
@@ -143,6 +168,23 @@ impl Worker {
                 return None;
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The graceful stop a service manager does: SIGTERM, then the exit status within `timeout`
+    /// (SIGKILL and an error if the relay is still running by then).
+    pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus, String> {
+        self.signal(libc::SIGTERM);
+        match self.wait_exit(timeout) {
+            Some(st) => Ok(st),
+            None => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                Err(format!(
+                    "the relay did not exit within {} s of SIGTERM",
+                    timeout.as_secs()
+                ))
+            }
         }
     }
 
@@ -207,7 +249,7 @@ impl Worker {
     }
 }
 
-impl Drop for Worker {
+impl Drop for Relay {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

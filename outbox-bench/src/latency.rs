@@ -1,167 +1,23 @@
-//! 2b. Drain through the real relay binary to the local broker; 3. commit-to-broker latency.
+//! Commit-to-broker latency (report section 3): open-loop single-event transactions at fixed rates
+//! while the relay runs, timed to the row's ack and to a consumer's arrival.
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use hdrhistogram::Histogram;
-use std::path::Path;
+use outbox_worker::defaults;
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
-use crate::broker::{Arrivals, Broker, Worker};
-use crate::db::{self, BenchDb, DbCpu};
-use crate::report::{ms, num, Table};
-use crate::sys::{HostMeter, ProcSnapshot};
+use crate::arrivals::{Arrivals, FETCH_WAIT_MAX_MS};
+use crate::db::BenchDb;
+use crate::goals::LATENCY_GOAL_RATE;
+use crate::relay_env::RelayEnv;
+use crate::report::{ms, not_run, num, Table};
+use crate::results::Results;
+use crate::Profile;
 
-pub struct BrokerDrain {
-    pub loops: usize,
-    pub settings: String,
-    pub default_settings: bool,
-    pub drained: i64,
-    /// First claim to last ack, from the rows' own timestamps (excludes relay start-up).
-    pub secs: f64,
-    /// Relay start to "nothing due, nothing in flight" seen by polling.
-    pub wall_secs: f64,
-    pub complete: bool,
-    pub db_cpu_secs: Option<f64>,
-    pub relay_cpu_secs: f64,
-    pub broker_cpu_secs: f64,
-    pub host_busy_pct: f64,
-    pub other_pct: f64,
-}
-
-impl BrokerDrain {
-    pub fn rate(&self) -> f64 {
-        self.drained as f64 / self.secs.max(1e-9)
-    }
-    fn per_event(&self, secs: f64) -> String {
-        format!("{:.1}", secs * 1e6 / self.drained.max(1) as f64)
-    }
-}
-
-pub struct RelayEnv<'a> {
-    pub db: &'a BenchDb,
-    pub monitor: &'a Client,
-    pub broker: &'a Broker,
-    pub worker_bin: &'a Path,
-    pub workdir: &'a Path,
-}
-
-impl RelayEnv<'_> {
-    pub fn start_worker(&self, extra: &[String], tag: &str) -> Result<Worker> {
-        Worker::start(
-            self.worker_bin,
-            &self.db.url(),
-            &self.broker.addr(),
-            extra,
-            &self.workdir.join(format!("worker-{tag}.log")),
-        )
-    }
-}
-
-/// Drains a fresh backlog through `outbox-worker run --concurrency loops <extra>`.
-pub async fn drain(
-    env: &RelayEnv<'_>,
-    backlog: i64,
-    cap: Duration,
-    loops: usize,
-    extra: &[String],
-    tag: &str,
-) -> Result<BrokerDrain> {
-    let m = env.monitor;
-    db::fill_backlog(m, backlog, "bench.drain").await?;
-    let mut args = vec!["--concurrency".to_string(), loops.to_string()];
-    args.extend(extra.iter().cloned());
-    let cpu = DbCpu::start(m, &env.db.name).await?;
-    let b0 = ProcSnapshot::take(&[env.broker.pid()]);
-    let host0 = HostMeter::start();
-    let start = Instant::now();
-    let mut worker = env.start_worker(&args, tag)?;
-    let complete = db::wait_drained(m, cap).await?;
-    let wall_secs = start.elapsed().as_secs_f64();
-    let db_cpu = cpu.stop(m, &env.db.name).await?;
-    let relay_cpu = ProcSnapshot::take(&[worker.pid()]).cpu_secs_since(&ProcSnapshot::default());
-    let broker_cpu = ProcSnapshot::take(&[env.broker.pid()]).cpu_secs_since(&b0);
-    let (host_busy, other_pct) = host0.stop(db_cpu.unwrap_or(0.0) + relay_cpu + broker_cpu);
-    let running = worker.is_running();
-    let tail = worker.log_tail();
-    worker.stop()?;
-    if !running {
-        bail!("outbox-worker died during the drain; {tail}");
-    }
-    let r = m
-        .query_one(
-            "SELECT count(*) FILTER (WHERE status = 'SUCCESS'),
-                    count(*) FILTER (WHERE status = 'FAIL'),
-                    coalesce(extract(epoch FROM max(updated_at) FILTER (WHERE status = 'SUCCESS')
-                                             - min(claimed_at))::float8, 0)
-               FROM outbox_event",
-            &[],
-        )
-        .await?;
-    let (ok, failed, span): (i64, i64, f64) = (r.get(0), r.get(1), r.get(2));
-    progress!(
-        "    -> {:.0} events/s ({ok} events, {span:.2} s first claim to last ack, {wall_secs:.1} s wall)",
-        ok as f64 / span.max(1e-9)
-    );
-    if failed > 0 {
-        bail!("{failed} events were dead-lettered during the drain to the broker; {tail}");
-    }
-    if complete && ok != backlog {
-        bail!("drain to the broker ended with {ok} SUCCESS rows for {backlog} events; {tail}");
-    }
-    Ok(BrokerDrain {
-        loops,
-        settings: if args.len() > 2 {
-            format!("`{}`", args[2..].join(" "))
-        } else {
-            "defaults".into()
-        },
-        default_settings: extra.is_empty(),
-        drained: ok,
-        secs: if span > 0.0 { span } else { wall_secs },
-        wall_secs,
-        complete,
-        db_cpu_secs: db_cpu,
-        relay_cpu_secs: relay_cpu,
-        broker_cpu_secs: broker_cpu,
-        host_busy_pct: host_busy,
-        other_pct,
-    })
-}
-
-pub fn drain_table(runs: &[BrokerDrain]) -> String {
-    let mut t = Table::new(&[
-        "claim loops",
-        "relay settings",
-        "events",
-        "events/s",
-        "wall s (incl. start)",
-        "CPU µs/event DB / relay / broker",
-        "host CPU busy (other load)",
-    ]);
-    for r in runs {
-        t.row(vec![
-            r.loops.to_string(),
-            r.settings.clone(),
-            format!(
-                "{}{}",
-                num(r.drained as f64),
-                if r.complete { "" } else { " (time cap)" }
-            ),
-            num(r.rate()),
-            format!("{:.1}", r.wall_secs),
-            format!(
-                "{} / {} / {}",
-                r.db_cpu_secs
-                    .map(|c| r.per_event(c))
-                    .unwrap_or_else(|| "n/a".into()),
-                r.per_event(r.relay_cpu_secs),
-                r.per_event(r.broker_cpu_secs)
-            ),
-            format!("{:.0} % ({:.0} %)", r.host_busy_pct, r.other_pct),
-        ]);
-    }
-    t.render()
-}
+/// One producer connection per this many offered events/s, at most `MAX_PRODUCERS`.
+const EVENTS_PER_PRODUCER: f64 = 100.0;
+const MAX_PRODUCERS: usize = 16;
 
 pub struct LatencyRun {
     pub rate: f64,
@@ -201,7 +57,7 @@ pub async fn latency(
     settle: Duration,
     settings: &str,
 ) -> Result<LatencyRun> {
-    env.broker.create_topic(topic)?;
+    env.broker.try_create_topic(topic).map_err(|e| anyhow!(e))?;
     let arrivals = Arrivals::start(&env.broker.addr(), topic)?;
     // Warm-up: one event must make it through before the clock starts.
     env.monitor
@@ -218,10 +74,10 @@ pub async fn latency(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let total = (rate * secs).round().max(1.0) as i64;
-    let producers = ((rate / 100.0).ceil() as usize).clamp(1, 16);
+    let producers = ((rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS);
     let mut clients = Vec::new();
     for _ in 0..producers {
-        let c = env.db.connect().await?;
+        let c = env.db.client().await?;
         if !notify {
             c.batch_execute("SET outbox.notify = off").await?;
         }
@@ -425,4 +281,124 @@ pub fn latency_table(runs: &[LatencyRun]) -> String {
         ]);
     }
     t.render()
+}
+
+pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
+    progress!("==> 3. commit-to-broker latency");
+    let settle = Duration::from_secs(15);
+    let mut configs: Vec<Vec<String>> = vec![vec![]];
+    for &l in &p.linger_ms {
+        configs.push(vec!["--kafka-property".into(), format!("linger.ms={l}")]);
+    }
+    let mut n = 0;
+    for (ci, extra) in configs.iter().enumerate() {
+        let relay = env.start_relay(extra, &format!("latency-{ci}"))?;
+        let settings = if extra.is_empty() {
+            "defaults".to_string()
+        } else {
+            format!("`{}`", extra.join(" "))
+        };
+        // Settings variants only at the rate the goal names.
+        let (rates, modes): (Vec<f64>, Vec<bool>) = if extra.is_empty() {
+            (p.latency_rates.clone(), vec![true, false])
+        } else {
+            (vec![LATENCY_GOAL_RATE], vec![true])
+        };
+        for &notify in &modes {
+            for &rate in &rates {
+                n += 1;
+                progress!(
+                    "  {} ev/s for {:?}, {}, relay {settings}",
+                    num(rate),
+                    p.latency_time,
+                    if notify { "NOTIFY" } else { "polling only" }
+                );
+                let run = latency(
+                    env,
+                    &format!("bench.lat.{n}"),
+                    rate,
+                    p.latency_time.as_secs_f64(),
+                    notify,
+                    settle,
+                    &settings,
+                )
+                .await?;
+                if run.missing > 0 {
+                    r.failures.push(format!(
+                        "latency at {} ev/s ({}): {} of {} events never reached the consumer",
+                        run.rate,
+                        if notify { "notify" } else { "polling" },
+                        run.missing,
+                        run.sent
+                    ));
+                }
+                r.latency.push(run);
+            }
+        }
+        relay.stop()?;
+    }
+    Ok(())
+}
+
+/// Producers offered `rate` with and without NOTIFY: how much of it they achieved. PostgreSQL
+/// holds a database-wide lock from a notifying transaction's pre-commit through its commit record
+/// flush, so notifying commits run one at a time.
+pub fn notify_cap_note(r: &Results, rate: f64) -> Option<String> {
+    let on = r
+        .latency
+        .iter()
+        .find(|l| l.notify && l.rate == rate && l.settings == "defaults")?;
+    let off = r
+        .latency
+        .iter()
+        .find(|l| !l.notify && l.rate == rate && l.settings == "defaults")?;
+    if on.achieved_rate >= 0.95 * rate {
+        return None;
+    }
+    Some(format!(
+        "With NOTIFY the producers committed only {} of the {} events/s offered ({} with \
+         `outbox.notify = off`): notifying commits are serialised by PostgreSQL's global notify \
+         lock, held through the commit's WAL flush.",
+        num(on.achieved_rate),
+        num(rate),
+        num(off.achieved_rate)
+    ))
+}
+
+pub fn markdown(p: &Profile, r: &Results) -> String {
+    let mut s = String::new();
+    if r.latency.is_empty() {
+        s += &not_run(r);
+    } else {
+        s += &format!(
+            "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) on a \
+             fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s (at most {MAX_PRODUCERS}), {:.0} s per run, relay with default settings \
+             (poll interval {} s) unless noted. **commit→ack** ({}): from the moment the producer saw \
+             its COMMIT complete to the row's ack timestamp; the relay acks right after the broker's \
+             delivery reports, so this is the issue's \"commit to delivery report\" plus one ack \
+             statement. **commit→consumer**: arrival at a Kafka consumer (assigned partitions, \
+             `fetch.wait.max.ms={FETCH_WAIT_MAX_MS}`), matched by a sequence number in the payload; HdrHistogram, µs \
+             resolution. The split columns come from the rows' own timestamps (`created_at` = \
+             transaction start, `claimed_at`, ack). \"Polling only\" sets `outbox.notify = off` in the \
+             producers.\n\n",
+            p.latency_time.as_secs_f64(),
+            defaults::POLL_INTERVAL.as_secs(),
+            r.latency
+                .first()
+                .map(|l| l.ack_source)
+                .unwrap_or("n/a")
+        );
+        s += &latency_table(&r.latency);
+        let caps: Vec<String> = p
+            .latency_rates
+            .iter()
+            .filter_map(|&rate| notify_cap_note(r, rate))
+            .collect();
+        if !caps.is_empty() {
+            s += &format!("\n**Enqueue rate limited by NOTIFY.** {}\n", caps.join(" "));
+        }
+        s += "\n\"start→claim\" begins at the enqueueing transaction's start, so it also holds that \
+              transaction's own commit (including any wait for the notify lock); commit→ack does not.\n";
+    }
+    s
 }

@@ -1,0 +1,57 @@
+//! The command line: profile, database, output files, sections.
+
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Benchmarks of the outbox extension and relay (issue 5)"
+)]
+pub struct Args {
+    /// Quick profile (default): backlogs of 100k-200k events, under 10 minutes.
+    #[arg(long, conflicts_with_all = ["long", "smoke"])]
+    pub quick: bool,
+    /// Long profile: 1M-event backlogs and longer latency runs.
+    #[arg(long, conflicts_with = "smoke")]
+    pub long: bool,
+    /// Smallest case of every harness path, in seconds; fails if any path fails.
+    #[arg(long)]
+    pub smoke: bool,
+    /// Admin connection (the bench creates and drops its own database). Default: PGHOST, PGPORT,
+    /// PGUSER, PGPASSWORD or 127.0.0.1:5432 user postgres.
+    #[arg(long, env = "OUTBOX_BENCH_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// Also write every figure as JSON to this file. Default with `--output X.md`: `X.json`.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Skip everything that needs the broker and the relay.
+    #[arg(long)]
+    pub no_broker: bool,
+    /// Run only these sections (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<Section>,
+}
+
+impl Args {
+    /// Where the JSON figures go, if anywhere.
+    pub fn json_path(&self) -> Option<PathBuf> {
+        self.json
+            .clone()
+            .or_else(|| self.output.as_ref().map(|o| o.with_extension("json")))
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+pub enum Section {
+    Enqueue,
+    Drain,
+    Health,
+    Contention,
+    Seed,
+    Broker,
+    Latency,
+}

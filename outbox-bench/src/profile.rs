@@ -1,0 +1,123 @@
+//! Sizes and durations of the quick, long and smoke profiles.
+
+use std::time::Duration;
+
+use crate::goals::LATENCY_GOAL_RATE;
+
+/// Sizes and durations of one profile.
+pub struct Profile {
+    pub name: &'static str,
+    pub enqueue_clients: usize,
+    pub enqueue_time: Duration,
+    pub enqueue_rounds: usize,
+    pub enqueue_breakdown_rows: i64,
+    pub matrix_backlog: i64,
+    pub matrix_cap: Duration,
+    pub loops: Vec<usize>,
+    pub batches: Vec<i32>,
+    pub headline_backlog: i64,
+    pub contention_backlog: i64,
+    pub claimers: Vec<usize>,
+    pub contention_batch: i32,
+    pub seed_backlog: i64,
+    pub seed_cap: Duration,
+    pub seed_loops: Vec<usize>,
+    pub seed_delay: Duration,
+    pub seed_delay_rounds: u64,
+    /// Runs per drain configuration (null sink and broker); the report keeps the fastest, the
+    /// one least disturbed by other work on the machine.
+    pub repeats: usize,
+    pub broker_backlog: i64,
+    pub broker_cap: Duration,
+    pub broker_loops: Vec<usize>,
+    pub broker_batches: Vec<i32>,
+    pub linger_ms: Vec<u32>,
+    pub latency_rates: Vec<f64>,
+    pub latency_time: Duration,
+}
+
+impl Profile {
+    pub fn quick() -> Profile {
+        Profile {
+            name: "quick",
+            enqueue_clients: 4,
+            enqueue_time: Duration::from_secs(3),
+            enqueue_rounds: 3,
+            enqueue_breakdown_rows: 20_000,
+            matrix_backlog: 100_000,
+            matrix_cap: Duration::from_secs(15),
+            loops: vec![1, 2, 4],
+            batches: vec![20, 100, 500],
+            headline_backlog: 200_000,
+            contention_backlog: 50_000,
+            claimers: vec![1, 4, 8],
+            contention_batch: 100,
+            seed_backlog: 50_000,
+            seed_cap: Duration::from_secs(10),
+            seed_loops: vec![1, 4],
+            seed_delay: Duration::from_secs(5),
+            seed_delay_rounds: 2,
+            repeats: 2,
+            broker_backlog: 100_000,
+            broker_cap: Duration::from_secs(30),
+            broker_loops: vec![1, 2, 4],
+            broker_batches: vec![20, 100, 500],
+            // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
+            // alternatives.
+            linger_ms: vec![1, 5, 20],
+            latency_rates: vec![100.0, LATENCY_GOAL_RATE, 5000.0],
+            latency_time: Duration::from_secs(5),
+        }
+    }
+
+    pub fn long() -> Profile {
+        Profile {
+            name: "long",
+            enqueue_time: Duration::from_secs(10),
+            enqueue_rounds: 3,
+            matrix_backlog: 1_000_000,
+            matrix_cap: Duration::from_secs(60),
+            headline_backlog: 1_000_000,
+            contention_backlog: 200_000,
+            seed_backlog: 200_000,
+            seed_cap: Duration::from_secs(30),
+            seed_delay_rounds: 3,
+            repeats: 1,
+            broker_backlog: 1_000_000,
+            broker_cap: Duration::from_secs(300),
+            latency_time: Duration::from_secs(20),
+            ..Profile::quick()
+        }
+    }
+
+    pub fn smoke() -> Profile {
+        Profile {
+            name: "smoke",
+            enqueue_clients: 2,
+            enqueue_time: Duration::from_millis(500),
+            enqueue_rounds: 1,
+            enqueue_breakdown_rows: 1_000,
+            matrix_backlog: 2_000,
+            matrix_cap: Duration::from_secs(20),
+            loops: vec![2],
+            batches: vec![100],
+            headline_backlog: 3_000,
+            contention_backlog: 3_000,
+            claimers: vec![1, 8],
+            contention_batch: 20,
+            seed_backlog: 200,
+            seed_cap: Duration::from_secs(5),
+            seed_loops: vec![1, 2],
+            seed_delay: Duration::from_millis(200),
+            seed_delay_rounds: 2,
+            repeats: 1,
+            broker_backlog: 2_000,
+            broker_cap: Duration::from_secs(30),
+            broker_loops: vec![2],
+            broker_batches: vec![],
+            linger_ms: vec![],
+            latency_rates: vec![200.0],
+            latency_time: Duration::from_secs(1),
+        }
+    }
+}

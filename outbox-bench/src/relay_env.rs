@@ -1,0 +1,91 @@
+//! What the broker sections share: the bench database, the broker and a way to start the relay
+//! with default settings and its log kept in the workdir.
+
+use anyhow::{anyhow, bail, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+use tokio_postgres::Client;
+
+use outbox_tests::broker::Broker;
+use outbox_tests::db::TestDb;
+use outbox_tests::relay::Relay;
+
+pub struct RelayEnv<'a> {
+    pub db: &'a TestDb,
+    pub monitor: &'a Client,
+    pub broker: &'a Broker,
+    pub relay_bin: &'a Path,
+    pub workdir: &'a Path,
+}
+
+impl RelayEnv<'_> {
+    /// `outbox-worker run --brokers BROKERS <extra>` on the bench database, with no `OUTBOX_*`
+    /// variable of the caller ("default settings" means defaults) and the URL in the environment
+    /// (a password never shows in `ps`); its log is written to `relay-<tag>.log` in the workdir.
+    pub fn start_relay(&self, extra: &[String], tag: &str) -> Result<BenchRelay> {
+        let mut cmd = Command::new(self.relay_bin);
+        cmd.arg("run")
+            .arg("--brokers")
+            .arg(self.broker.addr())
+            .args(extra);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("OUTBOX_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env("OUTBOX_DATABASE_URL", self.db.url());
+        let relay =
+            Relay::start(cmd).map_err(|e| anyhow!("starting {}: {e}", self.relay_bin.display()))?;
+        let mut r = BenchRelay {
+            relay,
+            log: self.workdir.join(format!("relay-{tag}.log")),
+        };
+        if let Some(st) = r.relay.wait_exit(Duration::from_millis(200)) {
+            bail!("the relay exited at start ({st}); {}", r.log_tail());
+        }
+        Ok(r)
+    }
+}
+
+/// A relay started by the bench: stopped with SIGTERM (graceful) by `stop`, killed on drop, its
+/// log kept in the workdir either way.
+pub struct BenchRelay {
+    relay: Relay,
+    log: PathBuf,
+}
+
+impl BenchRelay {
+    pub fn pid(&self) -> i32 {
+        self.relay.pid() as i32
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.relay.is_running()
+    }
+
+    pub fn log_tail(&self) -> String {
+        format!("log {}:\n{}", self.log.display(), self.relay.log_tail(15))
+    }
+
+    /// SIGTERM and wait; an error if it had to be killed or exited with a failure.
+    pub fn stop(mut self) -> Result<()> {
+        let st = self
+            .relay
+            .terminate(Duration::from_secs(20))
+            .map_err(|e| anyhow!("{e}; {}", self.log_tail()))?;
+        if !st.success() {
+            bail!(
+                "the relay exited with {st} after SIGTERM; {}",
+                self.log_tail()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for BenchRelay {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.log, self.relay.logs());
+    }
+}

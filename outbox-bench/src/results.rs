@@ -1,0 +1,151 @@
+//! What a run measured, section by section: what the report and the goals are made from, and the
+//! same figures as JSON (`BENCHMARKS.json` next to the markdown report) for tools and for
+//! comparing runs. Times are µs unless a key says otherwise, rates events (or transactions) per
+//! second.
+
+use hdrhistogram::Histogram;
+use serde_json::{json, Value};
+
+use crate::report::Goal;
+use crate::{broker_drain, enqueue, latency, null_sink, seed, Profile};
+
+/// Everything the report needs, filled in section by section.
+#[derive(Default)]
+pub struct Results {
+    pub enqueue: Option<enqueue::EnqueueSummary>,
+    pub matrix: Vec<null_sink::DrainRun>,
+    pub sync_off: Option<null_sink::DrainRun>,
+    pub headline: Option<null_sink::DrainRun>,
+    pub health_md: Option<String>,
+    pub health: Option<Value>,
+    pub contention: Vec<null_sink::DrainRun>,
+    pub seed: Vec<seed::SeedRun>,
+    pub seed_compare: Option<null_sink::DrainRun>,
+    pub broker: Vec<broker_drain::BrokerDrain>,
+    pub latency: Vec<latency::LatencyRun>,
+    pub broker_note: Option<String>,
+    pub failures: Vec<String>,
+}
+
+/// p50, p99, p99.9 and max of a histogram of µs.
+fn quantiles(h: &Histogram<u64>) -> Value {
+    json!({
+        "p50": h.value_at_quantile(0.5),
+        "p99": h.value_at_quantile(0.99),
+        "p999": h.value_at_quantile(0.999),
+        "max": h.max(),
+    })
+}
+
+fn drain_run(d: &null_sink::DrainRun) -> Value {
+    json!({
+        "loops": d.loops,
+        "batch": d.batch,
+        "synchronous_commit_off": d.sync_off,
+        "backlog": d.backlog,
+        "drained": d.drained,
+        "complete": d.complete,
+        "secs": d.secs,
+        "rate": d.rate(),
+        "db_cpu_us_per_event": d.cpu_us_per_event(),
+        "host_busy_pct": d.host_busy_pct,
+        "other_load_pct": d.other_pct,
+        "double_claims": d.duplicates,
+        "claim_us": quantiles(&d.claim_hist),
+        "ack_us": quantiles(&d.ack_hist),
+    })
+}
+
+fn seed_run(s: &seed::SeedRun) -> Value {
+    json!({
+        "instances": s.loops,
+        "delay_secs": s.delay.map(|d| d.as_secs_f64()),
+        "rounds": s.rounds,
+        "drained": s.drained,
+        "secs": s.secs,
+        "rate": s.rate(),
+        "lost_claim_races": s.lost_races,
+        "double_sends": s.double_sends,
+        "db_cpu_secs": s.db_cpu_secs,
+    })
+}
+
+fn broker_run(b: &broker_drain::BrokerDrain) -> Value {
+    json!({
+        "loops": b.loops,
+        "relay_settings": b.settings,
+        "relay_defaults": b.default_settings,
+        "drained": b.drained,
+        "complete": b.complete,
+        "secs": b.secs,
+        "wall_secs": b.wall_secs,
+        "rate": b.rate(),
+        "db_cpu_secs": b.db_cpu_secs,
+        "relay_cpu_secs": b.relay_cpu_secs,
+        "broker_cpu_secs": b.broker_cpu_secs,
+        "host_busy_pct": b.host_busy_pct,
+        "other_load_pct": b.other_pct,
+    })
+}
+
+fn latency_run(l: &latency::LatencyRun) -> Value {
+    let c = &l.commit_to_ack;
+    json!({
+        "offered_rate": l.rate,
+        "achieved_rate": l.achieved_rate,
+        "wake_up": if l.notify { "notify" } else { "polling" },
+        "relay_settings": l.settings,
+        "sent": l.sent,
+        "missing": l.missing,
+        "duplicates": l.duplicates,
+        "commit_to_ack_us": {"p50": c[0], "p99": c[1], "p999": c[2], "max": c[3], "clock": l.ack_source},
+        "commit_to_consumer_us": quantiles(&l.hist),
+        "start_to_claim_us": {"p50": l.to_claim.0, "p99": l.to_claim.1},
+        "claim_to_ack_us": {"p50": l.to_ack.0, "p99": l.to_ack.1},
+    })
+}
+
+fn enqueue_summary(e: &enqueue::EnqueueSummary) -> Value {
+    json!({
+        "variants": e.results.iter().map(|v| json!({
+            "variant": v.variant.label(),
+            "tps": v.tps(),
+            "tps_rounds": v.rounds,
+            "transactions": v.tx,
+            "secs": v.secs,
+            "tx_us": quantiles(&v.hist),
+            "db_cpu_secs": v.db_cpu_secs,
+        })).collect::<Vec<_>>(),
+        "server_us_per_row": e.per_row_us,
+    })
+}
+
+/// The run's figures, goals and failures as one JSON document.
+pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Value {
+    json!({
+        "profile": p.name,
+        "took_secs": took_secs,
+        "enqueue": r.enqueue.as_ref().map(enqueue_summary),
+        "null_sink": {
+            "matrix": r.matrix.iter().map(drain_run).collect::<Vec<_>>(),
+            "synchronous_commit_off": r.sync_off.as_ref().map(drain_run),
+            "headline": r.headline.as_ref().map(drain_run),
+        },
+        "broker_drain": r.broker.iter().map(broker_run).collect::<Vec<_>>(),
+        "latency": r.latency.iter().map(latency_run).collect::<Vec<_>>(),
+        "contention": r.contention.iter().map(drain_run).collect::<Vec<_>>(),
+        "seed": {
+            "runs": r.seed.iter().map(seed_run).collect::<Vec<_>>(),
+            "this_project": r.seed_compare.as_ref().map(drain_run),
+        },
+        "table_health": r.health,
+        "goals": goals.iter().map(|g| json!({
+            "name": g.name,
+            "target": g.target,
+            "measured": g.measured,
+            "met": g.met,
+        })).collect::<Vec<_>>(),
+        "broker_note": r.broker_note,
+        "failures": r.failures,
+    })
+}

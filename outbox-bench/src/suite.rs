@@ -1,0 +1,123 @@
+//! One run: the selected sections in order, then the report.
+
+use anyhow::{Context, Result};
+use std::path::Path;
+use std::time::Instant;
+
+use outbox_tests::broker::{free_port, Broker};
+use outbox_tests::db::TestDb;
+
+use crate::db::BenchDb;
+use crate::relay_env::RelayEnv;
+use crate::results::{self, Results};
+use crate::{
+    broker_drain, contention, enqueue, goals, health, latency, null_sink, report, seed, sys,
+};
+use crate::{Args, Profile, Section};
+
+pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Result<Vec<String>> {
+    let t_start = Instant::now();
+    let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    let monitor = db.client().await?;
+    let load_start = sys::loadavg();
+    let mut r = Results::default();
+
+    if want(Section::Enqueue) {
+        progress!("==> 1. enqueue cost");
+        r.enqueue = Some(enqueue::run(db, p).await?);
+    }
+    if want(Section::Drain) {
+        progress!("==> 2. null-sink drain matrix");
+        null_sink::run(p, db, &monitor, &mut r).await?;
+    }
+    if want(Section::Health) || want(Section::Drain) {
+        let drained = null_sink::headline(p, db, &monitor, &mut r).await?;
+        health::run(&monitor, drained, &mut r).await?;
+    }
+    if want(Section::Contention) {
+        progress!("==> 4. claim contention");
+        contention::run(p, db, &monitor, &mut r).await?;
+    }
+    if want(Section::Seed) {
+        progress!("==> 5. seed design baseline");
+        seed::run(p, db, &monitor, &mut r).await?;
+    }
+
+    let mut broker_version = "not used".to_string();
+    let mut relay_version = "not used".to_string();
+    if !args.no_broker && (want(Section::Broker) || want(Section::Latency)) {
+        let relay_bin = outbox_tests::relay::find_relay_bin();
+        if let Ok(bin) = &relay_bin {
+            relay_version = sys::command_line(bin, &["--version"])
+                .unwrap_or_else(|| format!("{} (no --version)", bin.display()));
+        }
+        broker_version = sys::kafka_version();
+        let sections = match relay_bin {
+            Ok(bin) => broker_sections(args, p, db, &monitor, workdir, &bin, &mut r).await,
+            Err(e) => Err(anyhow::anyhow!(e)),
+        };
+        match sections {
+            Ok(()) => {}
+            Err(e) => {
+                let msg = format!("broker/relay benchmarks: {e:#}");
+                eprintln!("outbox-bench: {msg}");
+                r.broker_note = Some(msg.clone());
+                r.failures.push(msg);
+            }
+        }
+    } else if args.no_broker {
+        r.broker_note = Some("skipped (`--no-broker`)".into());
+    }
+
+    let env = sys::environment(p, db, &load_start, &broker_version, &relay_version)
+        .await
+        .unwrap_or_else(|e| format!("(could not query the environment: {e:#})\n"));
+    let goals = goals::goals(&r);
+    let took = t_start.elapsed();
+    let md = report::render(p, &r, &goals, &env, took);
+    println!("{md}");
+    if let Some(out) = &args.output {
+        std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
+        progress!("==> report written to {}", out.display());
+    }
+    let json = results::to_json(p, &r, &goals, took.as_secs_f64());
+    if let Some(out) = args.json_path() {
+        let text = serde_json::to_string_pretty(&json)?;
+        std::fs::write(&out, text + "\n").with_context(|| format!("writing {}", out.display()))?;
+        progress!("==> figures written to {}", out.display());
+    }
+    Ok(r.failures)
+}
+
+async fn broker_sections(
+    args: &Args,
+    p: &Profile,
+    db: &TestDb,
+    monitor: &tokio_postgres::Client,
+    workdir: &Path,
+    relay_bin: &Path,
+    r: &mut Results,
+) -> Result<()> {
+    let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    let broker =
+        Broker::try_start_in(&workdir.join("kafka"), free_port()).map_err(anyhow::Error::msg)?;
+    broker
+        .try_create_topic("bench.drain")
+        .map_err(anyhow::Error::msg)?;
+    let env = RelayEnv {
+        db,
+        monitor,
+        broker: &broker,
+        relay_bin,
+        workdir,
+    };
+    if want(Section::Broker) {
+        progress!("==> 2. drain to the broker through the relay");
+        broker_drain::run(p, &env, r).await?;
+    }
+    if want(Section::Latency) {
+        progress!("==> 3. commit-to-broker latency");
+        latency::run(p, &env, r).await?;
+    }
+    Ok(())
+}
