@@ -40,7 +40,8 @@ impl Breaker {
 
     /// Stops the claims until the prober reaches the broker. Returns true when this call opened it.
     pub fn trip(&self) -> bool {
-        self.open.send_if_modified(|open| !std::mem::replace(open, true))
+        self.open
+            .send_if_modified(|open| !std::mem::replace(open, true))
     }
 
     fn close(&self) {

@@ -131,7 +131,9 @@ impl Relay {
             }
         }
         let broker_down = delivered.is_empty()
-            && failed.keys().any(|(class, _)| *class == FailureClass::Transient);
+            && failed
+                .keys()
+                .any(|(class, _)| *class == FailureClass::Transient);
         for ((class, error), idx) in failed {
             for &i in &idx {
                 self.metrics
@@ -184,10 +186,7 @@ impl Relay {
         let now = claimed_at.elapsed().as_secs_f64();
         for &i in idx {
             let ev = &events[i];
-            self.metrics
-                .published
-                .with_label_values(&[&ev.topic])
-                .inc();
+            self.metrics.published.with_label_values(&[&ev.topic]).inc();
             self.metrics
                 .commit_to_ack_lag
                 .observe(ev.age_at_claim + now);
@@ -212,7 +211,11 @@ impl Relay {
         error: &str,
     ) -> Result<(), DbError> {
         let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
-        tracing::warn!(count = ids.len(), first_id = ids[0], "publish failed: {error}");
+        tracing::warn!(
+            count = ids.len(),
+            first_id = ids[0],
+            "publish failed: {error}"
+        );
         let nacked = self
             .settle(|| self.store.nack(&self.owner, token, &ids, error))
             .await
@@ -222,9 +225,12 @@ impl Relay {
                     "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
                 )
             })?;
-        let by_id: BTreeMap<i64, &Event> = idx.iter().map(|&i| (events[i].id, &events[i])).collect();
+        let by_id: BTreeMap<i64, &Event> =
+            idx.iter().map(|&i| (events[i].id, &events[i])).collect();
         for row in nacked.iter().filter(|r| r.dead_letter) {
-            let Some(ev) = by_id.get(&row.id) else { continue };
+            let Some(ev) = by_id.get(&row.id) else {
+                continue;
+            };
             self.metrics
                 .dead_lettered
                 .with_label_values(&[&ev.topic])

@@ -188,7 +188,11 @@ mod tests {
             RDKafkaErrorCode::TopicAuthorizationFailed,
             RDKafkaErrorCode::InvalidRecord,
         ] {
-            assert_eq!(publish_error(code).class(), FailureClass::Permanent, "{code:?}");
+            assert_eq!(
+                publish_error(code).class(),
+                FailureClass::Permanent,
+                "{code:?}"
+            );
         }
         for code in [
             RDKafkaErrorCode::MessageTimedOut,
@@ -200,7 +204,11 @@ mod tests {
             RDKafkaErrorCode::SaslAuthenticationFailed,
             RDKafkaErrorCode::ProducerFenced,
         ] {
-            assert_eq!(publish_error(code).class(), FailureClass::Transient, "{code:?}");
+            assert_eq!(
+                publish_error(code).class(),
+                FailureClass::Transient,
+                "{code:?}"
+            );
         }
     }
 

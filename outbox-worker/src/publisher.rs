@@ -2,8 +2,9 @@
 //! unusable), librdkafka's log lines routed to tracing, and concurrent publishing of a batch with
 //! one outcome per row. The message itself is built in `message.rs`.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
@@ -68,6 +69,10 @@ pub struct Publisher {
     send_timeout: Duration,
     /// Rounds in a row in which every publish timed out.
     timed_out_rounds: AtomicU32,
+    /// Topics a publish found missing. librdkafka remembers a missing topic until its metadata
+    /// expires (`metadata.max.age.ms`, 15 min), so events requeued after an operator created the
+    /// topic would fail again: their topic's metadata is fetched again before they are sent.
+    missing_topics: Mutex<BTreeSet<String>>,
 }
 
 /// After this many rounds in a row without a single delivery, only timeouts, the producer is
@@ -128,6 +133,7 @@ impl Publisher {
             producer: RwLock::new(Arc::new(producer)),
             send_timeout,
             timed_out_rounds: AtomicU32::new(0),
+            missing_topics: Mutex::new(BTreeSet::new()),
         })
     }
 
@@ -141,6 +147,7 @@ impl Publisher {
     /// returned.
     pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<String>) {
         let producer = self.current();
+        self.recheck_missing_topics(&producer, events).await;
         let start = Instant::now();
         let sends = events.iter().map(|ev| {
             let headers = build_headers(ev);
@@ -171,6 +178,7 @@ impl Publisher {
             }
         });
         let results = join_all(sends).await;
+        self.note_missing_topics(&results);
         let mut broken = results.iter().find_map(|(_, u)| u.clone());
         if broken.is_none() {
             broken = producer
@@ -187,6 +195,60 @@ impl Publisher {
             None => None,
         };
         (outcomes, replaced)
+    }
+
+    /// Asks the cluster again about the batch's topics that were missing (one metadata request
+    /// per such topic, only while it is missing).
+    async fn recheck_missing_topics(&self, producer: &Arc<KafkaProducer>, events: &[Event]) {
+        let suspects: Vec<String> = {
+            let missing = self.missing_topics.lock().expect("missing topics");
+            let batch: BTreeSet<&str> = events.iter().map(|e| e.topic.as_str()).collect();
+            batch
+                .into_iter()
+                .filter(|t| missing.contains(*t))
+                .map(str::to_owned)
+                .collect()
+        };
+        for topic in suspects {
+            let producer = producer.clone();
+            let timeout = self.send_timeout;
+            let t = topic.clone();
+            let exists = tokio::task::spawn_blocking(move || {
+                producer
+                    .client()
+                    .fetch_metadata(Some(&t), timeout)
+                    .is_ok_and(|md| {
+                        md.topics().iter().any(|mt| {
+                            mt.name() == t && mt.error().is_none() && !mt.partitions().is_empty()
+                        })
+                    })
+            })
+            .await
+            .unwrap_or(false);
+            if exists {
+                tracing::info!(topic = %topic, "topic exists now");
+                self.missing_topics
+                    .lock()
+                    .expect("missing topics")
+                    .remove(&topic);
+            }
+        }
+    }
+
+    fn note_missing_topics(&self, results: &[(Outcome, Option<String>)]) {
+        let mut missing = self.missing_topics.lock().expect("missing topics");
+        for (o, _) in results {
+            if let Outcome::Failed(e) = o {
+                if matches!(
+                    e.code(),
+                    Some(
+                        RDKafkaErrorCode::UnknownTopic | RDKafkaErrorCode::UnknownTopicOrPartition
+                    )
+                ) {
+                    missing.insert(e.topic.clone());
+                }
+            }
+        }
     }
 
     /// Counts rounds that timed out entirely; names the reason once there were too many in a row.

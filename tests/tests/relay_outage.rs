@@ -109,7 +109,10 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
         .await
         .expect("query")
         .get(0);
-    assert_eq!(max_attempts, 0, "the outage counted as the events' failures");
+    assert_eq!(
+        max_attempts, 0,
+        "the outage counted as the events' failures"
+    );
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(10))
         .iter()
@@ -184,7 +187,10 @@ async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
         relay.logs()
     );
     let failed: BTreeSet<i64> = ids_in(&client, "FAIL").await.into_iter().collect();
-    assert_eq!(failed, orders, "exactly the missing topic's events are dead letters");
+    assert_eq!(
+        failed, orders,
+        "exactly the missing topic's events are dead letters"
+    );
     for r in client
         .query(
             "SELECT retry_count, last_error FROM outbox_event WHERE status::text = 'FAIL'",
@@ -222,7 +228,11 @@ async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
         assert!(
             relay
                 .wait_log(
-                    &["ERROR", "dead letter", &format!("event {id} for topic orders")],
+                    &[
+                        "ERROR",
+                        "dead letter",
+                        &format!("event {id} for topic orders")
+                    ],
                     Duration::from_secs(5),
                 )
                 .is_some(),
@@ -232,7 +242,11 @@ async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
     }
 
     let out = run_cmd(&["dead-letters", "--json", "--database-url", &db.url()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let listed: BTreeSet<i64> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| {
@@ -246,7 +260,11 @@ async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
     // The operator creates the topic and requeues: the events arrive.
     broker.create_topic("orders");
     let out = run_cmd(&["requeue", "--all", "--database-url", &db.url()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("requeued 5 of 5"));
     let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 10).await;
     assert_eq!(counts["SUCCESS"], 10, "{counts:?}\n{}", relay.logs());

@@ -527,7 +527,10 @@ async fn lifecycle(
     let reclaimed = api.count("outbox_reclaim", "'1 millisecond'", &[]).await;
     api.expect(reclaimed == Some(1), &format!("reclaimed {reclaimed:?}"));
     let reclaimed = api.call("outbox_reclaim_returning", "", &[]).await.len();
-    api.expect(reclaimed == 0, "outbox_reclaim_returning() with the default lease");
+    api.expect(
+        reclaimed == 0,
+        "outbox_reclaim_returning() with the default lease",
+    );
     let reclaimed = api.count("outbox_reclaim", "", &[]).await;
     api.expect(
         reclaimed == Some(0),
@@ -543,7 +546,11 @@ async fn lifecycle(
         if !ids.is_empty() {
             // The relay's form: the settled rows with their new state.
             let settled = api
-                .call("outbox_nack_returning", "$1, $2, $3", &[&owner, &token, &ids])
+                .call(
+                    "outbox_nack_returning",
+                    "$1, $2, $3",
+                    &[&owner, &token, &ids],
+                )
                 .await;
             api.expect(
                 settled.len() == ids.len(),

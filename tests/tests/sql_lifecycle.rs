@@ -468,7 +468,12 @@ async fn nack_and_reclaim_returning_report_each_settled_row_and_its_dead_letters
         .await
         .unwrap();
     assert_eq!(
-        (r.get::<_, i64>(0), r.get::<_, String>(1), r.get::<_, String>(2), r.get::<_, i32>(3)),
+        (
+            r.get::<_, i64>(0),
+            r.get::<_, String>(1),
+            r.get::<_, String>(2),
+            r.get::<_, i32>(3)
+        ),
         (fresh, "orders".to_string(), "FAIL".to_string(), 2),
         "second failed attempt with max_retry 1: a dead letter"
     );

@@ -65,7 +65,10 @@ impl Drop for OldRelayRole {
 
 async fn update_with_events_in_flight(from: &str) {
     let db = TestDb::empty();
-    let role = OldRelayRole(format!("outbox_old_relay_{}", db.name.trim_start_matches("outbox_test_")));
+    let role = OldRelayRole(format!(
+        "outbox_old_relay_{}",
+        db.name.trim_start_matches("outbox_test_")
+    ));
     let c = db.connect().await;
     c.batch_execute(&format!("CREATE EXTENSION outbox VERSION '{from}'"))
         .await
