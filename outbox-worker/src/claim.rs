@@ -44,6 +44,7 @@ pub async fn claim_loop(
         // Notifications from now on end the wait after this round.
         wake.borrow_and_update();
         let result = relay.round().await;
+        relay.metrics.health.round_completed(n);
         let delay = match result {
             Ok(claimed) if claimed as i32 >= relay.batch_size => {
                 failures = 0;
@@ -94,6 +95,7 @@ impl Relay {
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
         let (outcomes, replaced) = self.publisher.publish(&events).await;
+        self.metrics.health.publish_round(&outcomes);
         if let Some(reason) = replaced {
             self.metrics.producer_restarts.inc();
             tracing::warn!(

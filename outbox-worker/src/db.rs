@@ -54,7 +54,7 @@ pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
     let mut cfg = Config::from_str(&text)
         .map_err(|e| Fatal::usage(format!("invalid database URL: {}", one_line(&e))))?;
     if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(Duration::from_secs(10));
+        cfg.connect_timeout(crate::defaults::CONNECT_TIMEOUT);
     }
     if cfg.get_application_name().is_none() {
         cfg.application_name(crate::defaults::CLIENT_ID);
@@ -63,6 +63,21 @@ pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
     cfg.keepalives_idle(Duration::from_secs(30));
     let desc = describe(&cfg);
     Ok((cfg, desc))
+}
+
+/// Adds `-c statement_timeout=…` to the sessions' startup options, unless `timeout` is zero or
+/// the connection string's `options` already set one (the operator's choice wins).
+pub fn set_statement_timeout(cfg: &mut Config, timeout: Duration) {
+    let existing = cfg.get_options().unwrap_or("").to_string();
+    if timeout.is_zero() || existing.contains("statement_timeout") {
+        return;
+    }
+    let ours = format!("-c statement_timeout={}", timeout.as_millis());
+    cfg.options(if existing.trim().is_empty() {
+        ours
+    } else {
+        format!("{existing} {ours}")
+    });
 }
 
 /// `host=… port=… dbname=… user=…`, without the password.

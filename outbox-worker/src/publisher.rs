@@ -113,7 +113,7 @@ impl Publisher {
         for (k, v) in properties {
             cfg.set(k, v);
         }
-        cfg.set_log_level(RDKafkaLogLevel::Warning);
+        cfg.set_log_level(librdkafka_log_level());
         let producer = create(&cfg)?;
         Ok(Publisher {
             config: cfg,
@@ -218,25 +218,33 @@ impl Publisher {
     }
 
     /// Connects and reads the cluster metadata once (logged), so the first round does not pay
-    /// for the bootstrap and an unreachable broker shows in the log at start-up.
-    pub async fn probe(self: Arc<Self>) {
+    /// for the bootstrap and an unreachable broker shows in the log at start-up. Returns whether
+    /// the broker answered.
+    pub async fn probe(self: Arc<Self>) -> bool {
+        match self.metadata(Duration::from_secs(10)).await {
+            Ok((brokers, topics)) => {
+                tracing::info!(brokers, topics, "connected to Kafka");
+                true
+            }
+            Err(e) => {
+                tracing::warn!("Kafka not reachable yet ({e}); events are retried until it is");
+                false
+            }
+        }
+    }
+
+    /// One metadata request (brokers, topics known), answered within `timeout` or an error.
+    pub async fn metadata(&self, timeout: Duration) -> Result<(usize, usize), String> {
         let producer = self.current();
-        let res = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             producer
                 .client()
-                .fetch_metadata(None, Duration::from_secs(10))
+                .fetch_metadata(None, timeout)
                 .map(|md| (md.brokers().len(), md.topics().len()))
+                .map_err(|e| e.to_string())
         })
-        .await;
-        match res {
-            Ok(Ok((brokers, topics))) => {
-                tracing::info!(brokers, topics, "connected to Kafka")
-            }
-            Ok(Err(e)) => {
-                tracing::warn!("Kafka not reachable yet ({e}); events are retried until it is")
-            }
-            Err(_) => {}
-        }
+        .await
+        .map_err(|e| e.to_string())?
     }
 
     /// Waits for whatever is still queued in librdkafka.
@@ -244,5 +252,24 @@ impl Publisher {
         if let Err(e) = self.current().flush(Timeout::After(self.send_timeout)) {
             tracing::warn!("flushing the producer: {e}");
         }
+    }
+}
+
+/// librdkafka's own log level: the most verbose level the log filter lets through for target
+/// `librdkafka` (mapped back through [`LogContext::log`]), so librdkafka does not format lines
+/// that would be dropped, and `librdkafka=debug` reaches it. Its debug lines also need the
+/// `debug` property (e.g. `--kafka-property debug=broker,msg`).
+fn librdkafka_log_level() -> RDKafkaLogLevel {
+    use tracing::{enabled, Level};
+    if enabled!(target: "librdkafka", Level::DEBUG) {
+        RDKafkaLogLevel::Debug
+    } else if enabled!(target: "librdkafka", Level::INFO) {
+        RDKafkaLogLevel::Info
+    } else if enabled!(target: "librdkafka", Level::WARN) {
+        RDKafkaLogLevel::Warning
+    } else if enabled!(target: "librdkafka", Level::ERROR) {
+        RDKafkaLogLevel::Critical
+    } else {
+        RDKafkaLogLevel::Emerg
     }
 }

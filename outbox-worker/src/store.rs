@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{Config, NoTls, Row};
 
 use crate::db::{extension_schema, one_line};
@@ -155,8 +155,14 @@ pub struct Store {
 }
 
 impl Store {
-    /// Connects, checks the extension and returns the store. Errors are one clear line.
-    pub async fn open(cfg: Config, desc: String, pool_size: usize) -> Result<Store, Fatal> {
+    /// Connects, checks the extension and returns the store. Waiting for a connection (opening
+    /// it included) takes at most `wait`. Errors are one clear line.
+    pub async fn open(
+        cfg: Config,
+        desc: String,
+        pool_size: usize,
+        wait: Duration,
+    ) -> Result<Store, Fatal> {
         let mgr = Manager::from_config(
             cfg,
             NoTls,
@@ -166,6 +172,10 @@ impl Store {
         );
         let pool = Pool::builder(mgr)
             .max_size(pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(wait))
+            .create_timeout(Some(wait))
+            .recycle_timeout(Some(wait))
             .build()
             .map_err(|e| Fatal::runtime(format!("cannot build the connection pool: {e}")))?;
         let client = pool.get().await.map_err(|e| {
