@@ -468,7 +468,12 @@ mod tests {
 
     #[test]
     fn a_delivery_timeout_property_obeys_the_lease_like_send_timeout() {
-        let ok = run_args(&["--lease", "40s", "--kafka-property", "message.timeout.ms=10000"]);
+        let ok = run_args(&[
+            "--lease",
+            "40s",
+            "--kafka-property",
+            "message.timeout.ms=10000",
+        ]);
         assert!(ok.producer_properties().is_ok());
         for p in [
             "message.timeout.ms=10001",
@@ -480,7 +485,11 @@ mod tests {
                 .producer_properties()
                 .expect_err(p);
             assert_eq!(e.code, 2);
-            assert!(e.message.contains(p.split('=').next().unwrap()), "{}", e.message);
+            assert!(
+                e.message.contains(p.split('=').next().unwrap()),
+                "{}",
+                e.message
+            );
         }
     }
 

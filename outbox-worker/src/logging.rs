@@ -20,9 +20,7 @@ pub fn init(directives: Option<&str>, format: LogFormat) -> Result<(), String> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .init(),
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
         // Fields (message included) at the top level: what log shippers index without
         // configuration.
         LogFormat::Json => builder
@@ -65,7 +63,14 @@ mod tests {
 
     #[test]
     fn levels_and_directives_parse_and_nonsense_does_not() {
-        for ok in ["info", "warning", "WARN", "off", "warn,librdkafka=debug", "x::y=warning"] {
+        for ok in [
+            "info",
+            "warning",
+            "WARN",
+            "off",
+            "warn,librdkafka=debug",
+            "x::y=warning",
+        ] {
             assert!(parse_filter(ok).is_ok(), "{ok}");
         }
         let e = parse_filter("info,librdkafka=loud").expect_err("bad level");
