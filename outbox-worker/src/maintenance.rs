@@ -91,7 +91,11 @@ pub async fn broker_watch(
             _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(every) => {}
         }
-        let ok = relay.publisher.metadata(timeout).await;
+        // A frozen broker holds the request for `timeout`: not the stop.
+        let ok = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            r = relay.publisher.metadata(timeout) => r,
+        };
         if let Err(e) = &ok {
             tracing::debug!("Kafka metadata request failed: {e}");
         }
