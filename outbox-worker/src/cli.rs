@@ -55,7 +55,9 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct DbArgs {
     /// PostgreSQL connection string (URL or `key=value` form). Prefer the environment variable or
-    /// --database-url-file: a password on the command line is visible to other local users.
+    /// --database-url-file: a password on the command line is visible to other local users. TLS
+    /// as in libpq: sslmode=disable|prefer (default)|require|verify-ca|verify-full, sslrootcert
+    /// (CA file; `system` or unset: the system's CAs), sslcert and sslkey (client certificate).
     #[arg(long, env = "OUTBOX_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
 

@@ -19,6 +19,7 @@ pub mod relay;
 pub mod shutdown;
 pub mod store;
 pub mod tasks;
+pub mod tls;
 pub mod wakeup;
 
 use std::process::ExitCode;

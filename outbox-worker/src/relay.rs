@@ -51,16 +51,11 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
     shutdown::spawn_deadline(cancel.clone(), args.shutdown_timeout);
     let props = args.producer_properties()?;
-    let (mut pg_cfg, desc) = db::config(&args.db)?;
-    db::set_statement_timeout(&mut pg_cfg, args.statement_timeout());
+    let mut target = db::config(&args.db)?;
+    db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
+    let desc = target.desc.clone();
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
-    let store = Store::open(
-        pg_cfg.clone(),
-        desc.clone(),
-        args.concurrency + 2,
-        args.pool_timeout(),
-    )
-    .await?;
+    let store = Store::open(target.clone(), args.concurrency + 2, args.pool_timeout()).await?;
     let Settings {
         max_retry,
         max_claim,
@@ -114,7 +109,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
     let mut tasks = Tasks::new(cancel.clone());
-    let listen = wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone());
+    let listen = wakeup::listen(target, wake_tx.clone(), cancel.clone());
     tasks.spawn("wake-up listener", async move {
         listen.await;
         Ok(())
