@@ -3,9 +3,11 @@
 //! the next one). The relay tests also get their own broker and run the real worker binary.
 
 pub mod broker;
+pub mod certs;
 pub mod db;
 pub mod events;
 pub mod fault;
 pub mod kafka;
+pub mod pg_cluster;
 pub mod roles;
 pub mod worker;
