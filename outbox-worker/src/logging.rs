@@ -3,6 +3,7 @@
 
 use std::io::IsTerminal;
 
+use rdkafka::config::RDKafkaLogLevel;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
@@ -57,6 +58,25 @@ fn parse_filter(text: &str) -> Result<EnvFilter, String> {
         })
 }
 
+/// librdkafka's own log level: the most verbose level the log filter lets through for target
+/// `librdkafka` (mapped back through `publisher::LogContext::log`), so librdkafka does not format lines
+/// that would be dropped, and `librdkafka=debug` reaches it. Its debug lines also need the
+/// `debug` property (e.g. `--kafka-property debug=broker,msg`).
+pub fn librdkafka_log_level() -> RDKafkaLogLevel {
+    use tracing::{enabled, Level};
+    if enabled!(target: "librdkafka", Level::DEBUG) {
+        RDKafkaLogLevel::Debug
+    } else if enabled!(target: "librdkafka", Level::INFO) {
+        RDKafkaLogLevel::Info
+    } else if enabled!(target: "librdkafka", Level::WARN) {
+        RDKafkaLogLevel::Warning
+    } else if enabled!(target: "librdkafka", Level::ERROR) {
+        RDKafkaLogLevel::Critical
+    } else {
+        RDKafkaLogLevel::Emerg
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,5 +95,22 @@ mod tests {
         }
         let e = parse_filter("info,librdkafka=loud").expect_err("bad level");
         assert!(e.contains("librdkafka=loud"), "{e}");
+    }
+
+    #[test]
+    fn librdkafka_follows_the_filter_of_its_target() {
+        for (filter, want) in [
+            ("info", RDKafkaLogLevel::Info),
+            ("warn", RDKafkaLogLevel::Warning),
+            ("warn,librdkafka=debug", RDKafkaLogLevel::Debug),
+            ("debug,librdkafka=error", RDKafkaLogLevel::Critical),
+            ("off", RDKafkaLogLevel::Emerg),
+        ] {
+            let subscriber = tracing_subscriber::fmt()
+                .with_env_filter(parse_filter(filter).expect("filter"))
+                .finish();
+            let got = tracing::subscriber::with_default(subscriber, librdkafka_log_level);
+            assert_eq!(got as i32, want as i32, "{filter}");
+        }
     }
 }

@@ -113,7 +113,7 @@ impl Publisher {
         for (k, v) in properties {
             cfg.set(k, v);
         }
-        cfg.set_log_level(librdkafka_log_level());
+        cfg.set_log_level(crate::logging::librdkafka_log_level());
         let producer = create(&cfg)?;
         Ok(Publisher {
             config: cfg,
@@ -252,24 +252,5 @@ impl Publisher {
         if let Err(e) = self.current().flush(Timeout::After(self.send_timeout)) {
             tracing::warn!("flushing the producer: {e}");
         }
-    }
-}
-
-/// librdkafka's own log level: the most verbose level the log filter lets through for target
-/// `librdkafka` (mapped back through [`LogContext::log`]), so librdkafka does not format lines
-/// that would be dropped, and `librdkafka=debug` reaches it. Its debug lines also need the
-/// `debug` property (e.g. `--kafka-property debug=broker,msg`).
-fn librdkafka_log_level() -> RDKafkaLogLevel {
-    use tracing::{enabled, Level};
-    if enabled!(target: "librdkafka", Level::DEBUG) {
-        RDKafkaLogLevel::Debug
-    } else if enabled!(target: "librdkafka", Level::INFO) {
-        RDKafkaLogLevel::Info
-    } else if enabled!(target: "librdkafka", Level::WARN) {
-        RDKafkaLogLevel::Warning
-    } else if enabled!(target: "librdkafka", Level::ERROR) {
-        RDKafkaLogLevel::Critical
-    } else {
-        RDKafkaLogLevel::Emerg
     }
 }
