@@ -1,7 +1,8 @@
 //! TLS to PostgreSQL against a throwaway PostgreSQL 15 cluster with `ssl = on` and a certificate
 //! the test makes (the shared server's configuration is never changed): `verify-full` with the
 //! right CA delivers events end to end over TLS sessions; a wrong CA, a wrong host name or a
-//! server without TLS under `require` stop the relay at start-up with exit 2 and one line.
+//! server without TLS under `require` stop the relay at start-up with exit 2 and one line; a
+//! client certificate is presented when `sslcert`/`sslkey` are given.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,14 +18,22 @@ use outbox_tests::worker::{run_cmd, Worker};
 use serde_json::json;
 
 /// A cluster with `ssl = on`, a database `app` with the extension, and the certificates (server
-/// certificate for `localhost` only).
-fn tls_cluster(name: &str) -> (PgCluster, Certs) {
+/// certificate for `localhost` only). With `client_cert`, TCP sessions must present a client
+/// certificate signed by the CA (`cert` authentication: its CN is the user).
+fn tls_cluster(name: &str, client_cert: bool) -> (PgCluster, Certs) {
     let dir = std::env::temp_dir().join(format!("outbox-test-certs-{name}-{}", std::process::id()));
     let certs = Certs::create(&dir, "localhost");
-    let pg = PgCluster::start(
-        "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'",
-        &[&certs.server_cert, &certs.server_key],
-    );
+    let mut conf =
+        "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n".to_string();
+    if client_cert {
+        let hba = dir.join("hba.conf");
+        std::fs::write(&hba, "local all all trust\nhostssl all all all cert\n").expect("hba.conf");
+        conf.push_str(&format!(
+            "ssl_ca_file = 'ca.crt'\nhba_file = '{}'\n",
+            hba.display()
+        ));
+    }
+    let pg = PgCluster::start(&conf, &[&certs.server_cert, &certs.server_key, &certs.ca]);
     pg.psql("postgres", "CREATE DATABASE app");
     pg.psql("app", "CREATE EXTENSION outbox");
     (pg, certs)
@@ -56,7 +65,7 @@ fn stats_ok(db_url: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_full_with_the_right_ca_delivers_over_tls() {
-    let (pg, certs) = tls_cluster("ok");
+    let (pg, certs) = tls_cluster("ok", false);
     let broker = Broker::start();
     broker.create_topic("orders");
     let follower = broker.follow("orders");
@@ -114,7 +123,7 @@ async fn verify_full_with_the_right_ca_delivers_over_tls() {
 
 #[test]
 fn certificate_failures_stop_the_relay_with_exit_2() {
-    let (pg, certs) = tls_cluster("bad");
+    let (pg, certs) = tls_cluster("bad", false);
     let brokers = format!("127.0.0.1:{}", free_port());
     for (db_url, why) in [
         (
@@ -152,6 +161,22 @@ fn certificate_failures_stop_the_relay_with_exit_2() {
     ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr_line(&out).contains("invalid sslmode"));
+}
+
+#[test]
+fn a_client_certificate_is_presented_when_given() {
+    let (pg, certs) = tls_cluster("client", true);
+    let verified = url(&pg, "localhost", "verify-full", &certs.ca);
+    stats_ok(&format!(
+        "{verified} sslcert={} sslkey={}",
+        certs.client_cert.display(),
+        certs.client_key.display()
+    ));
+    let out = run_cmd(&["stats", "--database-url", &verified]);
+    let line = stderr_line(&out);
+    assert!(!out.status.success(), "no client certificate, yet: {line}");
+    assert!(line.contains("certificate"), "{line}");
+    eprintln!("{line}");
 }
 
 #[test]
