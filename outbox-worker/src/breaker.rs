@@ -64,6 +64,7 @@ impl Breaker {
 pub async fn probe_loop(
     breaker: Arc<Breaker>,
     publisher: Arc<Publisher>,
+    probe_timeout: Duration,
     metrics: Arc<Metrics>,
     cancel: CancellationToken,
 ) -> Result<(), crate::error::DbError> {
@@ -74,6 +75,7 @@ pub async fn probe_loop(
             r = rx.wait_for(|open| *open) => if r.is_err() { return Ok(()) },
         }
         metrics.broker_circuit_open.set(1);
+        metrics.health.set_broker_reachable(false);
         let opened = Instant::now();
         let mut backoff = defaults::BREAKER_BACKOFF_MIN;
         let mut probes = 0u32;
@@ -88,8 +90,8 @@ pub async fn probe_loop(
                 _ = tokio::time::sleep(jittered(backoff)) => {}
             }
             probes += 1;
-            match publisher.reachable().await {
-                Ok(brokers) => {
+            match publisher.metadata(probe_timeout).await {
+                Ok((brokers, _topics)) => {
                     tracing::info!(
                         brokers,
                         probes,
@@ -105,6 +107,7 @@ pub async fn probe_loop(
             }
         }
         metrics.broker_circuit_open.set(0);
+        metrics.health.set_broker_reachable(true);
         breaker.close();
     }
 }

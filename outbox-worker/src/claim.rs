@@ -43,14 +43,22 @@ pub async fn claim_loop(
         if cancel.is_cancelled() {
             break;
         }
-        // While the broker is unreachable, claiming would only hold rows.
-        relay.breaker.wait_closed(&cancel).await;
+        // While the broker is unreachable, claiming would only hold rows. Waiting on purpose is
+        // being alive: /live must not get the relay restarted for a broker outage.
+        while relay.breaker.is_open() && !cancel.is_cancelled() {
+            relay.metrics.health.round_completed(n);
+            tokio::select! {
+                _ = relay.breaker.wait_closed(&cancel) => {}
+                _ = tokio::time::sleep(relay.poll_interval.min(Duration::from_secs(5))) => {}
+            }
+        }
         if cancel.is_cancelled() {
             break;
         }
         // Notifications from now on end the wait after this round.
         wake.borrow_and_update();
         let result = relay.round().await;
+        relay.metrics.health.round_completed(n);
         let delay = match result {
             Ok(claimed) if claimed as i32 >= relay.batch_size => {
                 failures = 0;
@@ -101,6 +109,7 @@ impl Relay {
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
         let (outcomes, replaced) = self.publisher.publish(&events).await;
+        self.metrics.health.publish_round(&outcomes);
         if let Some(reason) = replaced {
             self.metrics.producer_restarts.inc();
             tracing::warn!(

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::defaults::{self, LEASE_TO_SEND_TIMEOUT_RATIO, MAX_CONCURRENCY};
 use crate::Fatal;
@@ -16,14 +16,28 @@ use crate::Fatal;
     about = "Relays outbox events from PostgreSQL to Kafka"
 )]
 pub struct Cli {
-    /// Log level: error, warn, info, debug or trace.
-    #[arg(long, env = "OUTBOX_LOG", default_value = defaults::LOG_LEVEL, global = true)]
-    pub log_level: String,
+    /// Log filter: a level (error, warn, info, debug, trace, off) or RUST_LOG-style directives,
+    /// e.g. `info,librdkafka=debug`; librdkafka's own log level follows the filter of target
+    /// `librdkafka`. Default: RUST_LOG if set, else info.
+    #[arg(long, env = "OUTBOX_LOG", global = true)]
+    pub log_level: Option<String>,
+
+    /// Log lines as text or as one JSON object a line (level, target, message, fields).
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
 
     #[command(subcommand)]
     pub command: Command,
 }
 
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+// Parsed once per process: the size of `run`'s arguments costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run the relay: claim events, publish them to Kafka, ack or nack them.
@@ -43,7 +57,9 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct DbArgs {
     /// PostgreSQL connection string (URL or `key=value` form). Prefer the environment variable or
-    /// --database-url-file: a password on the command line is visible to other local users.
+    /// --database-url-file: a password on the command line is visible to other local users. TLS
+    /// as in libpq: sslmode=disable|prefer (default)|require|verify-ca|verify-full, sslrootcert
+    /// (CA file; `system` or unset: the system's CAs), sslcert and sslkey (client certificate).
     #[arg(long, env = "OUTBOX_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
 
@@ -129,10 +145,31 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     pub stats_interval: Duration,
 
-    /// Address for the Prometheus /metrics and the /health endpoints (off when not set),
-    /// e.g. 127.0.0.1:9187.
+    /// Address for the Prometheus /metrics and the /live, /ready (and /health) endpoints (off
+    /// when not set), e.g. 127.0.0.1:9187.
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+
+    /// /live answers 503 once a claim loop has not completed a round for this long; at least
+    /// twice --poll-interval + --send-timeout [default: 2m, or that when longer].
+    #[arg(long, env = "OUTBOX_LIVE_TIMEOUT", value_parser = parse_duration)]
+    pub live_timeout: Option<Duration>,
+
+    /// Server-side limit of each of the relay's statements (PostgreSQL statement_timeout; 0: the
+    /// server's setting); at most lease/4. A statement stuck on a lock is cancelled and retried
+    /// [default: 10s, or lease/4 when shorter].
+    #[arg(long, env = "OUTBOX_STATEMENT_TIMEOUT", value_parser = parse_duration)]
+    pub statement_timeout: Option<Duration>,
+
+    /// Longest wait for a connection from the relay's pool (opening it included); at most
+    /// lease/4 [default: 10s, or lease/4 when shorter].
+    #[arg(long, env = "OUTBOX_POOL_TIMEOUT", value_parser = parse_duration)]
+    pub pool_timeout: Option<Duration>,
+
+    /// After SIGTERM (or a failed task), the longest wait for the rounds in flight to settle;
+    /// then the relay exits 1 anyway (rows still claimed are reclaimed after the lease).
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "25s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
 }
 
 impl RunArgs {
@@ -156,10 +193,32 @@ impl RunArgs {
                 "--concurrency must be between 1 and {MAX_CONCURRENCY}"
             )));
         }
+        if self.live_timeout() < self.idle_round_gap() * 2 {
+            return Err(Fatal::usage(format!(
+                "--live-timeout ({}) must be at least twice --poll-interval + --send-timeout ({}), or an idle relay would look stuck",
+                humantime::format_duration(self.live_timeout()),
+                humantime::format_duration(self.poll_interval + self.send_timeout)
+            )));
+        }
+        for (name, d) in [
+            ("--statement-timeout", self.statement_timeout),
+            ("--pool-timeout", self.pool_timeout),
+        ] {
+            let Some(d) = d else { continue };
+            if d * LEASE_TO_SEND_TIMEOUT_RATIO > self.lease {
+                return Err(Fatal::usage(format!(
+                    "{name} ({}) must be at most a quarter of --lease ({})",
+                    humantime::format_duration(d),
+                    humantime::format_duration(self.lease)
+                )));
+            }
+        }
         for (name, d) in [
             ("--poll-interval", self.poll_interval),
             ("--reclaim-interval", self.reclaim_interval),
             ("--stats-interval", self.stats_interval),
+            ("--pool-timeout", self.pool_timeout()),
+            ("--shutdown-timeout", self.shutdown_timeout),
         ] {
             if d.is_zero() {
                 return Err(Fatal::usage(format!("{name} must be greater than 0")));
@@ -175,6 +234,35 @@ impl RunArgs {
         Ok(())
     }
 
+    /// --poll-interval + --send-timeout: about the longest time between two rounds of a healthy
+    /// claim loop.
+    fn idle_round_gap(&self) -> Duration {
+        self.poll_interval + self.send_timeout
+    }
+
+    /// `--live-timeout`, or its default: [`defaults::LIVE_TIMEOUT`], longer when the poll
+    /// interval needs it.
+    pub fn live_timeout(&self) -> Duration {
+        self.live_timeout
+            .unwrap_or_else(|| defaults::LIVE_TIMEOUT.max(self.idle_round_gap() * 2))
+    }
+
+    /// `--statement-timeout`, or its default bounded by the lease.
+    pub fn statement_timeout(&self) -> Duration {
+        self.statement_timeout
+            .unwrap_or_else(|| self.within_lease(defaults::STATEMENT_TIMEOUT))
+    }
+
+    /// `--pool-timeout`, or its default bounded by the lease.
+    pub fn pool_timeout(&self) -> Duration {
+        self.pool_timeout
+            .unwrap_or_else(|| self.within_lease(defaults::POOL_TIMEOUT))
+    }
+
+    fn within_lease(&self, d: Duration) -> Duration {
+        d.min(self.lease / LEASE_TO_SEND_TIMEOUT_RATIO)
+    }
+
     /// The producer's properties: --kafka-properties-file first, then --kafka-property.
     pub fn producer_properties(&self) -> Result<Vec<(String, String)>, Fatal> {
         let mut props = Vec::new();
@@ -182,8 +270,33 @@ impl RunArgs {
             props.extend(read_properties_file(p)?);
         }
         props.extend(self.kafka.properties()?);
+        check_delivery_timeout(&props, self.lease)?;
         Ok(props)
     }
+}
+
+/// librdkafka's delivery timeout (`message.timeout.ms`, alias `delivery.timeout.ms`) given as a
+/// property replaces --send-timeout, so it obeys the same bound: a round must end well before its
+/// lease expires. 0 (librdkafka: wait forever) is refused.
+fn check_delivery_timeout(props: &[(String, String)], lease: Duration) -> Result<(), Fatal> {
+    for (k, v) in props {
+        if k != "message.timeout.ms" && k != "delivery.timeout.ms" {
+            continue;
+        }
+        let ms: u64 = v.parse().map_err(|_| {
+            Fatal::usage(format!(
+                "invalid Kafka property {k}: {v:?} is not a number of milliseconds"
+            ))
+        })?;
+        let d = Duration::from_millis(ms);
+        if ms == 0 || d * LEASE_TO_SEND_TIMEOUT_RATIO > lease {
+            return Err(Fatal::usage(format!(
+                "Kafka property {k}={v} must be between 1 and a quarter of --lease ({}), so a round always ends well before its lease expires; prefer --send-timeout",
+                humantime::format_duration(lease)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Reads `KEY=VALUE` lines (blank lines and `#` comments skipped).
@@ -315,6 +428,10 @@ mod tests {
         assert_eq!(a.send_timeout, defaults::SEND_TIMEOUT);
         assert_eq!(a.reclaim_interval, defaults::RECLAIM_INTERVAL);
         assert_eq!(a.stats_interval, defaults::STATS_INTERVAL);
+        assert_eq!(a.live_timeout(), defaults::LIVE_TIMEOUT);
+        assert_eq!(a.statement_timeout(), defaults::STATEMENT_TIMEOUT);
+        assert_eq!(a.pool_timeout(), defaults::POOL_TIMEOUT);
+        assert_eq!(a.shutdown_timeout, defaults::SHUTDOWN_TIMEOUT);
         assert!(a.validate().is_ok());
         let Command::Purge(p) = parse(&["outbox-worker", "purge"]) else {
             unreachable!()
@@ -351,6 +468,53 @@ mod tests {
             .expect_err("error");
         assert!(e.message.contains("--send-timeout") && e.message.contains("--lease"));
         assert!(run_args(&["--send-timeout", "0s"]).validate().is_err());
+    }
+
+    #[test]
+    fn a_delivery_timeout_property_obeys_the_lease_like_send_timeout() {
+        let ok = run_args(&[
+            "--lease",
+            "40s",
+            "--kafka-property",
+            "message.timeout.ms=10000",
+        ]);
+        assert!(ok.producer_properties().is_ok());
+        for p in [
+            "message.timeout.ms=10001",
+            "delivery.timeout.ms=700000",
+            "message.timeout.ms=0",
+            "delivery.timeout.ms=soon",
+        ] {
+            let e = run_args(&["--lease", "40s", "--kafka-property", p])
+                .producer_properties()
+                .expect_err(p);
+            assert_eq!(e.code, 2);
+            assert!(
+                e.message.contains(p.split('=').next().unwrap()),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn waits_are_bounded_by_the_lease_and_live_by_the_poll_interval() {
+        for args in [
+            &["--lease", "40s", "--statement-timeout", "11s"][..],
+            &["--lease", "40s", "--pool-timeout", "11s"],
+            &["--pool-timeout", "0s"],
+            &["--shutdown-timeout", "0s"],
+            &["--poll-interval", "1m", "--live-timeout", "2m"],
+        ] {
+            assert!(run_args(args).validate().is_err(), "{args:?}");
+        }
+        let slow = run_args(&["--poll-interval", "1m"]);
+        assert!(slow.validate().is_ok());
+        assert_eq!(slow.live_timeout(), Duration::from_secs(126));
+        assert!(run_args(&["--statement-timeout", "0s"]).validate().is_ok());
+        let short = run_args(&["--lease", "4s", "--send-timeout", "1s"]);
+        assert_eq!(short.statement_timeout(), Duration::from_secs(1));
+        assert_eq!(short.pool_timeout(), Duration::from_secs(1));
     }
 
     #[test]

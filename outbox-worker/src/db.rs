@@ -1,15 +1,17 @@
-//! Database connections: connection settings (never logged with a password), direct sessions
-//! for the admin commands and the LISTEN connection, the extension check, and error formatting.
-//! The relay's own calls are in `store.rs`.
+//! Database connections: connection settings (never logged with a password) with their TLS
+//! connector (`tls.rs`), direct sessions for the admin commands and the LISTEN connection, the
+//! extension check, and error formatting. The relay's own calls are in `store.rs`.
 
 use std::error::Error as StdError;
 use std::str::FromStr;
 use std::time::Duration;
 
+use postgres_openssl::MakeTlsConnector;
 use tokio_postgres::config::Host;
-use tokio_postgres::{Config, NoTls};
+use tokio_postgres::Config;
 
 use crate::cli::DbArgs;
+use crate::tls::{self, SslMode};
 use crate::Fatal;
 
 /// Joins an error and its sources into one line.
@@ -27,9 +29,18 @@ pub fn one_line(e: &(dyn StdError + 'static)) -> String {
     out.replace(['\n', '\r'], " ")
 }
 
-/// Reads the connection string from the flag/env or the file, parses it and returns it with a
-/// password-free description for logs.
-pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
+/// A parsed connection string: what to connect to, how (TLS), and a password-free description.
+#[derive(Clone)]
+pub struct Target {
+    pub cfg: Config,
+    pub tls: MakeTlsConnector,
+    /// `host=… port=… dbname=… user=…` (and `sslmode=…` unless the default), for messages.
+    pub desc: String,
+}
+
+/// Reads the connection string from the flag/env or the file, parses it (TLS parameters with
+/// libpq's meaning) and returns it with a password-free description for logs.
+pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
     let text = match (&args.database_url, &args.database_url_file) {
         (Some(_), Some(_)) => {
             return Err(Fatal::usage(
@@ -50,19 +61,56 @@ pub fn config(args: &DbArgs) -> Result<(Config, String), Fatal> {
             "no database given: set --database-url or OUTBOX_DATABASE_URL (or --database-url-file)",
         )),
     };
+    let (text, tls_params) = tls::split(&text)?;
     // The parser's messages don't echo the input, so a password cannot leak from here.
     let mut cfg = Config::from_str(&text)
         .map_err(|e| Fatal::usage(format!("invalid database URL: {}", one_line(&e))))?;
     if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(Duration::from_secs(10));
+        cfg.connect_timeout(crate::defaults::CONNECT_TIMEOUT);
     }
     if cfg.get_application_name().is_none() {
         cfg.application_name(crate::defaults::CLIENT_ID);
     }
     cfg.keepalives(true);
     cfg.keepalives_idle(Duration::from_secs(30));
-    let desc = describe(&cfg);
-    Ok((cfg, desc))
+    cfg.ssl_mode(tls_params.pg_mode());
+    let tls = tls_params.connector()?;
+    let mut desc = describe(&cfg);
+    if tls_params.mode != SslMode::Prefer {
+        desc.push_str(&format!(" sslmode={}", tls_params.effective_mode().name()));
+    }
+    Ok(Target { cfg, tls, desc })
+}
+
+/// A failed connection attempt as one line: a failed TLS negotiation is a configuration error
+/// (exit 2: the certificate, the CA file or the sslmode must change), anything else an outage.
+pub fn connect_failure(desc: &str, e: &(dyn StdError + 'static)) -> Fatal {
+    if tls::is_tls_failure(e) {
+        Fatal::usage(format!(
+            "TLS to the database failed ({desc}): {}",
+            one_line(e)
+        ))
+    } else {
+        Fatal::runtime(format!(
+            "cannot connect to the database ({desc}): {}",
+            one_line(e)
+        ))
+    }
+}
+
+/// Adds `-c statement_timeout=…` to the sessions' startup options, unless `timeout` is zero or
+/// the connection string's `options` already set one (the operator's choice wins).
+pub fn set_statement_timeout(cfg: &mut Config, timeout: Duration) {
+    let existing = cfg.get_options().unwrap_or("").to_string();
+    if timeout.is_zero() || existing.contains("statement_timeout") {
+        return;
+    }
+    let ours = format!("-c statement_timeout={}", timeout.as_millis());
+    cfg.options(if existing.trim().is_empty() {
+        ours
+    } else {
+        format!("{existing} {ours}")
+    });
 }
 
 /// `host=… port=… dbname=… user=…`, without the password.
@@ -94,13 +142,12 @@ pub fn describe(cfg: &Config) -> String {
 }
 
 /// One direct session (admin commands, the LISTEN connection).
-pub async fn connect_once(cfg: &Config, desc: &str) -> Result<tokio_postgres::Client, Fatal> {
-    let (client, conn) = cfg.connect(NoTls).await.map_err(|e| {
-        Fatal::runtime(format!(
-            "cannot connect to the database ({desc}): {}",
-            one_line(&e)
-        ))
-    })?;
+pub async fn connect_once(target: &Target) -> Result<tokio_postgres::Client, Fatal> {
+    let (client, conn) = target
+        .cfg
+        .connect(target.tls.clone())
+        .await
+        .map_err(|e| connect_failure(&target.desc, &e))?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
@@ -135,9 +182,9 @@ pub async fn extension_schema(
 
 /// Opens a session for an admin command and returns it with the extension's schema.
 pub async fn admin_session(args: &DbArgs) -> Result<(tokio_postgres::Client, String), Fatal> {
-    let (cfg, desc) = config(args)?;
-    let client = connect_once(&cfg, &desc).await?;
-    let schema = extension_schema(&client, &desc).await?;
+    let target = config(args)?;
+    let client = connect_once(&target).await?;
+    let schema = extension_schema(&client, &target.desc).await?;
     Ok((client, schema))
 }
 
@@ -162,15 +209,20 @@ mod tests {
 
     #[test]
     fn description_never_contains_the_password() {
-        let (_, d) = config(&args("postgres://relay:s3cret@db.example:6543/app")).expect("url");
-        assert_eq!(d, "host=db.example port=6543 dbname=app user=relay");
-        let (_, d) = config(&args("host=h user=u password=s3cret dbname=x")).expect("kv");
-        assert!(!d.contains("s3cret"), "{d}");
+        let t = config(&args("postgres://relay:s3cret@db.example:6543/app")).expect("url");
+        assert_eq!(t.desc, "host=db.example port=6543 dbname=app user=relay");
+        let t = config(&args(
+            "host=h user=u password=s3cret dbname=x sslmode=require",
+        ))
+        .expect("kv");
+        assert_eq!(t.desc, "host=h port=5432 dbname=x user=u sslmode=require");
     }
 
     #[test]
     fn parse_errors_do_not_echo_the_input() {
-        let e = config(&args("postgres://u:s3cret@h:notaport/x")).expect_err("error");
+        let e = config(&args("postgres://u:s3cret@h:notaport/x"))
+            .err()
+            .expect("error");
         assert!(!e.message.contains("s3cret"), "{}", e.message);
     }
 }

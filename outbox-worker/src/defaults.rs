@@ -46,7 +46,25 @@ pub const RECLAIM_INTERVAL: Duration = Duration::from_secs(60);
 /// `--stats-interval`: how often `outbox_stats()` feeds the gauges.
 pub const STATS_INTERVAL: Duration = Duration::from_secs(5);
 
-/// `--log-level`.
+/// `--live-timeout`: `/live` fails once a claim loop has not completed a round for this long.
+pub const LIVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// `--statement-timeout`: PostgreSQL's statement_timeout on the relay's sessions. The extension's
+/// calls take milliseconds; this only ends a statement stuck on a lock or a sick server, far
+/// below the lease.
+pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `--pool-timeout`: the longest wait for a pooled connection (opening it included).
+pub const POOL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `--shutdown-timeout`: after SIGTERM, the longest wait for rounds in flight; below
+/// Kubernetes' default grace period of 30 s, so the relay exits on its own terms.
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(25);
+
+/// Connect timeout of each database session unless the connection string sets `connect_timeout`.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Log filter when neither `--log-level` nor `RUST_LOG` is set.
 pub const LOG_LEVEL: &str = "info";
 
 /// The producer's `linger.ms`: a round hands its whole batch to librdkafka at once and waits for

@@ -10,6 +10,8 @@ pub mod cli;
 pub mod db;
 pub mod defaults;
 pub mod error;
+pub mod health;
+pub mod logging;
 pub mod maintenance;
 pub mod message;
 pub mod metrics;
@@ -18,13 +20,12 @@ pub mod relay;
 pub mod shutdown;
 pub mod store;
 pub mod tasks;
+pub mod tls;
 pub mod wakeup;
 
 use std::process::ExitCode;
 
-use tracing::level_filters::LevelFilter;
-
-use cli::{Cli, Command};
+use cli::{Cli, Command, LogFormat};
 
 pub use message::{
     HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE, HEADER_OUTBOX_ID, RESERVED_HEADERS,
@@ -57,24 +58,11 @@ impl Fatal {
 /// Runs one parsed command line to the end: sets up logging and the runtime, runs the command,
 /// prints a failure as one line on stderr and returns the exit code.
 pub fn execute(cli: Cli) -> ExitCode {
-    let level = match cli.log_level.to_ascii_lowercase().as_str() {
-        "error" => LevelFilter::ERROR,
-        "warn" | "warning" => LevelFilter::WARN,
-        "info" => LevelFilter::INFO,
-        "debug" => LevelFilter::DEBUG,
-        "trace" => LevelFilter::TRACE,
-        "off" => LevelFilter::OFF,
-        other => {
-            eprintln!("outbox-worker: error: unknown --log-level {other:?} (error, warn, info, debug, trace, off)");
-            return ExitCode::from(2);
-        }
-    };
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    let json = cli.log_format == LogFormat::Json;
+    if let Err(e) = logging::init(cli.log_level.as_deref(), cli.log_format) {
+        eprintln!("outbox-worker: error: {e}");
+        return ExitCode::from(2);
+    }
 
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -103,7 +91,12 @@ pub fn execute(cli: Cli) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            eprintln!("outbox-worker: error: {}", f.message);
+            // In JSON, the last line is a JSON object like every other one.
+            if json {
+                tracing::error!(exit_code = f.code, "{}", f.message);
+            } else {
+                eprintln!("outbox-worker: error: {}", f.message);
+            }
             ExitCode::from(f.code)
         }
     }

@@ -1,5 +1,6 @@
 //! The relay's background work beside the claim loops: reclaiming expired leases (then waking the
-//! claim loops) and reading `outbox_stats()` into the backlog gauges. Transient database errors
+//! claim loops), reading `outbox_stats()` into the backlog gauges, and asking the broker for
+//! metadata so readiness knows whether it answers even when no event is sent. Transient database errors
 //! are logged and retried at the next interval; a configuration error ends the task (and the
 //! relay).
 
@@ -88,5 +89,30 @@ pub async fn stats_loop(
             _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(every) => {}
         }
+    }
+}
+
+/// Every `every`, one metadata request answered within `timeout` sets whether the broker is
+/// reachable (the rounds' outcomes set it too, in between).
+pub async fn broker_watch(
+    relay: Arc<Relay>,
+    every: Duration,
+    timeout: Duration,
+    cancel: CancellationToken,
+) -> Result<(), DbError> {
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(every) => {}
+        }
+        // A frozen broker holds the request for `timeout`: not the stop.
+        let ok = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            r = relay.publisher.metadata(timeout) => r,
+        };
+        if let Err(e) = &ok {
+            tracing::debug!("Kafka metadata request failed: {e}");
+        }
+        relay.metrics.health.set_broker_reachable(ok.is_ok());
     }
 }

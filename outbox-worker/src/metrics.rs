@@ -1,7 +1,7 @@
-//! Prometheus metrics and a minimal HTTP endpoint (`GET /metrics`, `GET /health`).
+//! Prometheus metrics and a minimal HTTP endpoint: `GET /metrics`, and the health endpoints
+//! `/live`, `/ready` and `/health` (state in `health.rs`).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::health::Health;
 use crate::Fatal;
 
 pub struct Metrics {
@@ -36,9 +37,7 @@ pub struct Metrics {
     pub dead_letters: IntGauge,
     pub oldest_due_age: Gauge,
     pub oldest_lease_age: Gauge,
-    /// The last database call succeeded.
-    pub db_ok: AtomicBool,
-    pub stopping: AtomicBool,
+    pub health: Health,
 }
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -73,7 +72,8 @@ fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogr
 }
 
 impl Metrics {
-    pub fn new() -> Arc<Metrics> {
+    /// `health` is the state the health endpoints read.
+    pub fn new(health: Health) -> Arc<Metrics> {
         let r = Registry::new();
         Arc::new(Metrics {
             published: counter_vec(
@@ -163,13 +163,12 @@ impl Metrics {
                 "Age of the oldest lease (0 when none)",
             ),
             registry: r,
-            db_ok: AtomicBool::new(true),
-            stopping: AtomicBool::new(false),
+            health,
         })
     }
 
     pub fn db_result<T, E>(&self, r: &Result<T, E>) {
-        self.db_ok.store(r.is_ok(), Ordering::Relaxed);
+        self.health.db_result(r.is_ok());
         if r.is_err() {
             self.database_errors.inc();
         }
@@ -193,7 +192,9 @@ pub async fn serve(
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| Fatal::usage(format!("cannot listen on --metrics-addr {addr}: {e}")))?;
-    tracing::info!("metrics at http://{addr}/metrics, health at http://{addr}/health");
+    tracing::info!(
+        "metrics at http://{addr}/metrics, health at http://{addr}/live and http://{addr}/ready"
+    );
     Ok(tokio::spawn(async move {
         loop {
             tokio::select! {
@@ -231,23 +232,16 @@ async fn handle(mut stream: tokio::net::TcpStream, m: Arc<Metrics>) -> std::io::
             "text/plain; version=0.0.4; charset=utf-8",
             m.render(),
         ),
-        ("GET", "/health") => {
-            if m.stopping.load(Ordering::Relaxed) {
-                (
-                    "503 Service Unavailable",
-                    "text/plain",
-                    "stopping\n".to_string(),
-                )
-            } else if m.db_ok.load(Ordering::Relaxed) {
-                ("200 OK", "text/plain", "ok\n".to_string())
-            } else {
-                (
-                    "503 Service Unavailable",
-                    "text/plain",
-                    "database unreachable\n".to_string(),
-                )
-            }
-        }
+        ("GET", "/live") => status(m.health.live()),
+        ("GET", "/ready") => status(m.health.ready()),
+        // Before /live and /ready: the database alone (kept for existing probes).
+        ("GET", "/health") => status(if m.health.stopping() {
+            Err("stopping")
+        } else if m.health.db_ok() {
+            Ok(())
+        } else {
+            Err("database unreachable")
+        }),
         ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
         _ => (
             "405 Method Not Allowed",
@@ -261,4 +255,12 @@ async fn handle(mut stream: tokio::net::TcpStream, m: Arc<Metrics>) -> std::io::
     );
     stream.write_all(resp.as_bytes()).await?;
     stream.shutdown().await
+}
+
+/// A health check's answer: `200 ok`, or `503` with the reason.
+fn status<E: std::fmt::Display>(r: Result<(), E>) -> (&'static str, &'static str, String) {
+    match r {
+        Ok(()) => ("200 OK", "text/plain", "ok\n".to_string()),
+        Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
+    }
 }

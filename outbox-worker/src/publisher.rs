@@ -126,7 +126,7 @@ impl Publisher {
         for (k, v) in properties {
             cfg.set(k, v);
         }
-        cfg.set_log_level(RDKafkaLogLevel::Warning);
+        cfg.set_log_level(crate::logging::librdkafka_log_level());
         let producer = create(&cfg)?;
         Ok(Publisher {
             config: cfg,
@@ -288,41 +288,33 @@ impl Publisher {
     }
 
     /// Connects and reads the cluster metadata once (logged), so the first round does not pay
-    /// for the bootstrap and an unreachable broker shows in the log at start-up.
-    pub async fn probe(self: Arc<Self>) {
-        let producer = self.current();
-        let res = tokio::task::spawn_blocking(move || {
-            producer
-                .client()
-                .fetch_metadata(None, Duration::from_secs(10))
-                .map(|md| (md.brokers().len(), md.topics().len()))
-        })
-        .await;
-        match res {
-            Ok(Ok((brokers, topics))) => {
-                tracing::info!(brokers, topics, "connected to Kafka")
+    /// for the bootstrap and an unreachable broker shows in the log at start-up. Returns whether
+    /// the broker answered.
+    pub async fn probe(self: Arc<Self>) -> bool {
+        match self.metadata(Duration::from_secs(10)).await {
+            Ok((brokers, topics)) => {
+                tracing::info!(brokers, topics, "connected to Kafka");
+                true
             }
-            Ok(Err(e)) => {
-                tracing::warn!("Kafka not reachable yet ({e}); events are retried until it is")
+            Err(e) => {
+                tracing::warn!("Kafka not reachable yet ({e}); events are retried until it is");
+                false
             }
-            Err(_) => {}
         }
     }
 
-    /// Whether a broker answers a metadata request within the send timeout; the number of
-    /// brokers in the cluster when one does. The circuit breaker's probe.
-    pub async fn reachable(&self) -> Result<usize, String> {
+    /// One metadata request (brokers, topics known), answered within `timeout` or an error.
+    pub async fn metadata(&self, timeout: Duration) -> Result<(usize, usize), String> {
         let producer = self.current();
-        let timeout = self.send_timeout;
         tokio::task::spawn_blocking(move || {
             producer
                 .client()
                 .fetch_metadata(None, timeout)
-                .map(|md| md.brokers().len())
+                .map(|md| (md.brokers().len(), md.topics().len()))
                 .map_err(|e| e.to_string())
         })
         .await
-        .map_err(|e| format!("probe task: {e}"))?
+        .map_err(|e| e.to_string())?
     }
 
     /// Waits for whatever is still queued in librdkafka.

@@ -12,7 +12,8 @@ use crate::claim::{claim_loop, Relay};
 use crate::cli::RunArgs;
 use crate::db;
 use crate::error::DbError;
-use crate::maintenance::{reclaim_loop, stats_loop};
+use crate::health::Health;
+use crate::maintenance::{broker_watch, reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
 use crate::publisher::Publisher;
 use crate::store::{Settings, Store};
@@ -45,13 +46,16 @@ pub fn default_owner() -> String {
 pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     args.validate()?;
     // Signals from here on stop the relay cleanly (exit 0), even during start-up.
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(Health::new(args.concurrency, args.live_timeout()));
     let cancel = CancellationToken::new();
     shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
+    shutdown::spawn_deadline(cancel.clone(), args.shutdown_timeout);
     let props = args.producer_properties()?;
-    let (pg_cfg, desc) = db::config(&args.db)?;
+    let mut target = db::config(&args.db)?;
+    db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
+    let desc = target.desc.clone();
     // One connection per claim loop, one for the reclaimer, one for the stats poller.
-    let store = Store::open(pg_cfg.clone(), desc.clone(), args.concurrency + 2).await?;
+    let store = Store::open(target.clone(), args.concurrency + 2, args.pool_timeout()).await?;
     let Settings {
         max_retry,
         max_claim,
@@ -84,12 +88,15 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         poll_interval = %humantime::format_duration(args.poll_interval),
         lease = %humantime::format_duration(args.lease),
         send_timeout = %humantime::format_duration(args.send_timeout),
+        statement_timeout = %humantime::format_duration(args.statement_timeout()),
         max_retry,
         "relay started"
     );
 
     let publisher = Arc::new(publisher);
-    tokio::spawn(publisher.clone().probe());
+    let probe = publisher.clone().probe();
+    let m = metrics.clone();
+    tokio::spawn(async move { m.health.set_broker_reachable(probe.await) });
     let breaker = Arc::new(Breaker::new());
     let relay = Arc::new(Relay {
         store,
@@ -103,7 +110,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
     let mut tasks = Tasks::new(cancel.clone());
-    let listen = wakeup::listen(pg_cfg, wake_tx.clone(), cancel.clone());
+    let listen = wakeup::listen(target, wake_tx.clone(), cancel.clone());
     tasks.spawn("wake-up listener", async move {
         listen.await;
         Ok(())
@@ -120,11 +127,26 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     );
     tasks.spawn(
         "broker prober",
-        probe_loop(breaker, publisher, metrics.clone(), cancel.clone()),
+        probe_loop(
+            breaker,
+            publisher,
+            args.send_timeout,
+            metrics.clone(),
+            cancel.clone(),
+        ),
     );
     tasks.spawn(
         "stats poller",
         stats_loop(relay.clone(), args.stats_interval, cancel.clone()),
+    );
+    tasks.spawn(
+        "broker watch",
+        broker_watch(
+            relay.clone(),
+            args.stats_interval,
+            args.send_timeout,
+            cancel.clone(),
+        ),
     );
     for n in 0..args.concurrency {
         tasks.spawn(

@@ -1,8 +1,9 @@
 //! SIGTERM/SIGINT: the first one stops claiming (in-flight rows are settled, the producer flushed,
-//! exit 0); a second one exits at once (held rows are reclaimed after their lease).
+//! exit 0); a second one exits at once (held rows are reclaimed after their lease). Either way the
+//! stop is bounded: past the shutdown timeout the process exits 1 whatever it was waiting for.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
@@ -18,7 +19,7 @@ pub fn spawn_signal_handler(cancel: CancellationToken, metrics: Arc<Metrics>) {
             _ = int.recv() => "SIGINT",
         };
         tracing::info!("{name} received: stopping claims, settling in-flight events");
-        metrics.stopping.store(true, Ordering::Relaxed);
+        metrics.health.set_stopping();
         cancel.cancel();
         let name = tokio::select! {
             _ = term.recv() => "SIGTERM",
@@ -28,5 +29,20 @@ pub fn spawn_signal_handler(cancel: CancellationToken, metrics: Arc<Metrics>) {
             "second {name}: exiting now; events still claimed are reclaimed after their lease"
         );
         std::process::exit(130);
+    });
+}
+
+/// Once `cancel` fires (a signal or a failed task), gives the relay `timeout` to stop; then logs
+/// and exits 1: a round still in flight (a hung statement or delivery) may leave its rows
+/// SENDING until their lease expires, and the supervisor should see that the stop was not clean.
+pub fn spawn_deadline(cancel: CancellationToken, timeout: Duration) {
+    tokio::spawn(async move {
+        cancel.cancelled().await;
+        tokio::time::sleep(timeout).await;
+        tracing::error!(
+            "shutdown timeout ({}) passed with work in flight: exiting now; events still claimed are reclaimed after their lease",
+            humantime::format_duration(timeout)
+        );
+        std::process::exit(1);
     });
 }

@@ -6,10 +6,10 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::{Config, NoTls, Row};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::Row;
 
-use crate::db::{extension_schema, one_line};
+use crate::db::{connect_failure, extension_schema, Target};
 use crate::error::DbError;
 use crate::Fatal;
 
@@ -211,25 +211,28 @@ pub struct Store {
 }
 
 impl Store {
-    /// Connects, checks the extension and returns the store. Errors are one clear line.
-    pub async fn open(cfg: Config, desc: String, pool_size: usize) -> Result<Store, Fatal> {
+    /// Connects, checks the extension and returns the store. Waiting for a connection (opening
+    /// it included) takes at most `wait`. Errors are one clear line.
+    pub async fn open(target: Target, pool_size: usize, wait: Duration) -> Result<Store, Fatal> {
+        let Target { cfg, tls, desc } = target;
         let mgr = Manager::from_config(
             cfg,
-            NoTls,
+            tls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
         );
         let pool = Pool::builder(mgr)
             .max_size(pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(wait))
+            .create_timeout(Some(wait))
+            .recycle_timeout(Some(wait))
             .build()
             .map_err(|e| Fatal::runtime(format!("cannot build the connection pool: {e}")))?;
-        let client = pool.get().await.map_err(|e| {
-            let why = match &e {
-                deadpool_postgres::PoolError::Backend(b) => one_line(b),
-                other => one_line(other),
-            };
-            Fatal::runtime(format!("cannot connect to the database ({desc}): {why}"))
+        let client = pool.get().await.map_err(|e| match &e {
+            deadpool_postgres::PoolError::Backend(b) => connect_failure(&desc, b),
+            other => connect_failure(&desc, other),
         })?;
         let schema = extension_schema(&client, &desc).await?;
         drop(client);

@@ -6,18 +6,18 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use tokio::sync::{mpsc, watch};
-use tokio_postgres::{AsyncMessage, Config, NoTls};
+use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::one_line;
+use crate::db::{one_line, Target};
 
 pub const CHANNEL: &str = "outbox";
 
-pub async fn listen(cfg: Config, wake: watch::Sender<u64>, cancel: CancellationToken) {
+pub async fn listen(target: Target, wake: watch::Sender<u64>, cancel: CancellationToken) {
     let mut backoff = Duration::from_millis(500);
     let mut connected_before = false;
     loop {
-        match cfg.connect(NoTls).await {
+        match target.cfg.connect(target.tls.clone()).await {
             Ok((client, mut conn)) => {
                 let (tx, mut rx) = mpsc::unbounded_channel::<Result<(), String>>();
                 let driver = tokio::spawn(async move {

@@ -4,9 +4,11 @@
 //! relay binary.
 
 pub mod broker;
+pub mod certs;
 pub mod db;
 pub mod events;
 pub mod fault;
 pub mod kafka;
+pub mod pg_cluster;
 pub mod relay;
 pub mod roles;

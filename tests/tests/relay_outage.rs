@@ -23,8 +23,9 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
     let mut broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
-    // The relay's and the extension's defaults: send timeout, lease, retries, backoff, poll.
-    let mut relay = Relay::spawn(&db.url(), &broker.addr(), &[]);
+    // The relay's and the extension's defaults: send timeout, lease, retries, backoff, poll. A
+    // short /live timeout, so that /live staying 200 through the outage means something.
+    let mut relay = Relay::spawn(&db.url(), &broker.addr(), &["--live-timeout", "20s"]);
 
     // One event every 250 ms, before, during and after the outage.
     let stop_producing = Arc::new(AtomicBool::new(false));
@@ -86,6 +87,17 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
             relay.logs()
         );
     }
+    // Alive (a restart would not help) but not ready (the broker is not reachable).
+    let live = relay.http_get("/live").map(|(status, _)| status);
+    assert!(
+        live.as_deref().is_some_and(|s| s.contains("200")),
+        "/live during the outage: {live:?}"
+    );
+    let ready = relay.http_get("/ready").map(|(status, _)| status);
+    assert!(
+        ready.as_deref().is_some_and(|s| s.contains("503")),
+        "/ready during the outage: {ready:?}"
+    );
     let backlog = status_counts(&client).await;
     assert!(
         backlog["WAIT"] + backlog["SENDING"] >= 100,
@@ -121,6 +133,11 @@ async fn a_two_minute_broker_outage_dead_letters_nothing_and_loses_nothing() {
     assert_eq!(got, committed, "every committed event arrives");
     assert!(relay.is_running(), "the relay never exits");
     assert_eq!(relay.metric("outbox_broker_circuit_open"), Some(0.0));
+    let ready = relay.http_get("/ready").map(|(status, _)| status);
+    assert!(
+        ready.as_deref().is_some_and(|s| s.contains("200")),
+        "/ready after the outage: {ready:?}"
+    );
     assert!(
         relay
             .metric_where("outbox_failed_total", "class=\"transient\"")

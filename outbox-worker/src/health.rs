@@ -1,0 +1,189 @@
+//! Health as Kubernetes reads it. `/live`: every claim loop completed a round (successful or not)
+//! within the live timeout, so the process is not stuck and a restart would not help otherwise.
+//! `/ready`: the last database call succeeded and the broker is reachable, and the relay is not
+//! stopping. The setters are called by the claim loops, the store's callers and whatever watches
+//! the broker (the publisher's probe, the rounds' outcomes, a circuit breaker).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::error::RDKafkaErrorCode;
+
+use crate::publisher::Outcome;
+
+pub struct Health {
+    start: Instant,
+    /// Per claim loop: milliseconds since `start` when its last round ended.
+    rounds: Vec<AtomicU64>,
+    live_timeout: Duration,
+    db_ok: AtomicBool,
+    /// False until a probe or a delivery shows the broker answering.
+    broker_ok: AtomicBool,
+    stopping: AtomicBool,
+}
+
+impl Health {
+    /// `loops` claim loops; `/live` fails once one of them has not ended a round for
+    /// `live_timeout` (counted from start-up before the first round).
+    pub fn new(loops: usize, live_timeout: Duration) -> Health {
+        Health {
+            start: Instant::now(),
+            rounds: (0..loops).map(|_| AtomicU64::new(0)).collect(),
+            live_timeout,
+            db_ok: AtomicBool::new(true),
+            broker_ok: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// Claim loop `n` ended a round, or a wait that stands for one (e.g. an open circuit breaker).
+    pub fn round_completed(&self, n: usize) {
+        if let Some(r) = self.rounds.get(n) {
+            r.store(self.now_ms(), Ordering::Relaxed);
+        }
+    }
+
+    /// Records whether the last database call succeeded.
+    pub fn db_result(&self, ok: bool) {
+        self.db_ok.store(ok, Ordering::Relaxed);
+    }
+
+    pub fn set_broker_reachable(&self, ok: bool) {
+        let was = self.broker_ok.swap(ok, Ordering::Relaxed);
+        if was && !ok {
+            tracing::warn!("Kafka unreachable: not ready until it answers again");
+        } else if !was && ok {
+            tracing::debug!("Kafka reachable");
+        }
+    }
+
+    /// What a round's publish outcomes say of the broker: reachable when at least one event was
+    /// delivered; unreachable when every publish failed on the way to the broker (transport,
+    /// timeout); nothing otherwise (e.g. a permanent error for one topic).
+    pub fn publish_round(&self, outcomes: &[Outcome]) {
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, Outcome::Delivered { .. }))
+        {
+            self.set_broker_reachable(true);
+        } else if !outcomes.is_empty()
+            && outcomes.iter().all(
+                |o| matches!(o, Outcome::Failed(e) if e.code().is_some_and(broker_unreachable)),
+            )
+        {
+            self.set_broker_reachable(false);
+        }
+    }
+
+    pub fn set_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+
+    pub fn db_ok(&self) -> bool {
+        self.db_ok.load(Ordering::Relaxed)
+    }
+
+    /// `Ok` when live; otherwise why not.
+    pub fn live(&self) -> Result<(), String> {
+        let now = self.now_ms();
+        let limit = self.live_timeout.as_millis() as u64;
+        for (n, r) in self.rounds.iter().enumerate() {
+            let idle = now.saturating_sub(r.load(Ordering::Relaxed));
+            if idle > limit {
+                return Err(format!(
+                    "claim loop {n} has not completed a round for {}",
+                    humantime::format_duration(Duration::from_millis(idle / 1000 * 1000))
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `Ok` when ready; otherwise why not.
+    pub fn ready(&self) -> Result<(), &'static str> {
+        if self.stopping() {
+            Err("stopping")
+        } else if !self.db_ok() {
+            Err("database unreachable")
+        } else if !self.broker_ok.load(Ordering::Relaxed) {
+            Err("Kafka unreachable")
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Errors that say the broker did not answer (rather than refused one event).
+fn broker_unreachable(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageTimedOut
+            | RDKafkaErrorCode::BrokerTransportFailure
+            | RDKafkaErrorCode::AllBrokersDown
+            | RDKafkaErrorCode::RequestTimedOut
+            | RDKafkaErrorCode::NetworkException
+            | RDKafkaErrorCode::BrokerNotAvailable
+            | RDKafkaErrorCode::Resolve
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::PublishError;
+    use rdkafka::error::KafkaError;
+
+    fn failed(code: RDKafkaErrorCode) -> Outcome {
+        Outcome::Failed(PublishError {
+            topic: "t".into(),
+            source: KafkaError::MessageProduction(code),
+        })
+    }
+
+    #[test]
+    fn ready_needs_database_broker_and_no_stop() {
+        let h = Health::new(1, Duration::from_secs(60));
+        assert_eq!(h.ready(), Err("Kafka unreachable"));
+        h.publish_round(&[
+            failed(RDKafkaErrorCode::MessageTimedOut),
+            Outcome::Delivered {
+                latency: Duration::ZERO,
+            },
+        ]);
+        assert_eq!(h.ready(), Ok(()));
+        // A permanent error of one topic says nothing about the broker.
+        h.publish_round(&[failed(RDKafkaErrorCode::UnknownTopicOrPartition)]);
+        assert_eq!(h.ready(), Ok(()));
+        h.publish_round(&[
+            failed(RDKafkaErrorCode::MessageTimedOut),
+            failed(RDKafkaErrorCode::AllBrokersDown),
+        ]);
+        assert_eq!(h.ready(), Err("Kafka unreachable"));
+        h.set_broker_reachable(true);
+        h.db_result(false);
+        assert_eq!(h.ready(), Err("database unreachable"));
+        h.db_result(true);
+        h.set_stopping();
+        assert_eq!(h.ready(), Err("stopping"));
+    }
+
+    #[test]
+    fn live_needs_every_loop_to_complete_rounds() {
+        let h = Health::new(2, Duration::from_millis(50));
+        assert!(h.live().is_ok());
+        std::thread::sleep(Duration::from_millis(80));
+        h.round_completed(0);
+        let e = h.live().expect_err("loop 1 is stuck");
+        assert!(e.starts_with("claim loop 1 "), "{e}");
+        h.round_completed(1);
+        assert!(h.live().is_ok());
+    }
+}

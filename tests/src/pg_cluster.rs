@@ -1,0 +1,157 @@
+//! A throwaway PostgreSQL 15 cluster (initdb + pg_ctl, run as the `postgres` OS user since initdb
+//! refuses root) on a free port, for tests that need a server configuration of their own (e.g.
+//! `ssl = on` with the test's certificate) without touching the shared server. Stopped and
+//! removed on drop. The installed `outbox` extension is available to it (same installation).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use crate::broker::free_port;
+
+const BIN: &str = "/usr/lib/postgresql/15/bin";
+
+pub struct PgCluster {
+    pub dir: PathBuf,
+    pub port: u16,
+}
+
+fn as_postgres(args: &[&str]) -> Output {
+    Command::new("runuser")
+        .args(["-u", "postgres", "--"])
+        .args(args)
+        .output()
+        .expect("runuser")
+}
+
+fn check(what: &str, out: Output) {
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl PgCluster {
+    /// initdb, then start on 127.0.0.1 and localhost's other addresses with `conf` appended to
+    /// postgresql.conf; `files` are copied into the data directory first (owned by postgres,
+    /// mode 0600, as the server wants its key).
+    pub fn start(conf: &str, files: &[&Path]) -> PgCluster {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("outbox-test-pg-{port}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("cluster dir");
+        check(
+            "chown",
+            Command::new("chown")
+                .args(["postgres:postgres"])
+                .arg(&dir)
+                .output()
+                .expect("chown"),
+        );
+        let data = dir.join("data");
+        let data_s = data.to_str().expect("utf-8 path");
+        check(
+            "initdb",
+            as_postgres(&[
+                &format!("{BIN}/initdb"),
+                "-D",
+                data_s,
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "--no-sync",
+                "--no-instructions",
+            ]),
+        );
+        for f in files {
+            let to = data.join(f.file_name().expect("file name"));
+            std::fs::copy(f, &to).expect("copy into the data dir");
+            check(
+                "chown",
+                Command::new("chown")
+                    .args(["postgres:postgres"])
+                    .arg(&to)
+                    .output()
+                    .expect("chown"),
+            );
+            check(
+                "chmod",
+                Command::new("chmod")
+                    .arg("600")
+                    .arg(&to)
+                    .output()
+                    .expect("chmod"),
+            );
+        }
+        let mut pgconf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .expect("postgresql.conf");
+        use std::io::Write;
+        writeln!(
+            pgconf,
+            "port = {port}\nlisten_addresses = 'localhost'\nunix_socket_directories = '{}'\nfsync = off\n{conf}",
+            dir.display()
+        )
+        .expect("write postgresql.conf");
+        let log = dir.join("server.log");
+        check(
+            "pg_ctl start",
+            as_postgres(&[
+                &format!("{BIN}/pg_ctl"),
+                "-D",
+                data_s,
+                "-l",
+                log.to_str().expect("utf-8"),
+                "-w",
+                "-t",
+                "30",
+                "start",
+            ]),
+        );
+        PgCluster { dir, port }
+    }
+
+    /// libpq parameters for `dbname` over TCP on localhost, without TLS settings.
+    pub fn params(&self, host: &str, dbname: &str) -> String {
+        format!(
+            "host={host} port={} user=postgres dbname={dbname}",
+            self.port
+        )
+    }
+
+    /// Runs SQL with psql over the Unix socket (no TLS involved).
+    pub fn psql(&self, dbname: &str, sql: &str) {
+        let out = Command::new("psql")
+            .arg(format!(
+                "host={} port={} user=postgres dbname={dbname}",
+                self.dir.display(),
+                self.port
+            ))
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .output()
+            .expect("psql");
+        check(sql, out);
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        let data = self.dir.join("data");
+        let _ = as_postgres(&[
+            &format!("{BIN}/pg_ctl"),
+            "-D",
+            data.to_str().unwrap_or(""),
+            "-m",
+            "immediate",
+            "-w",
+            "stop",
+        ]);
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! `/live` and `/ready` of the real relay, as Kubernetes probes them: ready while the database and
+//! the broker answer, not ready while the broker is frozen and ready again once it is back, live
+//! throughout; not live while its claim loop is stuck on a lock.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use outbox_tests::broker::{free_port, Broker};
+use outbox_tests::db::TestDb;
+use outbox_tests::events::enqueue;
+use outbox_tests::worker::Worker;
+use serde_json::json;
+
+/// Polls `path` until its status line contains `want`; returns the last (status, body).
+fn wait_status(w: &Worker, path: &str, want: &str, timeout: Duration) -> (String, String) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let got = w.http_get(path).unwrap_or_default();
+        if got.0.contains(want) || Instant::now() >= deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_follows_the_broker_and_live_stays_up() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let follower = broker.follow("orders");
+    let w = Worker::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--poll-interval",
+            "200ms",
+            "--stats-interval",
+            "500ms",
+            "--send-timeout",
+            "2s",
+        ],
+    );
+    let (status, body) = wait_status(&w, "/ready", "200", Duration::from_secs(20));
+    assert!(status.contains("200"), "{status} {body}\n{}", w.logs());
+    let ev = enqueue(
+        &client,
+        "orders",
+        "k",
+        "Created",
+        &json!({}),
+        &BTreeMap::new(),
+    )
+    .await;
+    assert!(follower.wait_for(ev.id, Duration::from_secs(20)).is_some());
+
+    broker.freeze();
+    let (status, body) = wait_status(&w, "/ready", "503", Duration::from_secs(20));
+    broker.thaw();
+    assert!(status.contains("503"), "{status} {body}\n{}", w.logs());
+    assert_eq!(body.trim(), "Kafka unreachable");
+    let (status, body) = wait_status(&w, "/live", "200", Duration::from_secs(1));
+    assert!(
+        status.contains("200"),
+        "live while the broker was frozen: {status} {body}"
+    );
+
+    let (status, body) = wait_status(&w, "/ready", "200", Duration::from_secs(30));
+    assert!(status.contains("200"), "{status} {body}\n{}", w.logs());
+    let (status, _) = w.http_get("/live").expect("live");
+    assert!(status.contains("200"), "{status}");
+}
+
+/// A claim that waits on a lock (no statement timeout) stops the rounds: /live turns 503 after
+/// --live-timeout, and 200 again once the lock is released. Readiness is not the point here, so
+/// no broker is needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_fails_while_a_claim_loop_is_stuck() {
+    let db = TestDb::create();
+    let brokers = format!("127.0.0.1:{}", free_port());
+    let w = Worker::spawn(
+        &db.url(),
+        &brokers,
+        &[
+            "--poll-interval",
+            "200ms",
+            "--send-timeout",
+            "1s",
+            "--live-timeout",
+            "3s",
+            "--statement-timeout",
+            "0s",
+        ],
+    );
+    assert!(w
+        .wait_log(&["claim returned no due events"], Duration::from_secs(15))
+        .is_some());
+    let (status, _) = w.http_get("/live").expect("live");
+    assert!(status.contains("200"), "{status}");
+
+    let mut locker = db.connect().await;
+    let tx = locker.transaction().await.expect("begin");
+    tx.batch_execute("LOCK TABLE outbox_event IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock");
+    let (status, body) = wait_status(&w, "/live", "503", Duration::from_secs(15));
+    assert!(status.contains("503"), "{status} {body}\n{}", w.logs());
+    assert!(
+        body.starts_with("claim loop 0 has not completed a round"),
+        "{body}"
+    );
+    tx.rollback().await.expect("release the lock");
+    let (status, body) = wait_status(&w, "/live", "200", Duration::from_secs(10));
+    assert!(status.contains("200"), "{status} {body}");
+}
