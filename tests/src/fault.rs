@@ -30,7 +30,7 @@ use tokio_postgres::Client;
 
 use crate::broker::{read_to_end, Broker};
 use crate::db::{connect, TestDb};
-use crate::relay::Relay as Worker;
+use crate::relay::Relay;
 
 /// Topics the events go to; the poison topic is never created on the broker.
 pub const TOPICS: [&str; 2] = ["orders", "payments"];
@@ -490,7 +490,7 @@ struct Slot {
     index: usize,
     generation: usize,
     owner: String,
-    worker: Worker,
+    worker: Relay,
 }
 
 struct Runner<'a> {
@@ -524,7 +524,7 @@ impl Runner<'_> {
         let owner = format!("fault-w{index}-g{generation}");
         let broker = format!("127.0.0.1:{}", self.port);
         let ms = |d: Duration| format!("{}ms", d.as_millis());
-        let worker = Worker::spawn(
+        let worker = Relay::spawn(
             &self.db_url,
             &broker,
             &[

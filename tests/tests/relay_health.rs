@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use outbox_tests::broker::{free_port, Broker};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
-use outbox_tests::worker::Worker;
+use outbox_tests::relay::Relay;
 use serde_json::json;
 
 /// Polls `path` until its status line contains `want`; returns the last (status, body).
-fn wait_status(w: &Worker, path: &str, want: &str, timeout: Duration) -> (String, String) {
+fn wait_status(w: &Relay, path: &str, want: &str, timeout: Duration) -> (String, String) {
     let deadline = Instant::now() + timeout;
     loop {
         let got = w.http_get(path).unwrap_or_default();
@@ -30,7 +30,7 @@ async fn ready_follows_the_broker_and_live_stays_up() {
     broker.create_topic("orders");
     let client = db.connect().await;
     let follower = broker.follow("orders");
-    let w = Worker::spawn(
+    let w = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &[
@@ -79,7 +79,7 @@ async fn ready_follows_the_broker_and_live_stays_up() {
 async fn live_fails_while_a_claim_loop_is_stuck() {
     let db = TestDb::create();
     let brokers = format!("127.0.0.1:{}", free_port());
-    let w = Worker::spawn(
+    let w = Relay::spawn(
         &db.url(),
         &brokers,
         &[

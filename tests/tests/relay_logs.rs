@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use outbox_tests::broker::free_port;
 use outbox_tests::db::TestDb;
-use outbox_tests::worker::{run_cmd, Worker};
+use outbox_tests::relay::{run_cmd, Relay};
 use serde_json::Value;
 
 fn parse(line: &str) -> Value {
@@ -21,7 +21,7 @@ fn json_logs_are_one_object_a_line() {
     let db = TestDb::create();
     // Nothing listens there: librdkafka logs its connection failures.
     let brokers = format!("127.0.0.1:{}", free_port());
-    let mut w = Worker::spawn(&db.url(), &brokers, &["--log-format", "json"]);
+    let mut w = Relay::spawn(&db.url(), &brokers, &["--log-format", "json"]);
     assert!(
         w.wait_log(&["claim returned no due events"], Duration::from_secs(15))
             .is_some(),

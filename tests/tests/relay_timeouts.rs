@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use outbox_tests::broker::{free_port, Broker};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
-use outbox_tests::worker::{run_cmd, Worker};
+use outbox_tests::relay::{run_cmd, Relay};
 use serde_json::json;
 use tokio_postgres::Client;
 
@@ -43,7 +43,7 @@ async fn a_statement_stuck_on_a_lock_is_cancelled_and_the_relay_carries_on() {
     let broker = Broker::start();
     broker.create_topic("orders");
     let follower = broker.follow("orders");
-    let mut w = Worker::spawn(
+    let mut w = Relay::spawn(
         &db.url(),
         &broker.addr(),
         &["--poll-interval", "200ms", "--statement-timeout", "1s"],
@@ -74,7 +74,7 @@ async fn a_statement_stuck_on_a_lock_is_cancelled_and_the_relay_carries_on() {
 async fn sigterm_ends_the_relay_within_the_shutdown_timeout() {
     let db = TestDb::create();
     let brokers = format!("127.0.0.1:{}", free_port());
-    let mut w = Worker::spawn(
+    let mut w = Relay::spawn(
         &db.url(),
         &brokers,
         &[

@@ -14,7 +14,7 @@ use outbox_tests::certs::Certs;
 use outbox_tests::db::connect;
 use outbox_tests::events::enqueue;
 use outbox_tests::pg_cluster::PgCluster;
-use outbox_tests::worker::{run_cmd, Worker};
+use outbox_tests::relay::{run_cmd, Relay};
 use serde_json::json;
 
 /// A cluster with `ssl = on`, a database `app` with the extension, and the certificates (server
@@ -71,7 +71,7 @@ async fn verify_full_with_the_right_ca_delivers_over_tls() {
     let follower = broker.follow("orders");
     let client = connect(&pg.params("localhost", "app")).await;
 
-    let w = Worker::spawn(
+    let w = Relay::spawn(
         &url(&pg, "localhost", "verify-full", &certs.ca),
         &broker.addr(),
         &["--poll-interval", "200ms"],
