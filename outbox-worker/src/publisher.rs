@@ -90,7 +90,8 @@ fn create(cfg: &ClientConfig) -> Result<KafkaProducer, Fatal> {
 
 impl Publisher {
     /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send
-    /// timeout, then the user's properties on top. Nothing is connected yet.
+    /// timeout, the Java client's partitioner, then the user's properties on top. Nothing is
+    /// connected yet.
     pub fn new(
         brokers: &str,
         send_timeout: Duration,
@@ -109,7 +110,8 @@ impl Publisher {
             .set(
                 "message.timeout.ms",
                 send_timeout.as_millis().max(1).to_string(),
-            );
+            )
+            .set("partitioner", defaults::PARTITIONER);
         for (k, v) in properties {
             cfg.set(k, v);
         }
@@ -138,7 +140,8 @@ impl Publisher {
             let headers = build_headers(ev);
             let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&ev.topic)
                 .payload(ev.payload.as_str())
-                .headers(headers);
+                .headers(headers)
+                .timestamp(ev.created_at_ms);
             if let Some(k) = &ev.key {
                 record = record.key(k.as_str());
             }

@@ -44,6 +44,8 @@ pub struct Msg {
     pub key: Option<String>,
     pub headers: BTreeMap<String, String>,
     pub value: String,
+    /// The message's timestamp (ms since the Unix epoch), None when it has none.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl Msg {
@@ -81,6 +83,7 @@ impl Msg {
             key: v["key"].as_str().map(str::to_string),
             headers,
             value: v["value"].as_str().unwrap_or_default().to_string(),
+            timestamp_ms: v["timestamp_ms"].as_i64(),
         }
     }
 }
@@ -212,6 +215,7 @@ fn msg_from_kafka(m: &BorrowedMessage<'_>) -> Msg {
         key: text(m.key()),
         headers,
         value: text(m.payload()).unwrap_or_default(),
+        timestamp_ms: m.timestamp().to_millis(),
     }
 }
 

@@ -1,0 +1,192 @@
+//! The relay's Kafka conventions, against the real broker: keys land on the partition the Java
+//! client would choose, the message timestamp is the event's created_at, every message says
+//! `content-type`.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use outbox_tests::broker::{Broker, Msg};
+use outbox_tests::db::TestDb;
+use outbox_tests::events::{enqueue, status_counts, wait_counts};
+use outbox_tests::kafka;
+use outbox_tests::worker::Worker;
+use serde_json::json;
+
+/// Enqueues one event per key on `topic` (payload `{"n": i}`), commits, and has a relay started
+/// with `extra` publish them; returns the relay (still running) and the messages of `topic` read
+/// back.
+async fn relay_keys(
+    db: &TestDb,
+    broker: &Broker,
+    topic: &str,
+    keys: &[String],
+    extra: &[&str],
+) -> (Worker, Vec<Msg>) {
+    let client = db.connect().await;
+    let before = status_counts(&client).await["SUCCESS"];
+    for (i, k) in keys.iter().enumerate() {
+        enqueue(&client, topic, k, "T", &json!({ "n": i }), &BTreeMap::new()).await;
+    }
+    let mut args = vec!["--poll-interval", "200ms"];
+    args.extend_from_slice(extra);
+    let worker = Worker::spawn(&db.url(), &broker.addr(), &args);
+    let n = before + keys.len() as i64;
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+    assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", worker.logs());
+    let msgs = broker.consume_all(topic, Duration::from_secs(3));
+    assert_eq!(msgs.len(), keys.len(), "one message per event");
+    (worker, msgs)
+}
+
+/// `n` random keys of 1 to 12 characters, ASCII and not (Latin-1, CJK, an emoji: 2, 3 and 4
+/// UTF-8 bytes), none with a line break.
+fn random_keys(n: usize) -> Vec<String> {
+    const CHARS: &[char] = &[
+        'a', 'b', 'k', 'z', 'A', 'Q', '0', '7', '9', '-', '_', ':', ' ', 'ü', 'é', 'ß', 'Ω', 'ж',
+        '日', '本', '語', '€', '🙂', '🚀',
+    ];
+    let mut bytes = vec![0u8; n * 13];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .expect("/dev/urandom");
+    bytes
+        .chunks(13)
+        .map(|c| {
+            let len = 1 + usize::from(c[0]) % 12;
+            c[1..=len]
+                .iter()
+                .map(|b| CHARS[usize::from(*b) % CHARS.len()])
+                .collect()
+        })
+        .collect()
+}
+
+/// Runs `tests/java/JavaProducer.java` (Java's single-file source launcher, `java` from the PATH,
+/// the jars of the installed Kafka: `$KAFKA_HOME/libs`): a real Java KafkaProducer sends each key
+/// to `topic`; returns the partition of each.
+fn java_partitions(bootstrap: &str, topic: &str, keys: &[String]) -> Vec<i32> {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("java/JavaProducer.java");
+    let mut child = Command::new("java")
+        .arg("-cp")
+        .arg(format!("{}/libs/*", kafka::home().display()))
+        .arg(&source)
+        .args([bootstrap, topic])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run java (Java 17 on the PATH)");
+    let mut stdin = child.stdin.take().expect("stdin");
+    for k in keys {
+        writeln!(stdin, "{k}").expect("write a key to java");
+    }
+    drop(stdin);
+    let out = child.wait_with_output().expect("java");
+    assert!(
+        out.status.success(),
+        "JavaProducer failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .map(|l| l.trim().parse().expect("a partition number"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_lands_on_the_partition_the_java_client_chooses() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    // 7 partitions: not a power of two, so a hash that only agrees on low bits would show.
+    kafka::create_topics(&broker.addr(), &["relay", "java"], 7).expect("topics");
+    let keys = random_keys(200);
+
+    let (_worker, msgs) = relay_keys(&db, &broker, "relay", &keys, &[]).await;
+    let relay: BTreeMap<String, i64> = msgs
+        .iter()
+        .map(|m| (m.key.clone().expect("keyed message"), m.partition))
+        .collect();
+    let java = java_partitions(&broker.addr(), "java", &keys);
+    assert_eq!(java.len(), keys.len(), "one partition per key from java");
+
+    let differ: Vec<_> = keys
+        .iter()
+        .zip(&java)
+        .filter(|(k, j)| relay.get(*k) != Some(&i64::from(**j)))
+        .map(|(k, j)| format!("{k:?}: relay {:?}, java {j}", relay.get(k)))
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "{} of {} keys on another partition than the Java client's:\n{}",
+        differ.len(),
+        keys.len(),
+        differ.join("\n")
+    );
+    let used: std::collections::BTreeSet<_> = relay.values().collect();
+    assert_eq!(used.len(), 7, "200 keys spread over every partition");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_carry_the_creation_time_and_a_content_type() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let plain = enqueue(
+        &client,
+        "orders",
+        "A",
+        "T",
+        &json!({"a": 1}),
+        &BTreeMap::new(),
+    )
+    .await;
+    let own = BTreeMap::from([(
+        "content-type".to_string(),
+        "application/cloudevents+json".to_string(),
+    )]);
+    let typed = enqueue(&client, "orders", "B", "T", &json!({"b": 2}), &own).await;
+    // Relayed well after they were created: a timestamp taken at send time would differ.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let created: BTreeMap<i64, i64> = client
+        .query(
+            "SELECT id, (extract(epoch from date_trunc('milliseconds', created_at)) * 1000)::int8 \
+             FROM outbox_event",
+            &[],
+        )
+        .await
+        .expect("created_at")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+
+    let worker = Worker::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] == 2).await;
+    assert_eq!(counts["SUCCESS"], 2, "{counts:?}\n{}", worker.logs());
+    let msgs = broker.consume_all("orders", Duration::from_secs(3));
+    assert_eq!(msgs.len(), 2);
+    for m in &msgs {
+        let id = m.outbox_id();
+        assert_eq!(
+            m.timestamp_ms,
+            Some(created[&id]),
+            "timestamp of {id} is its created_at in ms"
+        );
+        let want = if id == typed.id {
+            "application/cloudevents+json"
+        } else {
+            assert_eq!(id, plain.id);
+            "application/json"
+        };
+        assert_eq!(
+            m.headers.get("content-type").map(String::as_str),
+            Some(want),
+            "content-type of {id}: {m:?}"
+        );
+    }
+}
