@@ -51,6 +51,10 @@ pub const ACKS: &str = "all";
 /// partition.
 pub const PARTITIONER: &str = "murmur2_random";
 
+/// The producer's `statistics.interval.ms`: how often librdkafka's statistics refresh the
+/// `outbox_kafka_*` gauges (0 turns them off).
+pub const STATISTICS_INTERVAL_MS: u32 = 15_000;
+
 /// The `content-type` header the relay adds to every message unless the row's headers have one:
 /// the value is the row's jsonb payload as JSON text.
 pub const CONTENT_TYPE: &str = "application/json";

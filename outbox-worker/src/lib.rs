@@ -9,6 +9,7 @@ pub mod cli;
 pub mod db;
 pub mod defaults;
 pub mod error;
+pub mod kafka_metrics;
 pub mod maintenance;
 pub mod message;
 pub mod metrics;

@@ -12,6 +12,7 @@ use crate::claim::{claim_loop, Relay};
 use crate::cli::RunArgs;
 use crate::db;
 use crate::error::DbError;
+use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
 use crate::maintenance::{reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
 use crate::publisher::Publisher;
@@ -66,7 +67,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     }
 
     // Created after the database checks: librdkafka starts connecting at once.
-    let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, &props)?;
+    let kafka_metrics = Arc::new(KafkaMetrics::register(&metrics.registry));
+    let publisher = Publisher::new(
+        &args.kafka.brokers,
+        args.send_timeout,
+        &props,
+        kafka_metrics,
+    )?;
 
     let server_cancel = CancellationToken::new();
     let server = match args.metrics_addr {
@@ -86,6 +93,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         send_timeout = %humantime::format_duration(args.send_timeout),
         max_retry,
         "relay started"
+    );
+    let (rdkafka_version, rdkafka_features) = librdkafka_build();
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        librdkafka = %rdkafka_version,
+        features = %rdkafka_features,
+        "librdkafka build"
     );
 
     let publisher = Arc::new(publisher);

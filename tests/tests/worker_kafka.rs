@@ -1,6 +1,7 @@
-//! The relay's Kafka conventions, against the real broker: keys land on the partition the Java
-//! client would choose, the message timestamp is the event's created_at, every message says
-//! `content-type`.
+//! The relay's Kafka conventions and build, against the real broker: keys land on the partition
+//! the Java client would choose, the message timestamp is the event's created_at, every message
+//! says `content-type`, and librdkafka's statistics, features and the build reach the log and
+//! `/metrics`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -189,4 +190,115 @@ async fn messages_carry_the_creation_time_and_a_content_type() {
             "content-type of {id}: {m:?}"
         );
     }
+}
+
+/// The samples of a metric family: (labels as written, value).
+fn samples(worker: &Worker, name: &str) -> Vec<(String, f64)> {
+    let (_, body) = worker.http_get("/metrics").expect("/metrics");
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let labels = series.strip_prefix(name)?;
+            if !labels.is_empty() && !labels.starts_with('{') {
+                return None; // another metric whose name starts with this one
+            }
+            Some((labels.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Polls `samples` until `pred` holds; returns the last samples.
+fn wait_samples(
+    worker: &Worker,
+    name: &str,
+    pred: impl Fn(&[(String, f64)]) -> bool,
+) -> Vec<(String, f64)> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = samples(worker, name);
+        if pred(&s) || std::time::Instant::now() > deadline {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn librdkafka_statistics_and_build_reach_the_metrics() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
+    let (worker, _) = relay_keys(
+        &db,
+        &broker,
+        "orders",
+        &keys,
+        &["--kafka-property", "statistics.interval.ms=500"],
+    )
+    .await;
+
+    // The features a platform needs, in the start-up log.
+    let line = worker
+        .wait_log(&["librdkafka build"], Duration::from_secs(5))
+        .expect("librdkafka build line");
+    let features = line
+        .split("features=")
+        .nth(1)
+        .expect("features=")
+        .split_whitespace()
+        .next()
+        .unwrap_or_default();
+    for f in ["ssl", "sasl_scram", "sasl_oauthbearer", "zstd", "lz4"] {
+        assert!(
+            features.split(',').any(|x| x == f),
+            "librdkafka built without {f}: {line}"
+        );
+    }
+
+    let build = samples(&worker, "outbox_relay_build_info");
+    let want = format!("version=\"{}\"", env!("CARGO_PKG_VERSION"));
+    assert!(
+        build.len() == 1
+            && build[0].0.contains(&want)
+            && build[0].0.contains("rdkafka_version=\"2."),
+        "build_info: {build:?}"
+    );
+    assert_eq!(build[0].1, 1.0);
+
+    // The broker the cluster metadata named (node 1) is up, and has a round-trip time.
+    let node = format!("{{broker=\"{}/1\"}}", broker.addr());
+    let up = wait_samples(&worker, "outbox_kafka_broker_up", |s| {
+        s.iter().any(|(l, v)| *l == node && *v == 1.0)
+    });
+    assert!(
+        up.iter().any(|(l, v)| *l == node && *v == 1.0),
+        "broker up: {up:?}"
+    );
+    let rtt = wait_samples(&worker, "outbox_kafka_broker_rtt_p99_seconds", |s| {
+        s.iter().any(|(l, v)| *l == node && *v > 0.0)
+    });
+    assert!(
+        rtt.iter().any(|(l, v)| *l == node && *v > 0.0 && *v < 5.0),
+        "rtt p99: {rtt:?}"
+    );
+    let queued = wait_samples(&worker, "outbox_kafka_queue_messages", |s| {
+        s == [(String::new(), 0.0)]
+    });
+    assert_eq!(
+        queued,
+        vec![(String::new(), 0.0)],
+        "nothing left in the producer's queue"
+    );
+
+    // The broker gone: its gauge says down.
+    drop(broker);
+    let down = wait_samples(&worker, "outbox_kafka_broker_up", |s| {
+        s.iter().any(|(l, v)| *l == node && *v == 0.0)
+    });
+    assert!(
+        down.iter().any(|(l, v)| *l == node && *v == 0.0),
+        "broker down: {down:?}"
+    );
 }
