@@ -97,9 +97,18 @@ impl Broker {
     /// Starts a new, empty broker on 127.0.0.1:`port` (its controller on another free port), with
     /// its data in a fresh directory under the temp dir.
     pub fn start_on(port: u16) -> Broker {
+        Broker::start_with(port, None)
+    }
+
+    /// A broker with a second listener, SASL_PLAINTEXT with SCRAM-SHA-256, on `scram.port`.
+    pub fn start_scram(scram: &kafka::Scram) -> Broker {
+        Broker::start_with(free_port(), Some(scram))
+    }
+
+    fn start_with(port: u16, scram: Option<&kafka::Scram>) -> Broker {
         let dir =
             std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
-        let kafka = Kafka::start(&dir, port)
+        let kafka = Kafka::start_with(&dir, port, scram)
             .unwrap_or_else(|e| panic!("starting Kafka on 127.0.0.1:{port}: {e}"));
         let log = kafka.log();
         Broker { port, kafka, log }
@@ -108,6 +117,11 @@ impl Broker {
     /// `host:port` for `--brokers`.
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The broker's log directory (`<topic>-<partition>/` with the segment files).
+    pub fn data_dir(&self) -> PathBuf {
+        self.kafka.dir.join("data")
     }
 
     /// Creates a topic with 4 partitions (the broker does not create topics on first produce) and

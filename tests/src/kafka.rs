@@ -108,6 +108,31 @@ pub fn metadata_ok(port: u16) -> bool {
     probe(port).unwrap_or(false)
 }
 
+/// A second listener, SASL_PLAINTEXT with SCRAM-SHA-256, and its one user (created at format
+/// time with `kafka-storage format --add-scram`, as KRaft allows before the first start).
+#[derive(Debug, Clone)]
+pub struct Scram {
+    pub port: u16,
+    pub user: String,
+    pub password: String,
+}
+
+impl Scram {
+    /// Properties appended to `server.properties` (a later key overrides the template's).
+    fn properties(&self, port: u16, controller_port: u16) -> String {
+        let sasl = self.port;
+        format!(
+            "\n# SASL/SCRAM listener (tests/src/kafka.rs Scram)\n\
+             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port},SASL_PLAINTEXT://127.0.0.1:{sasl}\n\
+             advertised.listeners=PLAINTEXT://127.0.0.1:{port},SASL_PLAINTEXT://127.0.0.1:{sasl}\n\
+             listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT\n\
+             sasl.enabled.mechanisms=SCRAM-SHA-256\n\
+             listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=\
+             org.apache.kafka.common.security.scram.ScramLoginModule required;\n"
+        )
+    }
+}
+
 /// One broker: its ports, its directory (`server.properties`, the logging and JVM options,
 /// `data/`, `kafka.log`) and, while it runs, its JVM.
 pub struct Kafka {
@@ -121,6 +146,11 @@ impl Kafka {
     /// Formats a new broker in `dir` (emptied first), listening on 127.0.0.1:`port` (controller:
     /// a free port), starts it and waits until it answers a metadata request.
     pub fn start(dir: &Path, port: u16) -> Result<Kafka, String> {
+        Kafka::start_with(dir, port, None)
+    }
+
+    /// `start`, plus a SASL/SCRAM listener when `scram` is given.
+    pub fn start_with(dir: &Path, port: u16, scram: Option<&Scram>) -> Result<Kafka, String> {
         let home = home();
         if !home.join(".installed").exists() {
             return Err(format!(
@@ -136,10 +166,13 @@ impl Kafka {
         let data = dir.join("data");
         std::fs::create_dir_all(&data).map_err(|e| err("creating the broker dir", e))?;
         let controller_port = free_port().map_err(|e| err("controller port", e))?;
-        let props = SERVER_PROPERTIES
+        let mut props = SERVER_PROPERTIES
             .replace("@PORT@", &port.to_string())
             .replace("@CONTROLLER_PORT@", &controller_port.to_string())
             .replace("@DATA_DIR@", &data.to_string_lossy());
+        if let Some(s) = scram {
+            props.push_str(&s.properties(port, controller_port));
+        }
         for (name, text) in [
             ("server.properties", props.as_str()),
             ("log4j2.xml", LOG4J2_XML),
@@ -154,11 +187,18 @@ impl Kafka {
             child: None,
         };
         let cluster_id = random_cluster_id().map_err(|e| err("cluster id", e))?;
-        let st = k
-            .java()?
+        let mut format_cmd = k.java()?;
+        format_cmd
             .args(["kafka.tools.StorageTool", "format", "--config"])
             .arg(k.dir.join("server.properties"))
-            .args(["--cluster-id", &cluster_id])
+            .args(["--cluster-id", &cluster_id]);
+        if let Some(s) = scram {
+            format_cmd.arg("--add-scram").arg(format!(
+                "SCRAM-SHA-256=[name={},password={}]",
+                s.user, s.password
+            ));
+        }
+        let st = format_cmd
             .status()
             .map_err(|e| err("running java (kafka.tools.StorageTool)", e))?;
         if !st.success() {

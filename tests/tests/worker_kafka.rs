@@ -1,7 +1,7 @@
 //! The relay's Kafka conventions and build, against the real broker: keys land on the partition
 //! the Java client would choose, the message timestamp is the event's created_at, every message
-//! says `content-type`, and librdkafka's statistics, features and the build reach the log and
-//! `/metrics`.
+//! says `content-type`, zstd and lz4 compressed batches arrive intact, and librdkafka's
+//! statistics and the build reach `/metrics`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -192,6 +192,78 @@ async fn messages_carry_the_creation_time_and_a_content_type() {
     }
 }
 
+/// The compression codecs of the batches in a topic's partition 0, as Kafka's own
+/// `DumpLogSegments` (kafka-dump-log.sh) reads them from the broker's segment files.
+fn codecs_on_disk(broker: &Broker, topic: &str) -> Vec<String> {
+    let dir = broker.data_dir().join(format!("{topic}-0"));
+    let segments: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    let out = Command::new("java")
+        .arg("-cp")
+        .arg(format!("{}/libs/*", kafka::home().display()))
+        .args(["org.apache.kafka.tools.DumpLogSegments", "--files"])
+        .arg(
+            segments
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+        .output()
+        .expect("java DumpLogSegments");
+    assert!(
+        out.status.success(),
+        "DumpLogSegments failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = text.split_whitespace().collect();
+    words
+        .windows(2)
+        .filter(|w| w[0] == "compresscodec:")
+        .map(|w| w[1].to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zstd_and_lz4_batches_arrive_intact() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    for codec in ["zstd", "lz4"] {
+        kafka::create_topics(&broker.addr(), &[codec], 1).expect("topic");
+        let keys: Vec<String> = (0..50).map(|i| format!("{codec}-{i}")).collect();
+        let prop = format!("compression.type={codec}");
+        let (mut worker, msgs) =
+            relay_keys(&db, &broker, codec, &keys, &["--kafka-property", &prop]).await;
+        let mut got: Vec<(String, serde_json::Value)> = msgs
+            .iter()
+            .map(|m| {
+                (
+                    m.key.clone().expect("key"),
+                    serde_json::from_str(&m.value).expect("JSON value"),
+                )
+            })
+            .collect();
+        got.sort_by_key(|(k, _)| keys.iter().position(|x| x == k));
+        let want: Vec<_> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.clone(), json!({ "n": i })))
+            .collect();
+        assert_eq!(got, want, "{codec}: every event, key and value intact");
+        let codecs = codecs_on_disk(&broker, codec);
+        assert!(
+            !codecs.is_empty() && codecs.iter().all(|c| c == codec),
+            "{codec}: batches on disk compressed with {codecs:?}"
+        );
+        worker.signal(libc::SIGTERM);
+        assert!(worker.wait_exit(Duration::from_secs(30)).is_some());
+    }
+}
+
 /// The samples of a metric family: (labels as written, value).
 fn samples(worker: &Worker, name: &str) -> Vec<(String, f64)> {
     let (_, body) = worker.http_get("/metrics").expect("/metrics");
@@ -301,4 +373,69 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         down.iter().any(|(l, v)| *l == node && *v == 0.0),
         "broker down: {down:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_authenticates_with_sasl_scram() {
+    let scram = kafka::Scram {
+        port: outbox_tests::broker::free_port(),
+        user: "outbox-relay".into(),
+        password: "s3cret-äö".into(),
+    };
+    let broker = Broker::start_scram(&scram);
+    broker.create_topic("orders");
+    let db = TestDb::create();
+    let dir = std::env::temp_dir().join(format!("outbox-test-scram-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let props = |password: &str| {
+        let path = dir.join(format!("kafka-{}.properties", password.len()));
+        std::fs::write(
+            &path,
+            format!(
+                "security.protocol=sasl_plaintext\nsasl.mechanisms=SCRAM-SHA-256\n\
+                 sasl.username={}\nsasl.password={password}\n",
+                scram.user
+            ),
+        )
+        .expect("properties file");
+        path.display().to_string()
+    };
+    let sasl = format!("127.0.0.1:{}", scram.port);
+    let run = |file: String| {
+        Worker::spawn(
+            &db.url(),
+            &sasl,
+            &["--poll-interval", "200ms", "--kafka-properties-file", &file],
+        )
+    };
+
+    // A wrong password: the broker's refusal is in the relay's log.
+    let wrong = run(props("wrong"));
+    assert!(
+        wrong
+            .wait_log(&["librdkafka", "uthentication"], Duration::from_secs(30))
+            .is_some(),
+        "a failed SCRAM login is logged:\n{}",
+        wrong.logs()
+    );
+    drop(wrong);
+
+    let client = db.connect().await;
+    enqueue(
+        &client,
+        "orders",
+        "A",
+        "T",
+        &json!({"a": 1}),
+        &BTreeMap::new(),
+    )
+    .await;
+    let right = run(props(&scram.password));
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 1).await;
+    assert_eq!(counts["SUCCESS"], 1, "{counts:?}\n{}", right.logs());
+    let msgs = broker.consume_all("orders", Duration::from_secs(3));
+    assert_eq!(msgs.len(), 1);
+    let value: serde_json::Value = serde_json::from_str(&msgs[0].value).expect("JSON");
+    assert_eq!(value, json!({"a": 1}));
+    let _ = std::fs::remove_dir_all(&dir);
 }
