@@ -364,6 +364,26 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         "nothing left in the producer's queue"
     );
 
+    // Every metric the example alert rules name is one the relay exports.
+    let (_, body) = worker.http_get("/metrics").expect("/metrics");
+    let rules =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/alerts.yml"))
+            .expect("docs/alerts.yml");
+    let named = metric_names(&rules);
+    assert!(named.len() >= 5, "alert rules name metrics: {named:?}");
+    for m in &named {
+        assert!(
+            body.lines().any(|l| l
+                .strip_prefix("# TYPE ")
+                .and_then(|t| t.split_whitespace().next())
+                .is_some_and(|t| t == m
+                    || [("_bucket"), ("_sum"), ("_count")]
+                        .iter()
+                        .any(|s| m.strip_suffix(s) == Some(t)))),
+            "docs/alerts.yml names {m}, which the relay does not export"
+        );
+    }
+
     // The broker gone: its gauge says down.
     drop(broker);
     let down = wait_samples(&worker, "outbox_kafka_broker_up", |s| {
@@ -373,6 +393,40 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         down.iter().any(|(l, v)| *l == node && *v == 0.0),
         "broker down: {down:?}"
     );
+}
+
+/// The `outbox_*` metric names in the `expr:` of the rules (comments skipped).
+fn metric_names(yaml: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut in_expr = false;
+    for line in yaml.lines() {
+        let t = line.trim_start();
+        if t.starts_with('#') {
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("expr:") {
+            in_expr = true;
+            scan(rest, &mut names);
+        } else if in_expr && !t.contains(": ") && !t.ends_with(':') && !t.starts_with("- ") {
+            // A continuation line of a multi-line expression.
+            scan(t, &mut names);
+        } else {
+            in_expr = false;
+        }
+    }
+    names
+}
+
+fn scan(text: &str, out: &mut std::collections::BTreeSet<String>) {
+    let mut rest = text;
+    while let Some(i) = rest.find("outbox_") {
+        let word: String = rest[i..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        rest = &rest[i + word.len()..];
+        out.insert(word);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
