@@ -42,6 +42,11 @@ async fn relay_keys(
     (worker, msgs)
 }
 
+/// The payload of the tests' single events.
+fn a_payload() -> serde_json::Value {
+    json!({"a": 1})
+}
+
 /// `n` random keys of 1 to 12 characters, ASCII and not (Latin-1, CJK, an emoji: 2, 3 and 4
 /// UTF-8 bytes), none with a line break.
 fn random_keys(n: usize) -> Vec<String> {
@@ -138,15 +143,7 @@ async fn messages_carry_the_creation_time_and_a_content_type() {
     let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
-    let plain = enqueue(
-        &client,
-        "orders",
-        "A",
-        "T",
-        &json!({"a": 1}),
-        &BTreeMap::new(),
-    )
-    .await;
+    let plain = enqueue(&client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
     let own = BTreeMap::from([(
         "content-type".to_string(),
         "application/cloudevents+json".to_string(),
@@ -475,21 +472,13 @@ async fn the_relay_authenticates_with_sasl_scram() {
     drop(wrong);
 
     let client = db.connect().await;
-    enqueue(
-        &client,
-        "orders",
-        "A",
-        "T",
-        &json!({"a": 1}),
-        &BTreeMap::new(),
-    )
-    .await;
+    enqueue(&client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
     let right = run(props(&scram.password));
     let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 1).await;
     assert_eq!(counts["SUCCESS"], 1, "{counts:?}\n{}", right.logs());
     let msgs = broker.consume_all("orders", Duration::from_secs(3));
     assert_eq!(msgs.len(), 1);
     let value: serde_json::Value = serde_json::from_str(&msgs[0].value).expect("JSON");
-    assert_eq!(value, json!({"a": 1}));
+    assert_eq!(value, a_payload());
     let _ = std::fs::remove_dir_all(&dir);
 }
