@@ -100,15 +100,16 @@ impl Broker {
         Broker::start_with(port, None)
     }
 
-    /// A broker with a second listener, SASL_PLAINTEXT with SCRAM-SHA-256, on `scram.port`.
-    pub fn start_scram(scram: &kafka::Scram) -> Broker {
-        Broker::start_with(free_port(), Some(scram))
+    /// A broker with a second listener, SASL_PLAINTEXT (SCRAM-SHA-256, OAUTHBEARER), on
+    /// `sasl.port`.
+    pub fn start_sasl(sasl: &kafka::Sasl) -> Broker {
+        Broker::start_with(free_port(), Some(sasl))
     }
 
-    fn start_with(port: u16, scram: Option<&kafka::Scram>) -> Broker {
+    fn start_with(port: u16, sasl: Option<&kafka::Sasl>) -> Broker {
         let dir =
             std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
-        let kafka = Kafka::start_with(&dir, port, scram)
+        let kafka = Kafka::start_with(&dir, port, sasl)
             .unwrap_or_else(|e| panic!("starting Kafka on 127.0.0.1:{port}: {e}"));
         let log = kafka.log();
         Broker { port, kafka, log }

@@ -108,27 +108,31 @@ pub fn metadata_ok(port: u16) -> bool {
     probe(port).unwrap_or(false)
 }
 
-/// A second listener, SASL_PLAINTEXT with SCRAM-SHA-256, and its one user (created at format
-/// time with `kafka-storage format --add-scram`, as KRaft allows before the first start).
+/// A second listener, SASL_PLAINTEXT with SCRAM-SHA-256 and OAUTHBEARER, and its one SCRAM user
+/// (created at format time with `kafka-storage format --add-scram`, as KRaft allows before the
+/// first start). OAUTHBEARER is validated by Kafka's default, unsecured handler (unsigned tokens,
+/// any principal): it shows the mechanism works, not a token provider.
 #[derive(Debug, Clone)]
-pub struct Scram {
+pub struct Sasl {
     pub port: u16,
     pub user: String,
     pub password: String,
 }
 
-impl Scram {
+impl Sasl {
     /// Properties appended to `server.properties` (a later key overrides the template's).
     fn properties(&self, port: u16, controller_port: u16) -> String {
         let sasl = self.port;
         format!(
-            "\n# SASL/SCRAM listener (tests/src/kafka.rs Scram)\n\
+            "\n# SASL listener (tests/src/kafka.rs Sasl)\n\
              listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port},SASL_PLAINTEXT://127.0.0.1:{sasl}\n\
              advertised.listeners=PLAINTEXT://127.0.0.1:{port},SASL_PLAINTEXT://127.0.0.1:{sasl}\n\
              listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT\n\
-             sasl.enabled.mechanisms=SCRAM-SHA-256\n\
+             sasl.enabled.mechanisms=SCRAM-SHA-256,OAUTHBEARER\n\
              listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=\
-             org.apache.kafka.common.security.scram.ScramLoginModule required;\n"
+             org.apache.kafka.common.security.scram.ScramLoginModule required;\n\
+             listener.name.sasl_plaintext.oauthbearer.sasl.jaas.config=\
+             org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required;\n"
         )
     }
 }
@@ -149,8 +153,8 @@ impl Kafka {
         Kafka::start_with(dir, port, None)
     }
 
-    /// `start`, plus a SASL/SCRAM listener when `scram` is given.
-    pub fn start_with(dir: &Path, port: u16, scram: Option<&Scram>) -> Result<Kafka, String> {
+    /// `start`, plus a SASL listener when `sasl` is given.
+    pub fn start_with(dir: &Path, port: u16, sasl: Option<&Sasl>) -> Result<Kafka, String> {
         let home = home();
         if !home.join(".installed").exists() {
             return Err(format!(
@@ -170,7 +174,7 @@ impl Kafka {
             .replace("@PORT@", &port.to_string())
             .replace("@CONTROLLER_PORT@", &controller_port.to_string())
             .replace("@DATA_DIR@", &data.to_string_lossy());
-        if let Some(s) = scram {
+        if let Some(s) = sasl {
             props.push_str(&s.properties(port, controller_port));
         }
         for (name, text) in [
@@ -192,7 +196,7 @@ impl Kafka {
             .args(["kafka.tools.StorageTool", "format", "--config"])
             .arg(k.dir.join("server.properties"))
             .args(["--cluster-id", &cluster_id]);
-        if let Some(s) = scram {
+        if let Some(s) = sasl {
             format_cmd.arg("--add-scram").arg(format!(
                 "SCRAM-SHA-256=[name={},password={}]",
                 s.user, s.password

@@ -427,41 +427,50 @@ fn scan(text: &str, out: &mut std::collections::BTreeSet<String>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_relay_authenticates_with_sasl_scram() {
-    let scram = kafka::Scram {
+async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer() {
+    let listener = kafka::Sasl {
         port: outbox_tests::broker::free_port(),
         user: "outbox-relay".into(),
         password: "s3cret-äö".into(),
     };
-    let broker = Broker::start_scram(&scram);
+    let broker = Broker::start_sasl(&listener);
     broker.create_topic("orders");
     let db = TestDb::create();
-    let dir = std::env::temp_dir().join(format!("outbox-test-scram-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("outbox-test-sasl-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let props = |password: &str| {
-        let path = dir.join(format!("kafka-{}.properties", password.len()));
-        std::fs::write(
-            &path,
-            format!(
-                "security.protocol=sasl_plaintext\nsasl.mechanisms=SCRAM-SHA-256\n\
-                 sasl.username={}\nsasl.password={password}\n",
-                scram.user
-            ),
-        )
-        .expect("properties file");
+    // Secrets go into a properties file, as docs/relay.md recommends.
+    let props = |name: &str, lines: String| {
+        let path = dir.join(format!("{name}.properties"));
+        std::fs::write(&path, format!("security.protocol=sasl_plaintext\n{lines}"))
+            .expect("properties file");
         path.display().to_string()
     };
-    let sasl = format!("127.0.0.1:{}", scram.port);
+    let scram = |password: &str| {
+        format!(
+            "sasl.mechanisms=SCRAM-SHA-256\nsasl.username={}\nsasl.password={password}\n",
+            listener.user
+        )
+    };
+    let addr = format!("127.0.0.1:{}", listener.port);
     let run = |file: String| {
         Worker::spawn(
             &db.url(),
-            &sasl,
+            &addr,
             &["--poll-interval", "200ms", "--kafka-properties-file", &file],
         )
     };
+    let client = db.connect().await;
+    let delivered = |relay: Worker, n: i64| {
+        let client = &client;
+        async move {
+            enqueue(client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
+            let counts = wait_counts(client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+            assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", relay.logs());
+        }
+    };
 
     // A wrong password: the broker's refusal is in the relay's log.
-    let wrong = run(props("wrong"));
+    let wrong = run(props("wrong", scram("wrong")));
     assert!(
         wrong
             .wait_log(&["librdkafka", "uthentication"], Duration::from_secs(30))
@@ -471,14 +480,21 @@ async fn the_relay_authenticates_with_sasl_scram() {
     );
     drop(wrong);
 
-    let client = db.connect().await;
-    enqueue(&client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
-    let right = run(props(&scram.password));
-    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 1).await;
-    assert_eq!(counts["SUCCESS"], 1, "{counts:?}\n{}", right.logs());
+    delivered(run(props("scram", scram(&listener.password))), 1).await;
+    // OAUTHBEARER with librdkafka's unsecured JWT (the broker's default validator accepts it).
+    let oauth = props(
+        "oauthbearer",
+        "sasl.mechanisms=OAUTHBEARER\nenable.sasl.oauthbearer.unsecure.jwt=true\n\
+         sasl.oauthbearer.config=principal=outbox-relay\n"
+            .to_string(),
+    );
+    delivered(run(oauth), 2).await;
+
     let msgs = broker.consume_all("orders", Duration::from_secs(3));
-    assert_eq!(msgs.len(), 1);
-    let value: serde_json::Value = serde_json::from_str(&msgs[0].value).expect("JSON");
-    assert_eq!(value, a_payload());
+    assert_eq!(msgs.len(), 2);
+    for m in &msgs {
+        let value: serde_json::Value = serde_json::from_str(&m.value).expect("JSON");
+        assert_eq!(value, a_payload());
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
