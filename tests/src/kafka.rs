@@ -62,15 +62,13 @@ pub fn log_tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding.
-fn random_cluster_id() -> std::io::Result<String> {
+/// URL-safe base64 without padding (Kafka's cluster ids, JWT parts).
+pub fn base64url(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut b = [0u8; 16];
-    File::open("/dev/urandom")?.read_exact(&mut b)?;
     let mut bits: u32 = 0;
     let mut n = 0;
-    let mut out = String::with_capacity(22);
-    for byte in b {
+    let mut out = String::with_capacity(bytes.len() * 4 / 3 + 1);
+    for &byte in bytes {
         bits = (bits << 8) | u32::from(byte);
         n += 8;
         while n >= 6 {
@@ -81,7 +79,21 @@ fn random_cluster_id() -> std::io::Result<String> {
     if n > 0 {
         out.push(ALPHABET[((bits << (6 - n)) & 63) as usize] as char);
     }
-    Ok(out)
+    out
+}
+
+/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding, not starting
+/// with `-` (the format tool would take it for an option; Kafka's own `Uuid.randomUuid` redraws
+/// those too). Before that check, 1 broker start in 64 failed.
+fn random_cluster_id() -> std::io::Result<String> {
+    let mut b = [0u8; 16];
+    loop {
+        File::open("/dev/urandom")?.read_exact(&mut b)?;
+        let id = base64url(&b);
+        if !id.starts_with('-') {
+            return Ok(id);
+        }
+    }
 }
 
 /// True when a Kafka broker on 127.0.0.1:`port` answers a Metadata request (v4) listing at least
@@ -441,6 +453,18 @@ mod tests {
             "{a}"
         );
         assert_ne!(a, b);
+        for _ in 0..1000 {
+            assert!(!random_cluster_id().expect("urandom").starts_with('-'));
+        }
+    }
+
+    #[test]
+    fn base64url_is_rfc4648_url_safe_without_padding() {
+        assert_eq!(base64url(b""), "");
+        assert_eq!(base64url(b"f"), "Zg");
+        assert_eq!(base64url(b"foob"), "Zm9vYg");
+        assert_eq!(base64url(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64url(&[0xfb, 0xff]), "-_8");
     }
 
     #[test]
