@@ -5,9 +5,11 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_tests::broker::{Broker, Msg};
 use outbox_tests::db::TestDb;
@@ -319,7 +321,14 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         .split_whitespace()
         .next()
         .unwrap_or_default();
-    for f in ["ssl", "sasl_scram", "sasl_oauthbearer", "zstd", "lz4"] {
+    for f in [
+        "ssl",
+        "sasl_scram",
+        "sasl_oauthbearer",
+        "oidc",
+        "zstd",
+        "lz4",
+    ] {
         assert!(
             features.split(',').any(|x| x == f),
             "librdkafka built without {f}: {line}"
@@ -427,7 +436,7 @@ fn scan(text: &str, out: &mut std::collections::BTreeSet<String>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer() {
+async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
     let listener = kafka::Sasl {
         port: outbox_tests::broker::free_port(),
         user: "outbox-relay".into(),
@@ -481,14 +490,26 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer() {
     drop(wrong);
 
     delivered(run(props("scram", scram(&listener.password))), 1).await;
-    // OAUTHBEARER with librdkafka's unsecured JWT (the broker's default validator accepts it).
-    let oauth = props(
-        "oauthbearer",
-        "sasl.mechanisms=OAUTHBEARER\nenable.sasl.oauthbearer.unsecure.jwt=true\n\
-         sasl.oauthbearer.config=principal=outbox-relay\n"
-            .to_string(),
+    // OAUTHBEARER the way platforms run it: OIDC client credentials, the token fetched by
+    // librdkafka (its curl feature) from the identity provider's endpoint.
+    let (url, requests) = token_endpoint("outbox-relay");
+    let oidc = props(
+        "oidc",
+        format!(
+            "sasl.mechanisms=OAUTHBEARER\nsasl.oauthbearer.method=oidc\n\
+             sasl.oauthbearer.token.endpoint.url={url}\n\
+             sasl.oauthbearer.client.id=relay\nsasl.oauthbearer.client.secret=relay-secret\n"
+        ),
     );
-    delivered(run(oauth), 2).await;
+    delivered(run(oidc), 2).await;
+    let requests = requests.lock().expect("requests").clone();
+    let basic = format!("Basic {}", standard_base64(b"relay:relay-secret"));
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.contains("grant_type=client_credentials") && r.contains(&basic)),
+        "the token was fetched with the client credentials: {requests:?}"
+    );
 
     let msgs = broker.consume_all("orders", Duration::from_secs(3));
     assert_eq!(msgs.len(), 2);
@@ -497,4 +518,75 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer() {
         assert_eq!(value, a_payload());
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stand-in for an identity provider's token endpoint (OAuth 2 client credentials): answers
+/// every request with an unsigned JWT for `sub` (`alg: none`, which the test broker's unsecured
+/// validator accepts, valid for an hour). Returns its URL and the requests it received.
+fn token_endpoint(sub: &'static str) -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}/token", listener.local_addr().expect("addr"));
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            seen.lock().expect("requests").push(read_request(&mut s));
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .expect("clock")
+                .as_secs();
+            let claims = json!({"sub": sub, "iat": now, "exp": now + 3600}).to_string();
+            let jwt = format!(
+                "{}.{}.",
+                kafka::base64url(br#"{"alg":"none"}"#),
+                kafka::base64url(claims.as_bytes())
+            );
+            let body = json!({"access_token": jwt, "token_type": "bearer", "expires_in": 3600})
+                .to_string();
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (url, requests)
+}
+
+/// One HTTP request: the head, then as many body bytes as its Content-Length says.
+fn read_request(s: &mut std::net::TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return text;
+            }
+        }
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => return text,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// Standard base64 with padding (an HTTP Basic credential), from the URL-safe one.
+fn standard_base64(bytes: &[u8]) -> String {
+    let mut b = kafka::base64url(bytes).replace('-', "+").replace('_', "/");
+    while !b.len().is_multiple_of(4) {
+        b.push('=');
+    }
+    b
 }
