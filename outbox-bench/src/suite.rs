@@ -99,8 +99,8 @@ async fn broker_sections(
     r: &mut Results,
 ) -> Result<()> {
     let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
-    let broker =
-        Broker::try_start_in(&workdir.join("kafka"), free_port()).map_err(anyhow::Error::msg)?;
+    let broker = Broker::try_start_in(&workdir.join("kafka"), free_port(), None)
+        .map_err(anyhow::Error::msg)?;
     broker
         .try_create_topic("bench.drain")
         .map_err(anyhow::Error::msg)?;

@@ -74,6 +74,20 @@ pub const LINGER_MS: u32 = 0;
 /// The producer's `acks`.
 pub const ACKS: &str = "all";
 
+/// The producer's `partitioner`: murmur2 of the key like the Java client's default partitioner,
+/// so a key lands on the partition a Java producer (Kafka Streams, Connect) would choose;
+/// librdkafka's own default, `consistent_random` (CRC32), does not. Keyless events go to a random
+/// partition.
+pub const PARTITIONER: &str = "murmur2_random";
+
+/// The producer's `statistics.interval.ms`: how often librdkafka's statistics refresh the
+/// `outbox_kafka_*` gauges (0 turns them off).
+pub const STATISTICS_INTERVAL_MS: u32 = 15_000;
+
+/// The `content-type` header the relay adds to every message unless the row's headers have one:
+/// the value is the row's jsonb payload as JSON text.
+pub const CONTENT_TYPE: &str = "application/json";
+
 /// The producer's `client.id`, and the database sessions' `application_name`.
 pub const CLIENT_ID: &str = "outbox-worker";
 

@@ -11,6 +11,7 @@ pub mod db;
 pub mod defaults;
 pub mod error;
 pub mod health;
+pub mod kafka_metrics;
 pub mod logging;
 pub mod maintenance;
 pub mod message;

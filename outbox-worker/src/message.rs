@@ -3,6 +3,7 @@
 
 use rdkafka::message::{Header, OwnedHeaders};
 
+use crate::defaults;
 use crate::store::Event;
 
 /// Header with the event's global UUID: what consumers deduplicate on.
@@ -14,6 +15,11 @@ pub const HEADER_EVENT_TYPE: &str = "event_type";
 /// Header with the row's event_key (absent when NULL).
 pub const HEADER_EVENT_KEY: &str = "event_key";
 
+/// Header with the payload's media type, [`defaults::CONTENT_TYPE`] unless the row's headers
+/// carry their own (any letter case): not reserved, so a producer can name a more precise type
+/// (`application/cloudevents+json`) without a new extension version.
+pub const HEADER_CONTENT_TYPE: &str = "content-type";
+
 /// Headers the relay sets itself; a row header with one of these names is not sent.
 pub const RESERVED_HEADERS: [&str; 4] = [
     HEADER_EVENT_ID,
@@ -23,8 +29,8 @@ pub const RESERVED_HEADERS: [&str; 4] = [
 ];
 
 /// `event_id` (the UUID consumers dedupe on), `outbox_id` (the row's id), `event_type`,
-/// `event_key`, then the row's own headers (reserved names skipped; non-string values sent as
-/// their JSON text).
+/// `event_key`, `content-type` (unless the row has one), then the row's own headers (reserved
+/// names skipped; non-string values sent as their JSON text).
 pub fn build_headers(ev: &Event) -> OwnedHeaders {
     let id = ev.id.to_string();
     let mut h = OwnedHeaders::new()
@@ -48,21 +54,32 @@ pub fn build_headers(ev: &Event) -> OwnedHeaders {
             value: Some(k.as_str()),
         });
     }
-    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&ev.headers) {
-        for (k, v) in map {
-            if RESERVED_HEADERS.contains(&k.as_str()) {
-                continue;
-            }
-            let text = match v {
-                serde_json::Value::String(s) => s,
-                serde_json::Value::Null => continue,
-                other => other.to_string(),
-            };
-            h = h.insert(Header {
-                key: &k,
-                value: Some(text.as_str()),
-            });
+    let row_headers = match serde_json::from_str(&ev.headers) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    if !row_headers
+        .iter()
+        .any(|(k, v)| !v.is_null() && k.eq_ignore_ascii_case(HEADER_CONTENT_TYPE))
+    {
+        h = h.insert(Header {
+            key: HEADER_CONTENT_TYPE,
+            value: Some(defaults::CONTENT_TYPE),
+        });
+    }
+    for (k, v) in row_headers {
+        if RESERVED_HEADERS.contains(&k.as_str()) {
+            continue;
         }
+        let text = match v {
+            serde_json::Value::String(s) => s,
+            serde_json::Value::Null => continue,
+            other => other.to_string(),
+        };
+        h = h.insert(Header {
+            key: &k,
+            value: Some(text.as_str()),
+        });
     }
     h
 }
@@ -86,6 +103,7 @@ mod tests {
             claim_token: 1,
             retry_count: 0,
             age_at_claim: 0.0,
+            created_at_ms: 1_700_000_000_123,
         }
     }
 
@@ -113,6 +131,7 @@ mod tests {
                 ("outbox_id".into(), "42".into()),
                 ("event_type".into(), "OrderCreated".into()),
                 ("event_key".into(), "A-1".into()),
+                ("content-type".into(), "application/json".into()),
                 ("n".into(), "5".into()),
                 ("trace".into(), "t1".into()),
             ]
@@ -128,8 +147,30 @@ mod tests {
             pairs(&build_headers(&e)),
             vec![
                 ("event_id".into(), UUID.into()),
-                ("outbox_id".into(), "42".into())
+                ("outbox_id".into(), "42".into()),
+                ("content-type".into(), "application/json".into()),
             ]
         );
+    }
+
+    #[test]
+    fn a_row_content_type_replaces_the_default_one() {
+        let h = pairs(&build_headers(&ev(
+            r#"{"Content-Type":"application/cloudevents+json"}"#,
+        )));
+        let ct: Vec<_> = h
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(HEADER_CONTENT_TYPE))
+            .collect();
+        assert_eq!(
+            ct,
+            [&(
+                "Content-Type".to_string(),
+                "application/cloudevents+json".to_string()
+            )]
+        );
+        // A null value is no header: the default is sent.
+        let h = pairs(&build_headers(&ev(r#"{"content-type":null}"#)));
+        assert!(h.contains(&("content-type".into(), "application/json".into())));
     }
 }

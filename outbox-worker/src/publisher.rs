@@ -1,6 +1,7 @@
 //! The Kafka side: one idempotent producer shared by every claim loop (replaced when it becomes
-//! unusable), librdkafka's log lines routed to tracing, and concurrent publishing of a batch with
-//! one outcome per row. The message itself is built in `message.rs`.
+//! unusable), librdkafka's log lines routed to tracing and its statistics to the metrics, and
+//! concurrent publishing of a batch with one outcome per row. The message itself is built in
+//! `message.rs`.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -11,11 +12,13 @@ use futures_util::future::join_all;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::statistics::Statistics;
 use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
 
 use crate::defaults;
 use crate::error::PublishError;
+use crate::kafka_metrics::KafkaMetrics;
 use crate::message::build_headers;
 use crate::store::Event;
 use crate::Fatal;
@@ -26,8 +29,11 @@ pub enum Outcome {
     Failed(PublishError),
 }
 
-/// Routes librdkafka's own log lines and client errors into tracing.
-pub struct LogContext;
+/// Routes librdkafka's own log lines and client errors into tracing, its statistics into the
+/// `outbox_kafka_*` gauges.
+pub struct LogContext {
+    metrics: Arc<KafkaMetrics>,
+}
 
 impl ClientContext for LogContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, msg: &str) {
@@ -56,6 +62,10 @@ impl ClientContext for LogContext {
             _ => tracing::warn!(target: "librdkafka", "kafka client error: {error}: {reason}"),
         }
     }
+
+    fn stats(&self, statistics: Statistics) {
+        self.metrics.update(&statistics);
+    }
 }
 
 /// The relay's Kafka producer: librdkafka's async producer with its log lines routed to tracing.
@@ -65,6 +75,7 @@ pub struct Publisher {
     /// Kept to build a replacement producer. Never print it: its Debug output includes secrets
     /// such as sasl.password.
     config: ClientConfig,
+    metrics: Arc<KafkaMetrics>,
     producer: RwLock<Arc<KafkaProducer>>,
     send_timeout: Duration,
     /// Rounds in a row in which every publish timed out.
@@ -81,8 +92,11 @@ pub struct Publisher {
 /// down, the new producer times out too and nothing is lost but a reconnect.
 const TIMED_OUT_ROUNDS_BEFORE_REPLACING: u32 = 3;
 
-fn create(cfg: &ClientConfig) -> Result<KafkaProducer, Fatal> {
-    cfg.create_with_context(LogContext).map_err(|e| match e {
+fn create(cfg: &ClientConfig, metrics: &Arc<KafkaMetrics>) -> Result<KafkaProducer, Fatal> {
+    let context = LogContext {
+        metrics: metrics.clone(),
+    };
+    cfg.create_with_context(context).map_err(|e| match e {
         KafkaError::ClientConfig(_, desc, key, _value) => {
             Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
         }
@@ -95,11 +109,13 @@ fn create(cfg: &ClientConfig) -> Result<KafkaProducer, Fatal> {
 
 impl Publisher {
     /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send
-    /// timeout, then the user's properties on top. Nothing is connected yet.
+    /// timeout, the Java client's partitioner, statistics every 15 s, then the user's properties
+    /// on top. Nothing is connected yet.
     pub fn new(
         brokers: &str,
         send_timeout: Duration,
         properties: &[(String, String)],
+        metrics: Arc<KafkaMetrics>,
     ) -> Result<Publisher, Fatal> {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", brokers)
@@ -122,14 +138,20 @@ impl Publisher {
             .set(
                 "topic.metadata.propagation.max.ms",
                 (send_timeout / 2).as_millis().max(1).to_string(),
+            )
+            .set("partitioner", defaults::PARTITIONER)
+            .set(
+                "statistics.interval.ms",
+                defaults::STATISTICS_INTERVAL_MS.to_string(),
             );
         for (k, v) in properties {
             cfg.set(k, v);
         }
         cfg.set_log_level(crate::logging::librdkafka_log_level());
-        let producer = create(&cfg)?;
+        let producer = create(&cfg, &metrics)?;
         Ok(Publisher {
             config: cfg,
+            metrics,
             producer: RwLock::new(Arc::new(producer)),
             send_timeout,
             timed_out_rounds: AtomicU32::new(0),
@@ -153,7 +175,8 @@ impl Publisher {
             let headers = build_headers(ev);
             let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&ev.topic)
                 .payload(ev.payload.as_str())
-                .headers(headers);
+                .headers(headers)
+                .timestamp(ev.created_at_ms);
             if let Some(k) = &ev.key {
                 record = record.key(k.as_str());
             }
@@ -275,7 +298,7 @@ impl Publisher {
         if !Arc::ptr_eq(&cur, old) {
             return None;
         }
-        match create(&self.config) {
+        match create(&self.config, &self.metrics) {
             Ok(p) => {
                 *cur = Arc::new(p);
                 Some(())

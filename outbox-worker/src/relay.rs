@@ -13,6 +13,7 @@ use crate::cli::RunArgs;
 use crate::db;
 use crate::error::DbError;
 use crate::health::Health;
+use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
 use crate::maintenance::{broker_watch, reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
 use crate::publisher::Publisher;
@@ -70,7 +71,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     }
 
     // Created after the database checks: librdkafka starts connecting at once.
-    let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, &props)?;
+    let kafka_metrics = Arc::new(KafkaMetrics::register(&metrics.registry));
+    let publisher = Publisher::new(
+        &args.kafka.brokers,
+        args.send_timeout,
+        &props,
+        kafka_metrics,
+    )?;
 
     let server_cancel = CancellationToken::new();
     let server = match args.metrics_addr {
@@ -91,6 +98,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         statement_timeout = %humantime::format_duration(args.statement_timeout()),
         max_retry,
         "relay started"
+    );
+    let (rdkafka_version, rdkafka_features) = librdkafka_build();
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        librdkafka = %rdkafka_version,
+        features = %rdkafka_features,
+        "librdkafka build"
     );
 
     let publisher = Arc::new(publisher);

@@ -35,6 +35,9 @@ pub struct Event {
     pub retry_count: i32,
     /// Seconds between the row's created_at and the claim, by the database clock.
     pub age_at_claim: f64,
+    /// The row's created_at in milliseconds since the Unix epoch: the message's timestamp
+    /// (CreateTime), so a consumer sees when the event happened rather than when it was relayed.
+    pub created_at_ms: i64,
 }
 
 impl Event {
@@ -50,6 +53,7 @@ impl Event {
             claim_token: r.try_get("claim_token")?,
             retry_count: r.try_get("retry_count")?,
             age_at_claim: r.try_get::<_, Option<f64>>("age_at_claim")?.unwrap_or(0.0),
+            created_at_ms: r.try_get("created_at_ms")?,
         })
     }
 }
@@ -172,7 +176,8 @@ impl Sql {
             claim: format!(
                 "SELECT id, event_id::text AS event_id, topic, event_key, event_type, \
                  payload::text AS payload, headers::text AS headers, claim_token, retry_count, \
-                 extract(epoch from (clock_timestamp() - created_at))::float8 AS age_at_claim \
+                 extract(epoch from (clock_timestamp() - created_at))::float8 AS age_at_claim, \
+                 floor(extract(epoch from created_at) * 1000)::int8 AS created_at_ms \
                  FROM {}($1, $2)",
                 f("claim")
             ),

@@ -39,6 +39,8 @@ pub struct Msg {
     pub key: Option<String>,
     pub headers: BTreeMap<String, String>,
     pub value: String,
+    /// The message's timestamp (ms since the Unix epoch), None when it has none.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl Msg {
@@ -76,6 +78,7 @@ impl Msg {
             key: v["key"].as_str().map(str::to_string),
             headers,
             value: v["value"].as_str().unwrap_or_default().to_string(),
+            timestamp_ms: v["timestamp_ms"].as_i64(),
         }
     }
 }
@@ -89,15 +92,29 @@ impl Broker {
     /// Starts a new, empty broker on 127.0.0.1:`port` (its controller on another free port), with
     /// its data in a fresh directory under the temp dir.
     pub fn start_on(port: u16) -> Broker {
+        Broker::start_with(port, None)
+    }
+
+    /// A broker with a second listener, SASL_PLAINTEXT (SCRAM-SHA-256, OAUTHBEARER), on
+    /// `sasl.port`.
+    pub fn start_sasl(sasl: &kafka::Sasl) -> Broker {
+        Broker::start_with(free_port(), Some(sasl))
+    }
+
+    fn start_with(port: u16, sasl: Option<&kafka::Sasl>) -> Broker {
         let dir =
             std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
-        Broker::try_start_in(&dir, port).unwrap_or_else(|e| panic!("{e}"))
+        Broker::try_start_in(&dir, port, sasl).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Starts a new, empty broker on 127.0.0.1:`port` with its data in `dir`; an error (with the
     /// broker's log) instead of a panic, for callers that report it (outbox-bench).
-    pub fn try_start_in(dir: &Path, port: u16) -> Result<Broker, String> {
-        let kafka = Kafka::start(dir, port)
+    pub fn try_start_in(
+        dir: &Path,
+        port: u16,
+        sasl: Option<&kafka::Sasl>,
+    ) -> Result<Broker, String> {
+        let kafka = Kafka::start_with(dir, port, sasl)
             .map_err(|e| format!("starting Kafka on 127.0.0.1:{port}: {e}"))?;
         let log = kafka.log();
         Ok(Broker { port, kafka, log })
@@ -111,6 +128,11 @@ impl Broker {
     /// `host:port` for `--brokers`.
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The broker's log directory (`<topic>-<partition>/` with the segment files).
+    pub fn data_dir(&self) -> PathBuf {
+        self.kafka.dir.join("data")
     }
 
     /// Creates a topic with 4 partitions (the broker does not create topics on first produce) and
@@ -241,6 +263,7 @@ fn msg_from_kafka(m: &BorrowedMessage<'_>) -> Msg {
         key: text(m.key()),
         headers,
         value: text(m.payload()).unwrap_or_default(),
+        timestamp_ms: m.timestamp().to_millis(),
     }
 }
 

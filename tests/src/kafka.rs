@@ -61,25 +61,13 @@ pub fn log_tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding, not starting
-/// with '-' (the storage tool's argument parser would take such an id for an option).
-fn random_cluster_id() -> std::io::Result<String> {
-    loop {
-        let id = random_base64_id()?;
-        if !id.starts_with('-') {
-            return Ok(id);
-        }
-    }
-}
-
-fn random_base64_id() -> std::io::Result<String> {
+/// URL-safe base64 without padding (Kafka's cluster ids, JWT parts).
+pub fn base64url(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut b = [0u8; 16];
-    File::open("/dev/urandom")?.read_exact(&mut b)?;
     let mut bits: u32 = 0;
     let mut n = 0;
-    let mut out = String::with_capacity(22);
-    for byte in b {
+    let mut out = String::with_capacity(bytes.len() * 4 / 3 + 1);
+    for &byte in bytes {
         bits = (bits << 8) | u32::from(byte);
         n += 8;
         while n >= 6 {
@@ -90,7 +78,21 @@ fn random_base64_id() -> std::io::Result<String> {
     if n > 0 {
         out.push(ALPHABET[((bits << (6 - n)) & 63) as usize] as char);
     }
-    Ok(out)
+    out
+}
+
+/// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding, not starting
+/// with `-` (the format tool would take it for an option; Kafka's own `Uuid.randomUuid` redraws
+/// those too). Before that check, 1 broker start in 64 failed.
+fn random_cluster_id() -> std::io::Result<String> {
+    let mut b = [0u8; 16];
+    loop {
+        File::open("/dev/urandom")?.read_exact(&mut b)?;
+        let id = base64url(&b);
+        if !id.starts_with('-') {
+            return Ok(id);
+        }
+    }
 }
 
 /// True when a Kafka broker on 127.0.0.1:`port` answers a Metadata request (v4) listing at least
@@ -117,6 +119,35 @@ pub fn metadata_ok(port: u16) -> bool {
     probe(port).unwrap_or(false)
 }
 
+/// A second listener, SASL_PLAINTEXT with SCRAM-SHA-256 and OAUTHBEARER, and its one SCRAM user
+/// (created at format time with `kafka-storage format --add-scram`, as KRaft allows before the
+/// first start). OAUTHBEARER is validated by Kafka's default, unsecured handler (unsigned tokens,
+/// any principal): it shows the mechanism works, not a token provider.
+#[derive(Debug, Clone)]
+pub struct Sasl {
+    pub port: u16,
+    pub user: String,
+    pub password: String,
+}
+
+impl Sasl {
+    /// Properties appended to `server.properties` (a later key overrides the template's).
+    fn properties(&self, port: u16, controller_port: u16) -> String {
+        let sasl = self.port;
+        format!(
+            "\n# SASL listener (tests/src/kafka.rs Sasl)\n\
+             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port},SASL_PLAINTEXT://127.0.0.1:{sasl}\n\
+             advertised.listeners=PLAINTEXT://127.0.0.1:{port},SASL_PLAINTEXT://127.0.0.1:{sasl}\n\
+             listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT\n\
+             sasl.enabled.mechanisms=SCRAM-SHA-256,OAUTHBEARER\n\
+             listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=\
+             org.apache.kafka.common.security.scram.ScramLoginModule required;\n\
+             listener.name.sasl_plaintext.oauthbearer.sasl.jaas.config=\
+             org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required;\n"
+        )
+    }
+}
+
 /// One broker: its ports, its directory (`server.properties`, the logging and JVM options,
 /// `data/`, `kafka.log`) and, while it runs, its JVM.
 pub struct Kafka {
@@ -130,6 +161,11 @@ impl Kafka {
     /// Formats a new broker in `dir` (emptied first), listening on 127.0.0.1:`port` (controller:
     /// a free port), starts it and waits until it answers a metadata request.
     pub fn start(dir: &Path, port: u16) -> Result<Kafka, String> {
+        Kafka::start_with(dir, port, None)
+    }
+
+    /// `start`, plus a SASL listener when `sasl` is given.
+    pub fn start_with(dir: &Path, port: u16, sasl: Option<&Sasl>) -> Result<Kafka, String> {
         let home = home();
         if !home.join(".installed").exists() {
             return Err(format!(
@@ -145,10 +181,13 @@ impl Kafka {
         let data = dir.join("data");
         std::fs::create_dir_all(&data).map_err(|e| err("creating the broker dir", e))?;
         let controller_port = free_port().map_err(|e| err("controller port", e))?;
-        let props = SERVER_PROPERTIES
+        let mut props = SERVER_PROPERTIES
             .replace("@PORT@", &port.to_string())
             .replace("@CONTROLLER_PORT@", &controller_port.to_string())
             .replace("@DATA_DIR@", &data.to_string_lossy());
+        if let Some(s) = sasl {
+            props.push_str(&s.properties(port, controller_port));
+        }
         for (name, text) in [
             ("server.properties", props.as_str()),
             ("log4j2.xml", LOG4J2_XML),
@@ -163,11 +202,18 @@ impl Kafka {
             child: None,
         };
         let cluster_id = random_cluster_id().map_err(|e| err("cluster id", e))?;
-        let st = k
-            .java()?
+        let mut format_cmd = k.java()?;
+        format_cmd
             .args(["kafka.tools.StorageTool", "format", "--config"])
             .arg(k.dir.join("server.properties"))
-            .args(["--cluster-id", &cluster_id])
+            .args(["--cluster-id", &cluster_id]);
+        if let Some(s) = sasl {
+            format_cmd.arg("--add-scram").arg(format!(
+                "SCRAM-SHA-256=[name={},password={}]",
+                s.user, s.password
+            ));
+        }
+        let st = format_cmd
             .status()
             .map_err(|e| err("running java (kafka.tools.StorageTool)", e))?;
         if !st.success() {
@@ -407,6 +453,18 @@ mod tests {
             "{a}"
         );
         assert_ne!(a, b);
+        for _ in 0..1000 {
+            assert!(!random_cluster_id().expect("urandom").starts_with('-'));
+        }
+    }
+
+    #[test]
+    fn base64url_is_rfc4648_url_safe_without_padding() {
+        assert_eq!(base64url(b""), "");
+        assert_eq!(base64url(b"f"), "Zg");
+        assert_eq!(base64url(b"foob"), "Zm9vYg");
+        assert_eq!(base64url(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64url(&[0xfb, 0xff]), "-_8");
     }
 
     #[test]
