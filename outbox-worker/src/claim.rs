@@ -184,14 +184,10 @@ impl Relay {
     ) -> Result<(), DbError> {
         let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
         let n = self
-            .settle(|| self.store.ack(&self.owner, token, &ids))
-            .await
-            .inspect_err(|e| {
-                tracing::error!(
-                    count = ids.len(),
-                    "could not ack delivered events ({e}): they stay SENDING until reclaimed after the lease, then are published again"
-                )
-            })?;
+            .settle("ack delivered", ids.len(), || {
+                self.store.ack(&self.owner, token, &ids)
+            })
+            .await?;
         let now = claimed_at.elapsed().as_secs_f64();
         for &i in idx {
             let ev = &events[i];
@@ -226,14 +222,10 @@ impl Relay {
             "publish failed: {error}"
         );
         let nacked = self
-            .settle(|| self.store.nack(&self.owner, token, &ids, error))
-            .await
-            .inspect_err(|e| {
-                tracing::error!(
-                    count = ids.len(),
-                    "could not nack failed events ({e}): they stay SENDING until reclaimed after the lease"
-                )
-            })?;
+            .settle("nack failed", ids.len(), || {
+                self.store.nack(&self.owner, token, &ids, error)
+            })
+            .await?;
         let by_id: BTreeMap<i64, &Event> =
             idx.iter().map(|&i| (events[i].id, &events[i])).collect();
         for row in nacked.iter().filter(|r| r.dead_letter) {
@@ -273,23 +265,18 @@ impl Relay {
             first_id = ids[0],
             "publish failed, released without counting an attempt: {error}"
         );
-        self.settle(|| {
+        self.settle("release failed", ids.len(), || {
             self.store
                 .release(&self.owner, token, &ids, defaults::RELEASE_DELAY, error)
         })
-        .await
-        .inspect_err(|e| {
-            tracing::error!(
-                count = ids.len(),
-                "could not release failed events ({e}): they stay SENDING until reclaimed after the lease"
-            )
-        })?;
+        .await?;
         Ok(())
     }
 
-    /// One `outbox_ack` / `outbox_nack` / `outbox_release` call, retried a few times on transient database errors
-    /// (it is idempotent: rows no longer held are not counted).
-    async fn settle<T, F, Fut>(&self, call: F) -> Result<T, DbError>
+    /// One `outbox_ack` / `outbox_nack` / `outbox_release` call, retried a few times on transient
+    /// database errors (it is idempotent: rows no longer held are not counted). A final failure
+    /// is logged: `what` ("ack delivered") names the call and its `count` events.
+    async fn settle<T, F, Fut>(&self, what: &str, count: usize, call: F) -> Result<T, DbError>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<T, DbError>>,
@@ -303,7 +290,14 @@ impl Relay {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(200) * attempt).await;
                 }
-                other => return other,
+                Err(e) => {
+                    tracing::error!(
+                        count,
+                        "could not {what} events ({e}): they stay SENDING until reclaimed after the lease (then published again)"
+                    );
+                    return Err(e);
+                }
+                ok => return ok,
             }
         }
     }

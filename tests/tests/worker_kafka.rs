@@ -298,6 +298,8 @@ fn wait_samples(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn librdkafka_statistics_and_build_reach_the_metrics() {
     let db = TestDb::create();
+    // A failed publish is a dead letter at once (the alert-rule check below needs one).
+    db.psql(&format!("ALTER DATABASE {} SET outbox.max_retry = 0", db.name));
     let broker = Broker::start();
     broker.create_topic("orders");
     let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
@@ -370,7 +372,22 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         "nothing left in the producer's queue"
     );
 
-    // Every metric the example alert rules name is one the relay exports.
+    // Every metric the example alert rules name is one the relay exports (the labelled failure
+    // counters appear with their first sample: one event of a missing topic, dead-lettered at
+    // its first attempt).
+    enqueue(
+        &db.connect().await,
+        "no-such-topic",
+        "k",
+        "T",
+        &a_payload(),
+        &BTreeMap::new(),
+    )
+    .await;
+    let dead = worker.wait_metric("outbox_dead_lettered_total", Duration::from_secs(30), |v| {
+        v >= 1.0
+    });
+    assert_eq!(dead, Some(1.0), "{}", worker.logs());
     let (_, body) = worker.http_get("/metrics").expect("/metrics");
     let rules =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/alerts.yml"))
