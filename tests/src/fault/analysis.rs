@@ -95,33 +95,19 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
     let lost_all = lost;
 
     // Final rows.
-    let rows = r
-        .rt
-        .block_on(r.admin.query(
-            "SELECT id, status::text, retry_count, coalesce(last_error, ''), claim_owner, claim_token \
-             FROM outbox_event",
+    let rows =
+        r.rt.block_on(r.admin.query(
+            "SELECT id, status::text, retry_count, coalesce(last_error, '') FROM outbox_event",
             &[],
         ))
         .expect("final rows");
     let mut fail: BTreeSet<i64> = BTreeSet::new();
     let mut last_error: HashMap<i64, (i32, String)> = HashMap::new();
-    let zombie_tokens: HashSet<i64> = rep
-        .zombie
-        .as_ref()
-        .map(|z| z.tokens.iter().copied().collect())
-        .unwrap_or_default();
-    let zombie_ids: HashSet<i64> = rep
-        .zombie
-        .as_ref()
-        .map(|z| z.ids.iter().copied().collect())
-        .unwrap_or_default();
-    let mut stale = 0i64;
     for row in &rows {
         let id: i64 = row.get(0);
         let status: String = row.get(1);
         let retry: i32 = row.get(2);
         let err: String = row.get(3);
-        let token: Option<i64> = row.get(5);
         let poison = produced.committed.get(&id).is_some_and(|v| v.1 == 2);
         match status.as_str() {
             "WAIT" => rep.left_wait += 1,
@@ -135,12 +121,6 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
                 }
             }
         }
-        if status == "SUCCESS"
-            && zombie_ids.contains(&id)
-            && token.is_some_and(|t| zombie_tokens.contains(&t))
-        {
-            stale += 1;
-        }
         if retry > 0 {
             rep.rows_retried += 1;
         }
@@ -148,9 +128,6 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
             rep.max_retry_count_non_poison = rep.max_retry_count_non_poison.max(retry);
         }
         last_error.insert(id, (retry, err));
-    }
-    if let Some(z) = rep.zombie.as_mut() {
-        z.stale_acks_in_db = stale;
     }
     let poison_ids: BTreeSet<i64> = produced
         .committed

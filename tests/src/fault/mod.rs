@@ -4,24 +4,26 @@
 //! poison topic that does not exist on the broker) while K `outbox-worker` processes relay them to
 //! a local Apache Kafka broker. Meanwhile the runner injects faults:
 //! - SIGKILL of a random worker every `kill_every`, restarted at once under a new owner name;
-//! - a zombie: SIGSTOP of a worker holding claims until every row it held was reclaimed by the
-//!   others (longer than the lease), then SIGCONT; its late acks must count 0;
+//! - a zombie: SIGSTOP of a worker holding claims; once the lease expired the runner reclaims
+//!   its rows and keeps them open until it was SIGCONTed and its late acks met the fence;
 //! - a broker outage: SIGSTOP of the broker for `outage` (longer than the send timeout), SIGCONT;
 //! - a broker restart: SIGTERM of the broker while the workers keep running, then the same
 //!   broker started again on the same ports and data (what it acknowledged must still be there);
-//! - `pg_terminate_backend` of every worker connection (application_name outbox-worker).
+//! - `pg_terminate_backend` of every worker connection (application_name = its owner name).
 //!
 //! At the end it waits for quiescence (no WAIT or SENDING rows), stops the workers with SIGTERM,
 //! reads every topic back and checks: lost = 0, phantoms = 0, no WAIT/SENDING rows, dead letters
-//! = the poison events exactly, the zombie's late acks took no effect, every message's topic and
-//! payload match its event. Duplicates are counted and attributed to a cause where the final row
-//! tells it (lease expiry after a kill, the zombie, a publish that failed after the broker had
-//! stored the message).
+//! = the poison events exactly, every turn to SUCCESS made by the claim's holder (the ack audit),
+//! no relay exit the runner did not cause, exit 0 on SIGTERM, every message's topic and payload
+//! match its event. Duplicates are counted and attributed to a cause where the final row tells it
+//! (lease expiry after a kill, the zombie, a publish that failed after the broker had stored it).
 //!
 //! Modules: `profile` (sizes, schedule, seed), `producer`, `runner` and `zombie` (the faults),
-//! `analysis` (read back and compare), `report` (printing, verdict).
+//! `audit` (who acked what), `analysis` (read back and compare), `report` (printing, verdict).
 
 mod analysis;
+mod audit;
+pub mod doc;
 mod producer;
 mod profile;
 mod report;
@@ -35,7 +37,7 @@ use std::time::{Duration, Instant};
 use crate::broker::Broker;
 use crate::db::{connect, TestDb};
 
-pub use profile::{clock_seed, Profile, Rng};
+pub use profile::{clock_seed, seed_from_env, Profile, Rng};
 pub use report::{Report, ZombieResult};
 
 use analysis::{analyse, read_topic};
@@ -64,6 +66,7 @@ pub fn run(p: &Profile) -> Report {
         p.backoff_base.as_millis(),
         p.backoff_max.as_millis()
     ));
+    db.psql(audit::INSTALL);
     let runner_url = format!("{} application_name=fault-runner", db.url());
     let admin = rt.block_on(async { connect(&runner_url).await });
     let broker = Broker::start();
@@ -233,6 +236,7 @@ pub fn run(p: &Profile) -> Report {
     r.report.produce_time = produce_time;
     r.report.drain_time = drain_time;
     analyse(&mut r, &produced, seen);
+    audit::check(&mut r);
     r.report.wall_time = wall.elapsed();
     drop(r.slots);
     let report = r.report;

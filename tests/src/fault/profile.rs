@@ -110,6 +110,18 @@ pub fn clock_seed() -> u64 {
         .unwrap_or(1)
 }
 
+/// The seed of a run: `OUTBOX_FAULT_SEED` when set (to replay a failed run: sizes, victims and
+/// schedule; the OS's timing still differs), else one from the clock. The run prints it first.
+pub fn seed_from_env() -> u64 {
+    match std::env::var("OUTBOX_FAULT_SEED") {
+        Ok(s) => s
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("OUTBOX_FAULT_SEED={s}: not a number")),
+        Err(_) => clock_seed(),
+    }
+}
+
 /// splitmix64: small, seedable, good enough for choosing sizes and victims.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

@@ -11,17 +11,15 @@ pub struct ZombieResult {
     pub held: usize,
     pub tokens: Vec<i64>,
     pub stopped_for: Duration,
-    /// From the zombie's log after SIGCONT: delivered events it tried to ack, and how many the
-    /// database counted.
-    pub late_acks_attempted: u64,
-    pub late_acks_counted: u64,
-    /// Publishes that failed after SIGCONT (these are nacked under the stale token).
-    pub late_nacks_attempted: u64,
-    /// The first warnings/errors it logged after SIGCONT.
-    pub late_log: Vec<String>,
-    /// From the database at the end: rows the zombie held that ended SUCCESS under its old token.
-    pub stale_acks_in_db: i64,
     pub ids: Vec<i64>,
+    /// Rows it held that no other relay had reclaimed when the runner gave up waiting.
+    pub unreclaimed: i64,
+    /// The first warnings/errors it logged after SIGCONT (for the reader; nothing is judged on
+    /// the log's wording).
+    pub late_log: Vec<String>,
+    /// From the ack audit: rows it held that its own session turned SUCCESS under its stale
+    /// tokens after they were reclaimed, or while another relay held them.
+    pub late_acks_in_db: i64,
 }
 
 #[derive(Debug, Default)]
@@ -75,6 +73,13 @@ pub struct Report {
     pub fenced_failures: u64,
     /// How often a worker replaced its unusable (fenced) producer and went on.
     pub producer_replacements: u64,
+    /// Relays with fenced publishes that never replaced their producer.
+    pub fenced_not_replaced: Vec<String>,
+    /// From the ack audit: rows whose turn to SUCCESS was made by a session (application_name =
+    /// relay owner) other than the claim's owner, and the first of their ids.
+    pub acks_audited: i64,
+    pub acks_by_non_holder: i64,
+    pub acks_by_non_holder_ids: Vec<i64>,
     pub notes: Vec<String>,
 }
 
@@ -124,13 +129,43 @@ impl Report {
                 &self.poison_not_dead[..self.poison_not_dead.len().min(10)]
             ));
         }
+        if self.acks_by_non_holder > 0 {
+            v.push(format!(
+                "{} rows turned SUCCESS by a relay session that did not hold their claim (first ids {:?})",
+                self.acks_by_non_holder, self.acks_by_non_holder_ids
+            ));
+        }
         if let Some(z) = &self.zombie {
-            if z.late_acks_counted > 0 || z.stale_acks_in_db > 0 {
+            if z.late_acks_in_db > 0 {
                 v.push(format!(
-                    "zombie acks took effect: {} counted by outbox_ack, {} rows SUCCESS under its stale token",
-                    z.late_acks_counted, z.stale_acks_in_db
+                    "zombie acks took effect: {} rows it had held turned SUCCESS by its session under its stale tokens",
+                    z.late_acks_in_db
                 ));
             }
+            if z.unreclaimed > 0 {
+                v.push(format!(
+                    "{} rows of the frozen zombie {} were never reclaimed",
+                    z.unreclaimed, z.owner
+                ));
+            }
+        }
+        if !self.unexpected_exits.is_empty() {
+            v.push(format!(
+                "relays exited without a fault causing it: {}",
+                self.unexpected_exits.join("; ")
+            ));
+        }
+        if !self.sigterm_exit_failures.is_empty() {
+            v.push(format!(
+                "SIGTERM did not end in exit 0: {}",
+                self.sigterm_exit_failures.join("; ")
+            ));
+        }
+        if !self.fenced_not_replaced.is_empty() {
+            v.push(format!(
+                "producers fenced and never replaced (every later publish fails): {}",
+                self.fenced_not_replaced.join(", ")
+            ));
         }
         v
     }
@@ -222,7 +257,7 @@ impl std::fmt::Display for Report {
         if let Some(z) = &self.zombie {
             writeln!(
                 f,
-                "zombie                 {} held {} rows (tokens {:?}), stopped {} until all were reclaimed by others",
+                "zombie                 {} held {} rows (tokens {:?}), stopped {} until the lease expired and the runner reclaimed them",
                 z.owner,
                 z.held,
                 z.tokens,
@@ -230,32 +265,19 @@ impl std::fmt::Display for Report {
             )?;
             writeln!(
                 f,
-                "zombie acks rejected   {} of {} late acks (outbox_ack counted {}); {} publish failures logged in the 4 s after SIGCONT (stale batch + new claims, nacked); {} rows SUCCESS under its stale token",
-                z.late_acks_attempted - z.late_acks_counted,
-                z.late_acks_attempted,
-                z.late_acks_counted,
-                z.late_nacks_attempted,
-                z.stale_acks_in_db
+                "zombie acks            {} rows it had held turned SUCCESS by its session under its stale tokens (ack audit); {} never reclaimed",
+                z.late_acks_in_db, z.unreclaimed
             )?;
             for l in &z.late_log {
                 writeln!(f, "    zombie log: {l}")?;
             }
         }
-        if !self.unexpected_exits.is_empty() {
-            writeln!(
-                f,
-                "worker exits (not ours) {} (restarted): {}",
-                self.unexpected_exits.len(),
-                self.unexpected_exits.join("; ")
-            )?;
-        }
-        if !self.sigterm_exit_failures.is_empty() {
-            writeln!(
-                f,
-                "SIGTERM at the end     non-zero exits: {}",
-                self.sigterm_exit_failures.join("; ")
-            )?;
-        }
+        // Unexpected exits and failed SIGTERMs are printed as violations below.
+        writeln!(
+            f,
+            "ack audit              {} rows turned SUCCESS, {} of them by a session that did not hold the claim",
+            self.acks_audited, self.acks_by_non_holder
+        )?;
         let total = self.produce_time.max(self.drain_time);
         writeln!(
             f,

@@ -51,8 +51,10 @@ impl Runner<'_> {
         let owner = format!("fault-w{index}-g{generation}");
         let broker = format!("127.0.0.1:{}", self.port);
         let ms = |d: Duration| format!("{}ms", d.as_millis());
+        // Its sessions carry its owner name: the ack audit tells relays apart by it.
+        let db_url = format!("{} application_name={owner}", self.db_url);
         let worker = Worker::spawn(
-            &self.db_url,
+            &db_url,
             &broker,
             &[
                 "--owner",
@@ -86,18 +88,22 @@ impl Runner<'_> {
     /// Collects what a worker's log tells before the worker is dropped.
     pub(super) fn harvest(&mut self, i: usize) {
         let logs = self.slots[i].worker.logs();
-        let mut fenced = 0;
+        let (mut fenced, mut replaced) = (0, 0);
         for l in logs.lines() {
             if l.contains("publish failed") && l.contains("ProducerFenced") {
                 fenced += field(l, "count=").unwrap_or(0);
             }
             if l.contains("replaced by a new producer") {
-                self.report.producer_replacements += 1;
+                replaced += 1;
             }
         }
+        self.report.producer_replacements += replaced;
         if fenced > 0 {
             self.report.fenced_failures += fenced;
             let owner = self.slots[i].owner.clone();
+            if replaced == 0 {
+                self.report.fenced_not_replaced.push(owner.clone());
+            }
             self.report.fenced_workers.push(owner);
         }
     }
@@ -164,7 +170,7 @@ impl Runner<'_> {
     pub(super) fn terminate_connections(&mut self) {
         let n = self.query_i64(
             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE datname = current_database() AND application_name = 'outbox-worker' \
+             WHERE datname = current_database() AND application_name LIKE 'fault-w%' \
              AND pid <> pg_backend_pid()) t",
             &[],
         );
@@ -203,7 +209,7 @@ impl Runner<'_> {
 }
 
 /// `name=123` in a log line.
-pub(super) fn field(line: &str, name: &str) -> Option<u64> {
+fn field(line: &str, name: &str) -> Option<u64> {
     let at = line.find(name)? + name.len();
     let digits: String = line[at..]
         .chars()
