@@ -2,9 +2,11 @@
 //!
 //! cargo run --release -p outbox-tests --example fault-runner -- --profile long [--seed N]
 //!     [--events N] [--workers K] [--send-timeout-ms MS] [--lease-ms MS] [--max-retry N]
-//!     [--batch-size N]
+//!     [--batch-size N] [--write-docs docs/FAULTS.md]
+//!
+//! Without `--seed`, `OUTBOX_FAULT_SEED` or else the clock gives the seed; the run prints it.
 
-use outbox_tests::fault::{clock_seed, run, Profile};
+use outbox_tests::fault::{doc, run, seed_from_env, Profile};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -16,7 +18,7 @@ fn main() {
     };
     let seed = get("--seed")
         .map(|s| s.parse().expect("--seed N"))
-        .unwrap_or_else(clock_seed);
+        .unwrap_or_else(seed_from_env);
     let mut p = match get("--profile").as_deref().unwrap_or("ci") {
         "ci" => Profile::ci(seed),
         "long" => Profile::long(seed),
@@ -46,5 +48,10 @@ fn main() {
     }
     let report = run(&p);
     println!("{report}");
+    if let Some(path) = get("--write-docs") {
+        std::fs::write(&path, doc::render(&p, &report, &args))
+            .unwrap_or_else(|e| panic!("writing {path}: {e}"));
+        eprintln!("wrote {path}");
+    }
     std::process::exit(if report.ok() { 0 } else { 1 });
 }

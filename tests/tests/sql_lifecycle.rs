@@ -231,7 +231,7 @@ async fn backoff_follows_settings_with_cap_and_jitter() {
     .unwrap();
     let id = enqueue(&c, "orders").await;
     let mut delays = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..8 {
         make_due(&c, id).await;
         let (token, _) = claim(&c, "r", 1).await;
         c.execute(
@@ -245,12 +245,19 @@ async fn backoff_follows_settings_with_cap_and_jitter() {
         delays.push(secs);
     }
     // n^2 * 1s capped at 3s, each within [0.5, 1.5] of its nominal value.
-    for (d, nominal) in delays.iter().zip([1.0, 3.0, 3.0, 3.0]) {
+    let nominal = [1.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0];
+    for (d, nominal) in delays.iter().zip(nominal) {
         assert!(
             *d >= nominal * 0.5 - 1e-3 && *d <= nominal * 1.5 + 1e-3,
             "{delays:?}"
         );
     }
+    // The ranges above also hold without jitter: the jitter must show. Seven capped delays drawn
+    // uniformly from [1.5 s, 4.5 s] all within 0.3 s of each other: odds about 1e-5.
+    let capped = &delays[1..];
+    let spread = capped.iter().cloned().fold(f64::MIN, f64::max)
+        - capped.iter().cloned().fold(f64::MAX, f64::min);
+    assert!(spread > 0.3, "no jitter in the capped delays: {delays:?}");
 }
 
 #[tokio::test]

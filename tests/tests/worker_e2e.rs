@@ -8,7 +8,7 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, wait_counts, Expected};
 use outbox_tests::relay::Relay;
-use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
+use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE, WAKEUP_CHANNEL};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,33 +147,67 @@ async fn two_relays_share_the_work_without_duplicates() {
     broker.create_topic("orders");
     let client = db.connect().await;
     let n = 6000i64;
+    let spawn = |owner: &str| {
+        Relay::spawn(
+            &db.url(),
+            &broker.addr(),
+            &[
+                "--owner",
+                owner,
+                "--batch-size",
+                "100",
+                "--concurrency",
+                "2",
+                "--poll-interval",
+                "100ms",
+            ],
+        )
+    };
+    let relays = [spawn("relay-a"), spawn("relay-b")];
+    // Both relays wait for work before it comes, so sharing it does not race their start-up.
+    for r in &relays {
+        let listening = format!("listening for NOTIFY {WAKEUP_CHANNEL}");
+        assert!(
+            r.wait_log(&[&listening], Duration::from_secs(30)).is_some(),
+            "relay never listened: {}",
+            r.logs()
+        );
+    }
     outbox_tests::events::enqueue_burst(&client, "orders", n).await;
-    let args = [
-        "--batch-size",
-        "100",
-        "--concurrency",
-        "2",
-        "--poll-interval",
-        "100ms",
-    ];
-    let a = Relay::spawn(&db.url(), &broker.addr(), &args);
-    let b = Relay::spawn(&db.url(), &broker.addr(), &args);
+    let want: BTreeSet<i64> = client
+        .query("SELECT id FROM outbox_event", &[])
+        .await
+        .expect("ids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(want.len() as i64, n);
     let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
     assert_eq!(counts["SUCCESS"], n, "{counts:?}");
-    let pa = a
-        .wait_metric("outbox_published_total", Duration::from_secs(5), |_| true)
-        .unwrap_or(0.0);
-    let pb = b
-        .wait_metric("outbox_published_total", Duration::from_secs(5), |_| true)
-        .unwrap_or(0.0);
-    assert_eq!(
-        pa + pb,
-        n as f64,
-        "each event published by exactly one relay"
-    );
-    assert!(pa > 0.0 && pb > 0.0, "both relays worked: {pa} {pb}");
+
+    // An acked row keeps its claim_owner: the database says which relay delivered each event,
+    // and each relay's own count must agree (polled: the metric moves just after the ack).
+    for (r, owner) in relays.iter().zip(["relay-a", "relay-b"]) {
+        let acked: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS' AND claim_owner = $1",
+                &[&owner],
+            )
+            .await
+            .expect("count")
+            .get(0);
+        assert!(acked > 0, "{owner} delivered nothing: {}", r.logs());
+        let published = r.wait_metric("outbox_published_total", Duration::from_secs(10), |v| {
+            v == acked as f64
+        });
+        assert_eq!(
+            published,
+            Some(acked as f64),
+            "{owner} acked {acked} rows; its metric disagrees"
+        );
+    }
     let msgs = broker.consume_all("orders", Duration::from_secs(3));
     let ids: BTreeSet<i64> = msgs.iter().map(|m| m.outbox_id()).collect();
-    assert_eq!(ids.len() as i64, n);
+    assert_eq!(ids, want, "exactly the enqueued ids arrive");
     assert_eq!(msgs.len() as i64, n, "no duplicates");
 }

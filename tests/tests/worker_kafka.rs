@@ -15,7 +15,7 @@ use outbox_tests::broker::{Broker, Msg};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, status_counts, wait_counts};
 use outbox_tests::kafka;
-use outbox_tests::worker::Worker;
+use outbox_tests::relay::Relay;
 use serde_json::json;
 
 /// Enqueues one event per key on `topic` (payload `{"n": i}`), commits, and has a relay started
@@ -27,7 +27,7 @@ async fn relay_keys(
     topic: &str,
     keys: &[String],
     extra: &[&str],
-) -> (Worker, Vec<Msg>) {
+) -> (Relay, Vec<Msg>) {
     let client = db.connect().await;
     let before = status_counts(&client).await["SUCCESS"];
     for (i, k) in keys.iter().enumerate() {
@@ -35,7 +35,7 @@ async fn relay_keys(
     }
     let mut args = vec!["--poll-interval", "200ms"];
     args.extend_from_slice(extra);
-    let worker = Worker::spawn(&db.url(), &broker.addr(), &args);
+    let worker = Relay::spawn(&db.url(), &broker.addr(), &args);
     let n = before + keys.len() as i64;
     let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
     assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", worker.logs());
@@ -165,7 +165,7 @@ async fn messages_carry_the_creation_time_and_a_content_type() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
 
-    let worker = Worker::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+    let worker = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
     let counts = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] == 2).await;
     assert_eq!(counts["SUCCESS"], 2, "{counts:?}\n{}", worker.logs());
     let msgs = broker.consume_all("orders", Duration::from_secs(3));
@@ -264,7 +264,7 @@ async fn zstd_and_lz4_batches_arrive_intact() {
 }
 
 /// The samples of a metric family: (labels as written, value).
-fn samples(worker: &Worker, name: &str) -> Vec<(String, f64)> {
+fn samples(worker: &Relay, name: &str) -> Vec<(String, f64)> {
     let (_, body) = worker.http_get("/metrics").expect("/metrics");
     body.lines()
         .filter(|l| !l.starts_with('#'))
@@ -281,7 +281,7 @@ fn samples(worker: &Worker, name: &str) -> Vec<(String, f64)> {
 
 /// Polls `samples` until `pred` holds; returns the last samples.
 fn wait_samples(
-    worker: &Worker,
+    worker: &Relay,
     name: &str,
     pred: impl Fn(&[(String, f64)]) -> bool,
 ) -> Vec<(String, f64)> {
@@ -479,14 +479,14 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
     };
     let addr = format!("127.0.0.1:{}", listener.port);
     let run = |file: String| {
-        Worker::spawn(
+        Relay::spawn(
             &db.url(),
             &addr,
             &["--poll-interval", "200ms", "--kafka-properties-file", &file],
         )
     };
     let client = db.connect().await;
-    let delivered = |relay: Worker, n: i64| {
+    let delivered = |relay: Relay, n: i64| {
         let client = &client;
         async move {
             enqueue(client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;

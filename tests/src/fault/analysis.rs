@@ -1,0 +1,178 @@
+//! Reading every topic back and comparing it, and the final rows, with what the producers
+//! committed: lost, phantoms, corrupt messages, dead letters, duplicates and their causes.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use rdkafka::message::Headers;
+use rdkafka::Message;
+
+use super::producer::Produced;
+use super::runner::Runner;
+use crate::broker::read_to_end;
+
+/// One message read back.
+#[derive(Debug, Clone)]
+pub(super) struct Seen {
+    topic: u8,
+    partition: i64,
+    offset: i64,
+    id: i64,
+    /// The payload's `n`, -1 if it has none.
+    n: i64,
+}
+
+/// Reads a topic up to its high watermarks, streaming, so a million messages need no more than
+/// their compact records.
+pub(super) fn read_topic(
+    addr: &str,
+    topic: &str,
+    topic_index: u8,
+    out: &mut Vec<Seen>,
+) -> Result<(), String> {
+    fn text(b: Option<&[u8]>) -> Option<&str> {
+        b.and_then(|b| std::str::from_utf8(b).ok())
+    }
+    read_to_end(addr, topic, Duration::from_secs(10), |m| {
+        let id = m
+            .headers()
+            .and_then(|hs| hs.iter().find(|h| h.key == outbox_worker::HEADER_OUTBOX_ID))
+            .and_then(|h| text(h.value))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(i64::MIN);
+        let n = text(m.payload())
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
+            .and_then(|p| p["n"].as_i64())
+            .unwrap_or(-1);
+        out.push(Seen {
+            topic: topic_index,
+            partition: i64::from(m.partition()),
+            offset: m.offset(),
+            id,
+            n,
+        });
+    })
+}
+
+pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
+    let rep = &mut r.report;
+    rep.committed = produced.committed.len();
+    rep.committed_tx = produced.tx_committed;
+    rep.rolled_back = produced.rolled_back.len();
+    rep.rolled_back_tx = produced.tx_rolled_back;
+    rep.poison = produced.committed.values().filter(|v| v.1 == 2).count();
+
+    // Distinct physical messages (a re-read of the same offset is not a duplicate).
+    let mut physical: HashSet<(u8, i64, i64)> = HashSet::new();
+    let mut copies: HashMap<i64, usize> = HashMap::new();
+    for s in &seen {
+        if !physical.insert((s.topic, s.partition, s.offset)) {
+            continue;
+        }
+        rep.messages_read += 1;
+        match produced.committed.get(&s.id) {
+            Some(&(n, topic)) => {
+                if n != s.n || topic != s.topic {
+                    rep.corrupt += 1;
+                }
+                *copies.entry(s.id).or_default() += 1;
+            }
+            None if produced.rolled_back.contains(&s.id) => rep.phantoms += 1,
+            None => rep.unknown_ids += 1,
+        }
+    }
+    rep.delivered_distinct = copies.len();
+    let mut lost: Vec<i64> = produced
+        .committed
+        .iter()
+        .filter(|(id, v)| v.1 != 2 && !copies.contains_key(id))
+        .map(|(id, _)| *id)
+        .collect();
+    lost.sort();
+    rep.lost_count = lost.len();
+    rep.lost = lost.iter().take(20).copied().collect();
+    let lost_all = lost;
+
+    // Final rows.
+    let rows =
+        r.rt.block_on(r.admin.query(
+            "SELECT id, status::text, retry_count, coalesce(last_error, '') FROM outbox_event",
+            &[],
+        ))
+        .expect("final rows");
+    let mut fail: BTreeSet<i64> = BTreeSet::new();
+    let mut last_error: HashMap<i64, (i32, String)> = HashMap::new();
+    for row in &rows {
+        let id: i64 = row.get(0);
+        let status: String = row.get(1);
+        let retry: i32 = row.get(2);
+        let err: String = row.get(3);
+        let poison = produced.committed.get(&id).is_some_and(|v| v.1 == 2);
+        match status.as_str() {
+            "WAIT" => rep.left_wait += 1,
+            "SENDING" => rep.left_sending += 1,
+            "SUCCESS" => rep.success_rows += 1,
+            _ => {
+                fail.insert(id);
+                if !poison {
+                    let e: String = err.chars().take(120).collect();
+                    *rep.unexpected_dead_letter_errors.entry(e).or_default() += 1;
+                }
+            }
+        }
+        if retry > 0 {
+            rep.rows_retried += 1;
+        }
+        if !poison {
+            rep.max_retry_count_non_poison = rep.max_retry_count_non_poison.max(retry);
+        }
+        last_error.insert(id, (retry, err));
+    }
+    let poison_ids: BTreeSet<i64> = produced
+        .committed
+        .iter()
+        .filter(|v| v.1 .1 == 2)
+        .map(|v| *v.0)
+        .collect();
+    rep.dead_letters = fail.len();
+    for id in &lost_all {
+        if fail.contains(id) {
+            rep.lost_dead_lettered += 1;
+        } else {
+            rep.lost_silently.push(*id);
+        }
+    }
+    rep.dead_letters_not_poison = fail.difference(&poison_ids).copied().collect();
+    rep.poison_not_dead = poison_ids.difference(&fail).copied().collect();
+
+    // Duplicates and their causes.
+    for (id, n) in &copies {
+        if *n < 2 {
+            continue;
+        }
+        rep.duplicated_events += 1;
+        rep.duplicates += n - 1;
+        let (retry, err) = last_error.get(id).cloned().unwrap_or((0, String::new()));
+        let cause = if let Some(rest) = err.strip_prefix("lease expired: claimed by ") {
+            let owner = rest.split_whitespace().next().unwrap_or("");
+            if r.zombie_owner.as_deref() == Some(owner) {
+                "lease expired while its worker was the SIGSTOPped zombie".to_string()
+            } else if r.killed_owners.contains(owner) {
+                "lease expired after its worker was SIGKILLed (or exited)".to_string()
+            } else {
+                "lease expired while its worker lived (a lost ack, or a publish slower than the lease)".to_string()
+            }
+        } else if !err.is_empty() {
+            "publish reported failed (timeout during the outage/restart) after the broker had stored it".to_string()
+        } else if retry == 0 {
+            "no failure recorded on the row".to_string()
+        } else {
+            "other".to_string()
+        };
+        *rep.duplicates_by_cause.entry(cause).or_default() += n - 1;
+    }
+    let mut buf = String::new();
+    let _ = write!(buf, "{} workers killed or exited", r.killed_owners.len());
+    rep.notes.push(buf);
+}

@@ -1,0 +1,151 @@
+//! The zombie fault: a relay frozen (SIGSTOP) while it holds claims, until the others reclaimed
+//! every row it held, then thawed (SIGCONT) so its late acks meet the fence.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use super::report::ZombieResult;
+use super::runner::Runner;
+
+impl Runner<'_> {
+    pub(super) fn zombie(&mut self) {
+        let i = self.rng.below(self.slots.len() as u64) as usize;
+        let owner = self.slots[i].owner.clone();
+        let mut held: Vec<(i64, i64)> = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let n = self.query_i64(
+                "SELECT count(*) FROM outbox_event WHERE status = 'SENDING' AND claim_owner = $1",
+                &[&owner],
+            );
+            if n > 0 {
+                self.slots[i].worker.signal(libc::SIGSTOP);
+                // Let a statement already on the wire finish.
+                std::thread::sleep(Duration::from_millis(300));
+                held = self
+                    .rt
+                    .block_on(self.admin.query(
+                        "SELECT id, claim_token FROM outbox_event \
+                         WHERE status = 'SENDING' AND claim_owner = $1",
+                        &[&owner],
+                    ))
+                    .expect("zombie rows")
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1)))
+                    .collect();
+                if !held.is_empty() {
+                    break;
+                }
+                self.slots[i].worker.signal(libc::SIGCONT);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if held.is_empty() {
+            self.report.notes.push(format!(
+                "zombie: {owner} never held rows when checked; skipped"
+            ));
+            return;
+        }
+        let stopped = Instant::now();
+        self.zombie_owner = Some(owner.clone());
+        let tokens: BTreeSet<i64> = held.iter().map(|h| h.1).collect();
+        let tokens: Vec<i64> = tokens.into_iter().collect();
+        self.log(format!(
+            "SIGSTOP {owner} (zombie) holding {} rows under tokens {tokens:?}",
+            held.len()
+        ));
+        let ids: Vec<i64> = held.iter().map(|h| h.0).collect();
+        // The runner reclaims the zombie's rows itself, with the relays' lease and the relays'
+        // outbox_reclaim, and keeps them out of claims (due in an hour) until the zombie's stale
+        // round ended: its late acks then certainly meet open rows it no longer holds, so an ack
+        // that got past the fence would turn them SUCCESS and show in the ack audit. Locking the
+        // rows first keeps the other relays' reclaim (SKIP LOCKED) off them meanwhile.
+        let lease = format!("{} milliseconds", self.p.lease.as_millis());
+        self.sql("BEGIN");
+        let locked = self.ids_of(
+            "SELECT id FROM outbox_event WHERE id = ANY($1) AND status = 'SENDING' FOR UPDATE",
+            &ids,
+        );
+        let claimed_at = self.query_i64(
+            "SELECT coalesce(extract(epoch FROM max(claimed_at)) * 1000, 0)::bigint FROM outbox_event WHERE id = ANY($1)",
+            &[&locked],
+        );
+        let now_ms = self.query_i64("SELECT (extract(epoch FROM now()) * 1000)::bigint", &[]);
+        let expiry = Duration::from_millis((claimed_at - now_ms).max(0) as u64) + self.p.lease;
+        std::thread::sleep(expiry + Duration::from_millis(200));
+        self.query_i64(
+            "SELECT outbox_reclaim($1::text::interval)::bigint",
+            &[&lease],
+        );
+        let kept = self.ids_of(
+            "UPDATE outbox_event SET next_retry_time = now() + interval '1 hour' \
+             WHERE id = ANY($1) AND status = 'WAIT' RETURNING id",
+            &locked,
+        );
+        let unreclaimed = self.query_i64(
+            "SELECT count(*) FROM outbox_event WHERE id = ANY($1) AND status = 'SENDING'",
+            &[&locked],
+        );
+        self.sql("COMMIT");
+        let mark = self.slots[i].worker.logs().lines().count();
+        let stopped_for = stopped.elapsed();
+        self.slots[i].worker.signal(libc::SIGCONT);
+        self.log(format!(
+            "SIGCONT {owner} after {:.1} s; {unreclaimed} of the rows it held were not reclaimed",
+            stopped_for.as_secs_f64()
+        ));
+        // Before the next fault may pick it, its stale round ends: publish, then the late acks,
+        // which meet the fence (the ack audit shows whether one took effect).
+        let round_done = Instant::now() + self.p.send_timeout + Duration::from_secs(10);
+        let late_log = loop {
+            let logs = self.slots[i].worker.logs();
+            let after: Vec<&str> = logs.lines().skip(mark).collect();
+            if after.iter().any(|l| l.contains("round done")) || Instant::now() > round_done {
+                break after
+                    .iter()
+                    .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+                    .take(4)
+                    .map(|l| l.chars().take(300).collect())
+                    .collect();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let due_again = self.ids_of(
+            "UPDATE outbox_event SET next_retry_time = now() \
+             WHERE id = ANY($1) AND status = 'WAIT' RETURNING id",
+            &kept,
+        );
+        self.log(format!(
+            "{} of its rows reclaimed and kept from claims until its stale round ended; {} were still open then and are due again",
+            kept.len(),
+            due_again.len()
+        ));
+        let z = ZombieResult {
+            owner: owner.clone(),
+            held: held.len(),
+            tokens,
+            stopped_for,
+            ids,
+            unreclaimed,
+            late_log,
+            late_acks_in_db: 0,
+        };
+        self.killed_owners.insert(owner);
+        self.report.zombie = Some(z);
+    }
+
+    fn sql(&self, sql: &str) {
+        self.rt
+            .block_on(self.admin.batch_execute(sql))
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    fn ids_of(&self, sql: &str, ids: &[i64]) -> Vec<i64> {
+        self.rt
+            .block_on(self.admin.query(sql, &[&ids]))
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+}
