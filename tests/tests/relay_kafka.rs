@@ -299,7 +299,10 @@ fn wait_samples(
 async fn librdkafka_statistics_and_build_reach_the_metrics() {
     let db = TestDb::create();
     // A failed publish is a dead letter at once (the alert-rule check below needs one).
-    db.psql(&format!("ALTER DATABASE {} SET outbox.max_retry = 0", db.name));
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.max_retry = 0",
+        db.name
+    ));
     let broker = Broker::start();
     broker.create_topic("orders");
     let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
