@@ -31,13 +31,29 @@ pub struct Args {
     /// Skip everything that needs the broker and the relay.
     #[arg(long)]
     pub no_broker: bool,
-    /// Run only these sections (comma-separated).
+    /// Run only these sections (comma-separated). `indexes` is not in the default set: alone it
+    /// writes its own report (`scripts/bench --only indexes` writes docs/INDEXES.md).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<Section>,
 }
 
 impl Args {
     /// Where the JSON figures go, if anywhere.
+    /// Whether section `s` runs: the selected ones, else all but `indexes`, which only the smoke
+    /// run adds (its report is docs/INDEXES.md, not BENCHMARKS.md).
+    pub fn wants(&self, s: Section) -> bool {
+        if self.only.is_empty() {
+            s != Section::Indexes || self.smoke
+        } else {
+            self.only.contains(&s)
+        }
+    }
+
+    /// `--only indexes`: the run writes the index report instead of the benchmark report.
+    pub fn index_report(&self) -> bool {
+        self.only == [Section::Indexes]
+    }
+
     pub fn json_path(&self) -> Option<PathBuf> {
         self.json
             .clone()
@@ -54,4 +70,6 @@ pub enum Section {
     Seed,
     Broker,
     Latency,
+    /// Partial vs the seed's composite indexes (docs/INDEXES.md).
+    Indexes,
 }

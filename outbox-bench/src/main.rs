@@ -25,6 +25,7 @@ mod db;
 mod enqueue;
 mod goals;
 mod health;
+mod indexes;
 mod latency;
 mod null_sink;
 mod profile;

@@ -34,6 +34,11 @@ pub struct Profile {
     pub linger_ms: Vec<u32>,
     pub latency_rates: Vec<f64>,
     pub latency_time: Duration,
+    /// Index comparison: SUCCESS history, SENDING leases, WAIT backlog, time per query.
+    pub index_history: i64,
+    pub index_sending: i64,
+    pub index_backlog: i64,
+    pub index_time: Duration,
 }
 
 impl Profile {
@@ -67,6 +72,10 @@ impl Profile {
             linger_ms: vec![1, 5, 20],
             latency_rates: vec![100.0, LATENCY_GOAL_RATE, 5000.0],
             latency_time: Duration::from_secs(5),
+            index_history: 1_000_000,
+            index_sending: 1_000,
+            index_backlog: 10_000,
+            index_time: Duration::from_secs(10),
         }
     }
 
@@ -118,6 +127,10 @@ impl Profile {
             linger_ms: vec![],
             latency_rates: vec![200.0],
             latency_time: Duration::from_secs(1),
+            index_history: 20_000,
+            index_sending: 100,
+            index_backlog: 1_000,
+            index_time: Duration::from_millis(300),
         }
     }
 }

@@ -23,6 +23,8 @@ pub struct Results {
     pub seed_compare: Option<null_sink::DrainRun>,
     pub broker: Vec<broker_drain::BrokerDrain>,
     pub latency: Vec<latency::LatencyRun>,
+    pub indexes_md: Option<String>,
+    pub indexes: Option<Value>,
     pub broker_note: Option<String>,
     pub failures: Vec<String>,
 }
@@ -139,6 +141,7 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
             "this_project": r.seed_compare.as_ref().map(drain_run),
         },
         "table_health": r.health,
+        "indexes": r.indexes,
         "goals": goals.iter().map(|g| json!({
             "name": g.name,
             "target": g.target,
@@ -146,6 +149,16 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
             "met": g.met,
         })).collect::<Vec<_>>(),
         "broker_note": r.broker_note,
+        "failures": r.failures,
+    })
+}
+
+/// The JSON of the index report (`--only indexes`, `INDEXES.json`).
+pub fn indexes_json(p: &Profile, r: &Results, took_secs: f64) -> Value {
+    json!({
+        "profile": p.name,
+        "took_secs": took_secs,
+        "indexes": r.indexes,
         "failures": r.failures,
     })
 }

@@ -11,13 +11,14 @@ use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
-    broker_drain, contention, enqueue, goals, health, latency, null_sink, report, seed, sys,
+    broker_drain, contention, enqueue, goals, health, indexes, latency, null_sink, report, seed,
+    sys,
 };
 use crate::{Args, Profile, Section};
 
 pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Result<Vec<String>> {
     let t_start = Instant::now();
-    let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    let want = |s: Section| args.wants(s);
     let monitor = db.client().await?;
     let load_start = sys::loadavg();
     let mut r = Results::default();
@@ -69,18 +70,30 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
         r.broker_note = Some("skipped (`--no-broker`)".into());
     }
 
+    if want(Section::Indexes) {
+        indexes::run(p, &db.server, &mut r).await?;
+    }
+
     let env = sys::environment(p, db, &load_start, &broker_version, &relay_version)
         .await
         .unwrap_or_else(|e| format!("(could not query the environment: {e:#})\n"));
     let goals = goals::goals(&r);
     let took = t_start.elapsed();
-    let md = report::render(p, &r, &goals, &env, took);
+    let md = if args.index_report() {
+        report::render_indexes(p, &r, &env, took)
+    } else {
+        report::render(p, &r, &goals, &env, took)
+    };
     println!("{md}");
     if let Some(out) = &args.output {
         std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
         progress!("==> report written to {}", out.display());
     }
-    let json = results::to_json(p, &r, &goals, took.as_secs_f64());
+    let json = if args.index_report() {
+        results::indexes_json(p, &r, took.as_secs_f64())
+    } else {
+        results::to_json(p, &r, &goals, took.as_secs_f64())
+    };
     if let Some(out) = args.json_path() {
         let text = serde_json::to_string_pretty(&json)?;
         std::fs::write(&out, text + "\n").with_context(|| format!("writing {}", out.display()))?;
@@ -98,7 +111,7 @@ async fn broker_sections(
     relay_bin: &Path,
     r: &mut Results,
 ) -> Result<()> {
-    let want = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    let want = |s: Section| args.wants(s);
     let broker = Broker::try_start_in(&workdir.join("kafka"), free_port(), None)
         .map_err(anyhow::Error::msg)?;
     broker
