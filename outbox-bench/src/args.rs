@@ -22,7 +22,8 @@ pub struct Args {
     /// PGUSER, PGPASSWORD or 127.0.0.1:5432 user postgres.
     #[arg(long, env = "OUTBOX_BENCH_DATABASE_URL")]
     pub database_url: Option<String>,
-    /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md).
+    /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md, or
+    /// docs/INDEXES.md with `--only indexes`).
     #[arg(long)]
     pub output: Option<PathBuf>,
     /// Also write every figure as JSON to this file. Default with `--output X.md`: `X.json`.

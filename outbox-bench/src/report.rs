@@ -176,12 +176,12 @@ pub fn render(p: &Profile, r: &Results, goals: &[Goal], env: &str, took: Duratio
         None => s += "Not run.\n",
     }
     if let Some(md) = &r.indexes_md {
-        s += "\n## 7. Index comparison (smoke only; the full run is docs/INDEXES.md)\n\n";
+        s += "\n## 7. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
         s += md;
     }
     s += &failures(r);
     s += "\n## Reproduce\n\nThe same figures, unrounded, are in `BENCHMARKS.json` next to this file (`--json PATH` \
-          writes them elsewhere; keys in `outbox-bench/src/results.rs`).\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\n```\n";
+          writes them elsewhere; keys in `outbox-bench/src/results.rs`).\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\nscripts/bench --only indexes  # partial vs composite indexes, rewrites docs/INDEXES.md\n```\n";
     s
 }
 
