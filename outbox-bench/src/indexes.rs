@@ -76,6 +76,7 @@ struct DesignRun {
     label: &'static str,
     /// In the order of [`PATHS`].
     queries: Vec<Query>,
+    /// The fastest of `repeats` drains, and the fewest rows one of them acked.
     drain_ms: f64,
     drained: i64,
     /// Bytes of the two hot-path indexes after the build and after the drain.
@@ -173,29 +174,30 @@ async fn measure(c: &Client, p: &Profile, d: &Design) -> Result<DesignRun> {
     for (_, sql, lock) in PATHS {
         queries.push(query(c, sql, lock, p.index_time).await?);
     }
-    c.execute(
-        "UPDATE outbox_event SET next_retry_time = now() - interval '1 hour' WHERE id >= $1",
-        &[&first],
-    )
-    .await?;
-    c.batch_execute("VACUUM ANALYZE outbox_event").await?;
-    let t0 = Instant::now();
-    c.batch_execute(
-        "DO $$ DECLARE tok bigint; ids bigint[]; BEGIN LOOP
-           SELECT max(claim_token), array_agg(id) INTO tok, ids FROM outbox_claim('bench', 100);
-           EXIT WHEN ids IS NULL;
-           PERFORM outbox_ack('bench', tok, ids);
-         END LOOP; END $$",
-    )
-    .await?;
-    let drain_ms = t0.elapsed().as_secs_f64() * 1000.0;
-    let drained: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE id >= $1 AND status = 'SUCCESS'",
+    // The drain `repeats` times from the same state (the backlog made due again), keeping the
+    // fastest, as the other drains of the bench do.
+    let (mut drain_ms, mut drained) = (f64::INFINITY, p.index_backlog);
+    for _ in 0..p.repeats {
+        c.execute(
+            "UPDATE outbox_event SET status = 'WAIT', next_retry_time = now() - interval '1 hour',
+                    claim_owner = NULL, claim_token = NULL, claimed_at = NULL WHERE id >= $1",
             &[&first],
         )
-        .await?
-        .get(0);
+        .await?;
+        c.batch_execute("VACUUM ANALYZE outbox_event").await?;
+        let t0 = Instant::now();
+        c.batch_execute(
+            "DO $$ DECLARE tok bigint; ids bigint[]; BEGIN LOOP
+               SELECT max(claim_token), array_agg(id) INTO tok, ids FROM outbox_claim('bench', 100);
+               EXIT WHEN ids IS NULL;
+               PERFORM outbox_ack('bench', tok, ids);
+             END LOOP; END $$",
+        )
+        .await?;
+        drain_ms = drain_ms.min(t0.elapsed().as_secs_f64() * 1000.0);
+        let done = "SELECT count(*) FROM outbox_event WHERE id >= $1 AND status = 'SUCCESS'";
+        drained = drained.min(c.query_one(done, &[&first]).await?.get(0));
+    }
     Ok(DesignRun {
         label: d.label,
         queries,
@@ -289,7 +291,10 @@ fn markdown(p: &Profile, s: &DesignRun, c: &DesignRun, conclusion: &str) -> Stri
     let backlog = num(p.index_backlog as f64);
     let drain = |d: &DesignRun| format!("{:.0}", d.drain_ms);
     t.row(vec![
-        format!("drain {backlog} due rows, claim 100 + ack, ms"),
+        format!(
+            "drain {backlog} due rows, claim 100 + ack, ms (fastest of {})",
+            p.repeats
+        ),
         drain(c),
         drain(s),
     ]);
