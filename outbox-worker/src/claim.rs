@@ -150,11 +150,10 @@ impl Relay {
                     .with_label_values(&[&events[i].topic, class.label()])
                     .inc();
             }
-            let settled = match class {
-                FailureClass::Permanent => self.nack(&events, &idx, token, &error).await,
-                FailureClass::Transient => self.release(&events, &idx, token, &error).await,
-            };
-            if let Err(e) = settled {
+            if let Err(e) = self
+                .settle_failed(&events, &idx, token, class, &error)
+                .await
+            {
                 keep_permanent(&mut permanent, e);
             }
         }
@@ -206,26 +205,42 @@ impl Relay {
         Ok(())
     }
 
-    /// The event's own fault: one attempt counted, a dead letter after `outbox.max_retry` (the
-    /// extension says which rows became one).
-    async fn nack(
+    /// Settles failed events by their failure's class. Permanent (the event's own fault): one
+    /// attempt counted, a dead letter after `outbox.max_retry` (the extension says which rows
+    /// became one). Transient (the broker's or the network's fault): back to WAIT after a short
+    /// delay, no attempt counted, however long the outage lasts.
+    async fn settle_failed(
         &self,
         events: &[Event],
         idx: &[usize],
         token: i64,
+        class: FailureClass,
         error: &str,
     ) -> Result<(), DbError> {
         let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
-        tracing::warn!(
-            count = ids.len(),
-            first_id = ids[0],
-            "publish failed: {error}"
-        );
-        let nacked = self
-            .settle("nack failed", ids.len(), || {
-                self.store.nack(&self.owner, token, &ids, error)
-            })
-            .await?;
+        let (count, first_id) = (ids.len(), ids[0]);
+        let nacked = match class {
+            FailureClass::Transient => {
+                tracing::warn!(
+                    count,
+                    first_id,
+                    "publish failed, released without counting an attempt: {error}"
+                );
+                self.settle("release failed", count, || {
+                    self.store
+                        .release(&self.owner, token, &ids, defaults::RELEASE_DELAY, error)
+                })
+                .await?;
+                return Ok(());
+            }
+            FailureClass::Permanent => {
+                tracing::warn!(count, first_id, "publish failed: {error}");
+                self.settle("nack failed", count, || {
+                    self.store.nack(&self.owner, token, &ids, error)
+                })
+                .await?
+            }
+        };
         let by_id: BTreeMap<i64, &Event> =
             idx.iter().map(|&i| (events[i].id, &events[i])).collect();
         for row in nacked.iter().filter(|r| r.dead_letter) {
@@ -247,29 +262,6 @@ impl Relay {
                 row.retry_count
             );
         }
-        Ok(())
-    }
-
-    /// The broker's or the network's fault: back to WAIT after a short delay, no attempt counted,
-    /// however long the outage lasts.
-    async fn release(
-        &self,
-        events: &[Event],
-        idx: &[usize],
-        token: i64,
-        error: &str,
-    ) -> Result<(), DbError> {
-        let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
-        tracing::warn!(
-            count = ids.len(),
-            first_id = ids[0],
-            "publish failed, released without counting an attempt: {error}"
-        );
-        self.settle("release failed", ids.len(), || {
-            self.store
-                .release(&self.owner, token, &ids, defaults::RELEASE_DELAY, error)
-        })
-        .await?;
         Ok(())
     }
 
