@@ -109,7 +109,6 @@ impl Relay {
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
         let (outcomes, replaced) = self.publisher.publish(&events).await;
-        self.metrics.health.publish_round(&outcomes);
         if let Some(reason) = replaced {
             self.metrics.producer_restarts.inc();
             tracing::warn!(
@@ -156,6 +155,11 @@ impl Relay {
             {
                 keep_permanent(&mut permanent, e);
             }
+        }
+        // Readiness follows the same verdict as the breaker (which marks the broker unreachable
+        // when it opens), not a second classification of the errors.
+        if !delivered.is_empty() {
+            self.metrics.health.set_broker_reachable(true);
         }
         if broker_down && self.breaker.trip() {
             tracing::debug!("no delivery and broker-wide failures: circuit breaker opened");

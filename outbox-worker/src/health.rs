@@ -7,10 +7,6 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use rdkafka::error::RDKafkaErrorCode;
-
-use crate::publisher::Outcome;
-
 pub struct Health {
     start: Instant,
     /// Per claim loop: milliseconds since `start` when its last round ended.
@@ -61,24 +57,6 @@ impl Health {
         }
     }
 
-    /// What a round's publish outcomes say of the broker: reachable when at least one event was
-    /// delivered; unreachable when every publish failed on the way to the broker (transport,
-    /// timeout); nothing otherwise (e.g. a permanent error for one topic).
-    pub fn publish_round(&self, outcomes: &[Outcome]) {
-        if outcomes
-            .iter()
-            .any(|o| matches!(o, Outcome::Delivered { .. }))
-        {
-            self.set_broker_reachable(true);
-        } else if !outcomes.is_empty()
-            && outcomes.iter().all(
-                |o| matches!(o, Outcome::Failed(e) if e.code().is_some_and(broker_unreachable)),
-            )
-        {
-            self.set_broker_reachable(false);
-        }
-    }
-
     pub fn set_stopping(&self) {
         self.stopping.store(true, Ordering::Relaxed);
     }
@@ -121,51 +99,19 @@ impl Health {
     }
 }
 
-/// Errors that say the broker did not answer (rather than refused one event).
-fn broker_unreachable(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::MessageTimedOut
-            | RDKafkaErrorCode::BrokerTransportFailure
-            | RDKafkaErrorCode::AllBrokersDown
-            | RDKafkaErrorCode::RequestTimedOut
-            | RDKafkaErrorCode::NetworkException
-            | RDKafkaErrorCode::BrokerNotAvailable
-            | RDKafkaErrorCode::Resolve
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::PublishError;
-    use rdkafka::error::KafkaError;
-
-    fn failed(code: RDKafkaErrorCode) -> Outcome {
-        Outcome::Failed(PublishError {
-            topic: "t".into(),
-            source: KafkaError::MessageProduction(code),
-        })
-    }
 
     #[test]
     fn ready_needs_database_broker_and_no_stop() {
         let h = Health::new(1, Duration::from_secs(60));
         assert_eq!(h.ready(), Err("Kafka unreachable"));
-        h.publish_round(&[
-            failed(RDKafkaErrorCode::MessageTimedOut),
-            Outcome::Delivered {
-                latency: Duration::ZERO,
-            },
-        ]);
+        // A delivery (claim.rs) or an answered probe says reachable; the circuit breaker
+        // opening (breaker.rs) says unreachable.
+        h.set_broker_reachable(true);
         assert_eq!(h.ready(), Ok(()));
-        // A permanent error of one topic says nothing about the broker.
-        h.publish_round(&[failed(RDKafkaErrorCode::UnknownTopicOrPartition)]);
-        assert_eq!(h.ready(), Ok(()));
-        h.publish_round(&[
-            failed(RDKafkaErrorCode::MessageTimedOut),
-            failed(RDKafkaErrorCode::AllBrokersDown),
-        ]);
+        h.set_broker_reachable(false);
         assert_eq!(h.ready(), Err("Kafka unreachable"));
         h.set_broker_reachable(true);
         h.db_result(false);
