@@ -1,13 +1,15 @@
 -- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): PostgreSQL grants EXECUTE on new
 -- functions to PUBLIC by default, so take it back from every function of the extension.
 -- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
-REVOKE ALL ON TABLE @extschema@.outbox_event FROM PUBLIC;
+REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_key FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_config(),
     @extschema@.outbox_max_payload_bytes(),
     @extschema@.outbox_notify_enabled(),
     @extschema@.outbox_check_topic(text),
+    @extschema@.outbox_topic_ordered(text),
+    @extschema@.outbox_key_lock_id(text, text),
     @extschema@.outbox_uuidv7(),
     @extschema@.outbox_check_isolation(text),
     @extschema@.outbox_check_owner(text, text),
@@ -26,5 +28,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_requeue(bigint[]),
     @extschema@.outbox_purge(interval, int),
     @extschema@.outbox_dead_letters(int, bigint),
+    @extschema@.outbox_blocked_keys(int),
+    @extschema@.outbox_skip(bigint[]),
     @extschema@.outbox_stats()
 FROM PUBLIC;

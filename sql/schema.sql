@@ -28,7 +28,12 @@ CREATE TABLE @extschema@.outbox_event (
     -- bigint id is only this table's key; a restore, a sequence reset or a second database
     -- publishing to the same topic reissues ids, never UUIDs. Last column: 0.1.0 tables get it
     -- by ALTER TABLE ADD COLUMN, and both must have the same row type.
-    event_id        uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7()
+    event_id        uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7(),
+    -- Whether the event keeps its key's order (a key, and a topic not in outbox.unordered_topics),
+    -- decided at enqueue. Ordered events are claimed through outbox_key, the rest directly.
+    ordered         boolean NOT NULL DEFAULT false,
+    -- An operator skipped this dead letter (outbox_skip): it no longer holds its key.
+    skipped_at      timestamptz
 ) WITH (
     -- A queue table churns: vacuum and analyze it long before the default 20 % of dead rows.
     autovacuum_vacuum_scale_factor = 0.02,
@@ -36,10 +41,14 @@ CREATE TABLE @extschema@.outbox_event (
 );
 ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_event.id;
 
--- Hot path 1: due WAIT rows, oldest next_retry_time first (outbox_claim). Partial, so its size
--- follows the backlog, not the history of SUCCESS rows. See docs/INDEXES.md for the measurement.
+-- Hot path 1: due unordered WAIT rows, oldest next_retry_time first (outbox_claim). Partial, so
+-- its size follows the backlog, not the history of SUCCESS rows. See docs/INDEXES.md.
 CREATE INDEX outbox_event_wait_due_idx
-    ON @extschema@.outbox_event (next_retry_time, id) WHERE status = 'WAIT';
+    ON @extschema@.outbox_event (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
+-- Hot path 1, ordered: a key's unfinished events in commit (= id) order; its first entry is the
+-- key's head. Claim cost follows the keys it visits, not a hot key's backlog.
+CREATE INDEX outbox_event_key_pending_idx
+    ON @extschema@.outbox_event (topic, event_key, id) WHERE ordered AND status <> 'SUCCESS';
 -- Hot path 2: leases by age (outbox_reclaim, outbox_stats).
 CREATE INDEX outbox_event_sending_claimed_idx
     ON @extschema@.outbox_event (claimed_at) WHERE status = 'SENDING';
@@ -51,7 +60,24 @@ CREATE INDEX outbox_event_fail_idx
 CREATE INDEX outbox_event_success_updated_idx
     ON @extschema@.outbox_event (updated_at) WHERE status = 'SUCCESS';
 
+-- One row per key that may have work for a claim (docs/reference.md, "Per-key order"): created by
+-- the first enqueue of an idle key, deleted by a claim once the key has nothing unfinished. due_at
+-- is when a claim should look at the key's head next: its enqueue time, the end of a run's lease
+-- while a relay holds the key, the head's backoff, 'infinity' while a dead head blocks the key,
+-- '-infinity' once the key looked idle (deleted by the same claim when no producer is in flight).
+CREATE TABLE @extschema@.outbox_key (
+    topic     text NOT NULL,
+    event_key text NOT NULL,
+    due_at    timestamptz NOT NULL,
+    PRIMARY KEY (topic, event_key)
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
+CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
+
 -- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_claim_token_seq', '');

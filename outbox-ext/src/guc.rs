@@ -1,7 +1,7 @@
 //! The `outbox.*` settings. Registering them makes PostgreSQL validate every `SET` (type, unit and
 //! range), so a nonsense value is an error at `SET` time instead of a surprise inside a relay call.
 
-use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting, PostgresGucEnum};
 use pgrx::prelude::*;
 
 pub static MAX_RETRY: GucSetting<i32> = GucSetting::<i32>::new(3);
@@ -12,6 +12,19 @@ pub static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(600_000);
 pub static MAX_CLAIM: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
 pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(true);
+pub static HEAD_OF_LINE: GucSetting<HeadOfLine> = GucSetting::<HeadOfLine>::new(HeadOfLine::Block);
+
+/// `outbox.head_of_line`: what a key does when its head event becomes a dead letter. The SQL
+/// reads it with `current_setting`, so only the names matter here.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Debug)]
+pub enum HeadOfLine {
+    /// Later events of the key wait until an operator requeues or skips the dead head.
+    #[name = c"block"]
+    Block,
+    /// Later events of the key go on without it.
+    #[name = c"skip"]
+    Skip,
+}
 
 pub fn register() {
     GucRegistry::define_int_guc(
@@ -91,6 +104,23 @@ pub fn register() {
         c"",
         &NOTIFY,
         GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_enum_guc(
+        c"outbox.head_of_line",
+        c"When the head event of a key is a dead letter: block the key (default) or skip the dead event.",
+        c"block: later events of that key wait until an operator requeues or skips it; skip: they go on, out of order with the dead one.",
+        &HEAD_OF_LINE,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.unordered_topics",
+        c"Topics whose keyed events are published without per-key order: comma-separated names or prefix* patterns; * = all.",
+        c"Ordered keys publish one run at a time; unordered events are claimed in parallel like events without a key.",
+        &crate::producer::UNORDERED_TOPICS,
+        // Decided at enqueue: one producer opting out would let its events overtake other producers' events of the same key.
+        GucContext::Suset,
         GucFlags::default(),
     );
     GucRegistry::define_string_guc(

@@ -32,7 +32,8 @@ extension_sql_file!(
         guc::outbox_config,
         guc::outbox_max_payload_bytes,
         guc::outbox_notify_enabled,
-        producer::outbox_check_topic
+        producer::outbox_check_topic,
+        producer::outbox_topic_ordered
     ],
 );
 extension_sql_file!("../../sql/privileges.sql", name = "privileges", finalize);

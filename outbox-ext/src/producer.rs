@@ -8,6 +8,16 @@ use pgrx::prelude::*;
 
 /// `outbox.allowed_topics`: comma-separated topic names or `prefix*` patterns; empty = any topic.
 pub static ALLOWED_TOPICS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+/// `outbox.unordered_topics`: the same syntax; empty = every keyed event keeps its key's order.
+pub static UNORDERED_TOPICS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+fn setting(s: &GucSetting<Option<CString>>) -> String {
+    s.get()
+        .as_deref()
+        .and_then(|c| c.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
 
 /// Kafka's own rule: 1 to 249 characters from `[A-Za-z0-9._-]`, not "." or "..".
 fn is_topic_name(s: &str) -> bool {
@@ -30,6 +40,12 @@ fn invalid(message: String, detail: String) -> ! {
 
 /// Whether `topic` is allowed by the allow-list `list`; an error names a malformed entry.
 fn allowed(list: &str, topic: &str) -> Result<bool, String> {
+    matches(list, topic).map(|hit| hit.unwrap_or(true))
+}
+
+/// Whether `topic` matches an entry of `list` (`None` for an empty list); an error names a
+/// malformed entry.
+fn matches(list: &str, topic: &str) -> Result<Option<bool>, String> {
     let mut any_entry = false;
     let mut hit = false;
     for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
@@ -48,7 +64,7 @@ fn allowed(list: &str, topic: &str) -> Result<bool, String> {
             topic == stem
         };
     }
-    Ok(!any_entry || hit)
+    Ok(any_entry.then_some(hit))
 }
 
 /// Raises 22023 unless `topic` is a valid Kafka topic name allowed by `outbox.allowed_topics`.
@@ -61,9 +77,8 @@ pub fn outbox_check_topic(topic: Option<&str>) {
             format!("topic = {:?}", topic.map(|t| t.chars().take(80).collect::<String>())),
         );
     };
-    let list = ALLOWED_TOPICS.get();
-    let list = list.as_deref().and_then(|c| c.to_str().ok()).unwrap_or("");
-    match allowed(list, topic) {
+    let list = setting(&ALLOWED_TOPICS);
+    match allowed(&list, topic) {
         Ok(true) => {}
         Ok(false) => invalid(
             format!("outbox_enqueue: topic \"{topic}\" is not in outbox.allowed_topics"),
@@ -74,6 +89,22 @@ pub fn outbox_check_topic(topic: Option<&str>) {
                 "outbox.allowed_topics: entry \"{entry}\" is neither a topic name nor a prefix* pattern"
             ),
             format!("outbox.allowed_topics = '{list}'"),
+        ),
+    }
+}
+
+/// Whether keyed events of `topic` keep their key's order: true unless `outbox.unordered_topics`
+/// names the topic. Raises 22023 for a malformed list, like `outbox.allowed_topics`.
+#[pg_extern(stable, parallel_safe)]
+pub fn outbox_topic_ordered(topic: &str) -> bool {
+    let list = setting(&UNORDERED_TOPICS);
+    match matches(&list, topic) {
+        Ok(hit) => !hit.unwrap_or(false),
+        Err(entry) => invalid(
+            format!(
+                "outbox.unordered_topics: entry \"{entry}\" is neither a topic name nor a prefix* pattern"
+            ),
+            format!("outbox.unordered_topics = '{list}'"),
         ),
     }
 }
@@ -103,5 +134,13 @@ mod tests {
         assert_eq!(allowed("orders", "__consumer_offsets"), Ok(false));
         assert_eq!(allowed("or*ders", "orders"), Err("or*ders".into()));
         assert_eq!(allowed("bad topic", "x"), Err("bad topic".into()));
+    }
+
+    #[test]
+    fn unordered_list_matches_only_its_entries() {
+        assert_eq!(matches("", "orders"), Ok(None));
+        assert_eq!(matches("metrics, logs.*", "logs.app"), Ok(Some(true)));
+        assert_eq!(matches("metrics, logs.*", "orders"), Ok(Some(false)));
+        assert_eq!(matches("*", "orders"), Ok(Some(true)));
     }
 }

@@ -4,7 +4,7 @@
 //! interval or a wake-up. A round that delivered nothing because the broker failed opens the
 //! circuit breaker (`breaker.rs`): no claims until the broker answers again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -119,9 +119,13 @@ impl Relay {
 
         let mut permanent: Option<DbError> = None;
         let mut delivered = Vec::new();
+        let held = held_back(&events, &outcomes);
         // One settle call per class and distinct error text (it becomes the rows' last_error).
         let mut failed: BTreeMap<(FailureClass, String), Vec<usize>> = BTreeMap::new();
         for (i, o) in outcomes.iter().enumerate() {
+            if held.contains(&i) {
+                continue;
+            }
             match o {
                 Outcome::Delivered { latency } => {
                     self.metrics.publish_latency.observe(latency.as_secs_f64());
@@ -138,7 +142,27 @@ impl Relay {
                 keep_permanent(&mut permanent, e);
             }
         }
-        let broker_down = delivered.is_empty()
+        if !held.is_empty() {
+            let ids: Vec<i64> = held.iter().map(|&i| events[i].id).collect();
+            tracing::info!(
+                count = ids.len(),
+                first_id = ids[0],
+                "events held back behind an earlier event of their key that failed: released, to be published after it"
+            );
+            if let Err(e) = self
+                .settle("release held-back", ids.len(), || {
+                    self.store
+                        .release(&self.owner, token, &ids, Duration::ZERO, HELD_BACK)
+                })
+                .await
+            {
+                keep_permanent(&mut permanent, e);
+            }
+        }
+        let delivered_any = outcomes
+            .iter()
+            .any(|o| matches!(o, Outcome::Delivered { .. }));
+        let broker_down = !delivered_any
             && failed
                 .keys()
                 .any(|(class, _)| *class == FailureClass::Transient);
@@ -158,7 +182,7 @@ impl Relay {
         }
         // Readiness follows the same verdict as the breaker (which marks the broker unreachable
         // when it opens), not a second classification of the errors.
-        if !delivered.is_empty() {
+        if delivered_any {
             self.metrics.health.set_broker_reachable(true);
         }
         if broker_down && self.breaker.trip() {
@@ -299,9 +323,97 @@ impl Relay {
     }
 }
 
+/// The last_error of events released because an earlier event of their key failed.
+const HELD_BACK: &str = "held back: an earlier event of its key failed in the same batch";
+
+/// Per-key order within a batch (sorted by id, i.e. commit order per key): the indexes of ordered
+/// events that come after a failed event of their key. Even if delivered, they must not be acked
+/// before it: they go back to WAIT without an attempt counted, and follow it later (consumers
+/// drop the extra copy by `event_id`).
+fn held_back(events: &[Event], outcomes: &[Outcome]) -> BTreeSet<usize> {
+    let mut failed_keys: BTreeSet<(&str, &str)> = BTreeSet::new();
+    let mut held = BTreeSet::new();
+    for (i, (ev, outcome)) in events.iter().zip(outcomes).enumerate() {
+        let (true, Some(key)) = (ev.ordered, ev.key.as_deref()) else {
+            continue;
+        };
+        if failed_keys.contains(&(ev.topic.as_str(), key)) {
+            held.insert(i);
+        } else if matches!(outcome, Outcome::Failed(_)) {
+            failed_keys.insert((ev.topic.as_str(), key));
+        }
+    }
+    held
+}
+
 /// Remembers the first error of a round that no retry fixes.
 fn keep_permanent(slot: &mut Option<DbError>, e: DbError) {
     if slot.is_none() && !e.is_retriable() {
         *slot = Some(e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::PublishError;
+    use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+    fn ev(id: i64, key: Option<&str>, ordered: bool) -> Event {
+        Event {
+            id,
+            event_id: format!("e{id}"),
+            topic: "orders".into(),
+            key: key.map(Into::into),
+            event_type: None,
+            payload: "{}".into(),
+            headers: "{}".into(),
+            claim_token: 1,
+            retry_count: 0,
+            age_at_claim: 0.0,
+            created_at_ms: 0,
+            ordered,
+        }
+    }
+
+    fn ok() -> Outcome {
+        Outcome::Delivered {
+            latency: Duration::ZERO,
+        }
+    }
+
+    fn failed() -> Outcome {
+        Outcome::Failed(PublishError {
+            topic: "orders".into(),
+            source: KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge),
+        })
+    }
+
+    #[test]
+    fn events_after_a_failure_of_their_ordered_key_are_held_back() {
+        let events = [
+            ev(1, Some("A"), true),
+            ev(2, Some("B"), true),
+            ev(3, Some("A"), true),  // failed
+            ev(4, Some("A"), true),  // delivered, but after 3: held back
+            ev(5, Some("B"), true),  // B never failed: acked
+            ev(6, None, false),      // no key: never held back
+            ev(7, Some("C"), false), // unordered topic: failures do not hold it back
+            ev(8, Some("C"), false),
+            ev(9, Some("A"), true), // failed too, but after 3: held back, not nacked
+        ];
+        let outcomes = [
+            ok(),
+            ok(),
+            failed(),
+            ok(),
+            ok(),
+            ok(),
+            failed(),
+            ok(),
+            failed(),
+        ];
+        let held: Vec<usize> = held_back(&events, &outcomes).into_iter().collect();
+        assert_eq!(held, vec![3, 8]);
     }
 }

@@ -104,6 +104,7 @@ mod tests {
             retry_count: 0,
             age_at_claim: 0.0,
             created_at_ms: 1_700_000_000_123,
+            ordered: true,
         }
     }
 

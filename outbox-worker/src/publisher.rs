@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::statistics::Statistics;
 use rdkafka::util::Timeout;
 use rdkafka::ClientContext;
@@ -22,6 +22,9 @@ use crate::kafka_metrics::KafkaMetrics;
 use crate::message::build_headers;
 use crate::store::Event;
 use crate::Fatal;
+
+/// How long a batch waits before offering a message again to a full librdkafka queue.
+const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 
 #[derive(Debug, Clone)]
 pub enum Outcome {
@@ -171,32 +174,37 @@ impl Publisher {
         let producer = self.current();
         self.recheck_missing_topics(&producer, events).await;
         let start = Instant::now();
-        let sends = events.iter().map(|ev| {
-            let headers = build_headers(ev);
-            let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&ev.topic)
-                .payload(ev.payload.as_str())
-                .headers(headers)
-                .timestamp(ev.created_at_ms);
-            if let Some(k) = &ev.key {
-                record = record.key(k.as_str());
-            }
-            let fut = producer.send(record, Timeout::After(self.send_timeout));
-            async move {
-                match fut.await {
-                    Ok(_) => (
-                        Outcome::Delivered {
-                            latency: start.elapsed(),
-                        },
-                        None,
-                    ),
-                    Err((e, _msg)) => {
-                        let error = PublishError {
-                            topic: ev.topic.clone(),
-                            source: e,
-                        };
-                        let unusable = error.producer_unusable().then(|| error.source.to_string());
-                        (Outcome::Failed(error), unusable)
-                    }
+        // Handed to librdkafka one at a time in the batch's (commit) order, so the events of a
+        // key reach its partition in that order; the idempotent producer keeps it through
+        // retries. A full local queue holds back the rest of the batch instead of letting a
+        // later event overtake the one that waits for room.
+        let mut queued = Vec::with_capacity(events.len());
+        for ev in events {
+            queued.push((ev, self.enqueue(&producer, ev, start).await));
+        }
+        let sends = queued.into_iter().map(|(ev, queued)| async move {
+            let result = match queued {
+                Ok(delivery) => match delivery.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((e, _msg))) => Err(e),
+                    Err(_canceled) => Err(KafkaError::Canceled),
+                },
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => (
+                    Outcome::Delivered {
+                        latency: start.elapsed(),
+                    },
+                    None,
+                ),
+                Err(e) => {
+                    let error = PublishError {
+                        topic: ev.topic.clone(),
+                        source: e,
+                    };
+                    let unusable = error.producer_unusable().then(|| error.source.to_string());
+                    (Outcome::Failed(error), unusable)
                 }
             }
         });
@@ -218,6 +226,34 @@ impl Publisher {
             None => None,
         };
         (outcomes, replaced)
+    }
+
+    /// Queues one message, waiting for room in librdkafka's queue until the send timeout.
+    async fn enqueue(
+        &self,
+        producer: &KafkaProducer,
+        ev: &Event,
+        start: Instant,
+    ) -> Result<DeliveryFuture, KafkaError> {
+        let mut record: FutureRecord<'_, str, str> = FutureRecord::to(&ev.topic)
+            .payload(ev.payload.as_str())
+            .headers(build_headers(ev))
+            .timestamp(ev.created_at_ms);
+        if let Some(k) = &ev.key {
+            record = record.key(k.as_str());
+        }
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                    if start.elapsed() < self.send_timeout =>
+                {
+                    record = back;
+                    tokio::time::sleep(QUEUE_FULL_PAUSE).await;
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
     }
 
     /// Asks the cluster again about the batch's topics that were missing (one metadata request

@@ -38,6 +38,8 @@ pub struct Event {
     /// The row's created_at in milliseconds since the Unix epoch: the message's timestamp
     /// (CreateTime), so a consumer sees when the event happened rather than when it was relayed.
     pub created_at_ms: i64,
+    /// The event keeps its key's order: nothing after it in its key may be acked before it.
+    pub ordered: bool,
 }
 
 impl Event {
@@ -54,6 +56,7 @@ impl Event {
             retry_count: r.try_get("retry_count")?,
             age_at_claim: r.try_get::<_, Option<f64>>("age_at_claim")?.unwrap_or(0.0),
             created_at_ms: r.try_get("created_at_ms")?,
+            ordered: r.try_get("ordered")?,
         })
     }
 }
@@ -177,7 +180,7 @@ impl Sql {
                 "SELECT id, event_id::text AS event_id, topic, event_key, event_type, \
                  payload::text AS payload, headers::text AS headers, claim_token, retry_count, \
                  extract(epoch from (clock_timestamp() - created_at))::float8 AS age_at_claim, \
-                 floor(extract(epoch from created_at) * 1000)::int8 AS created_at_ms \
+                 floor(extract(epoch from created_at) * 1000)::int8 AS created_at_ms, ordered \
                  FROM {}($1, $2)",
                 f("claim")
             ),

@@ -572,6 +572,12 @@ async fn lifecycle(
         .iter()
         .map(|r| r.get("id"))
         .collect();
+    // A claim finds both keys' heads dead and marks the keys blocked; skipping lets them go on.
+    api.claim(owner).await;
+    let blocked = api.call("outbox_blocked_keys", "", &[]).await.len();
+    api.expect(blocked == 2, &format!("{blocked} blocked keys, want 2"));
+    let skipped = api.count("outbox_skip", "$1", &[&dead]).await;
+    api.expect(skipped == Some(2), &format!("skipped {skipped:?} of {dead:?}"));
     let requeued = api.count("outbox_requeue", "$1", &[&dead]).await;
     api.expect(
         requeued == Some(2),
@@ -629,6 +635,8 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_purge", "'-1 second'"),
         ("outbox_purge", "'1 second', 0"),
         ("outbox_dead_letters", "0"),
+        ("outbox_blocked_keys", "0"),
+        ("outbox_skip", "NULL"),
         ("outbox_enqueue", "'orders', '{}', deliver_at => 'infinity'"),
     ] {
         api.reject(func, args).await;
@@ -663,6 +671,8 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_check_claim_args", "'f', 'owner', 1, '{1}'"),
         ("outbox_check_isolation", "'f'"),
         ("outbox_check_topic", "'orders'"),
+        ("outbox_topic_ordered", "'orders'"),
+        ("outbox_key_lock_id", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
     ] {

@@ -102,7 +102,8 @@ async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
     for _ in 0..5 {
         ids.push(enqueue(&c, "orders").await);
     }
-    // The newest row is made the oldest due one: claim order follows next_retry_time, not id.
+    // The newest row is made the oldest due one: the claim picks by next_retry_time, not id, and
+    // returns its rows in id (publish) order.
     c.execute(
         "UPDATE outbox_event SET next_retry_time = now() - interval '1 hour' WHERE id = $1",
         &[&ids[4]],
@@ -110,7 +111,7 @@ async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
     .await
     .unwrap();
     let (token, got) = claim(&c, "relay-a", 3).await;
-    assert_eq!(got, vec![ids[4], ids[0], ids[1]]);
+    assert_eq!(got, vec![ids[0], ids[1], ids[4]]);
     let r = c
         .query_one(
             "SELECT count(*) FILTER (WHERE status = 'SENDING' AND claim_owner = 'relay-a' \

@@ -19,16 +19,16 @@ async fn catalog(c: &Client) -> BTreeMap<String, String> {
                 pg_get_functiondef(p.oid) || coalesce(p.proacl::text, '') \
            FROM pg_proc p JOIN pg_depend d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid \
            JOIN pg_extension x ON x.oid = d.refobjid AND d.deptype = 'e' AND x.extname = 'outbox'",
-        "SELECT 'column ' || a.attnum || ' ' || a.attname, \
+        "SELECT 'column ' || a.attrelid::regclass::text || ' ' || a.attnum || ' ' || a.attname, \
                 format_type(a.atttypid, a.atttypmod) || ' notnull=' || a.attnotnull \
                 || ' default=' || coalesce(pg_get_expr(ad.adbin, ad.adrelid), '') \
            FROM pg_attribute a LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum \
-          WHERE a.attrelid = 'outbox_event'::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+          WHERE a.attrelid IN ('outbox_event'::regclass, 'outbox_key'::regclass) AND a.attnum > 0 AND NOT a.attisdropped",
         "SELECT 'index ' || c.relname, pg_get_indexdef(c.oid) \
            FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
-          WHERE i.indrelid = 'outbox_event'::regclass",
-        "SELECT 'table options', coalesce(array_to_string(reloptions, ','), '') || ' acl=' || coalesce(relacl::text, '') \
-           FROM pg_class WHERE oid = 'outbox_event'::regclass",
+          WHERE i.indrelid IN ('outbox_event'::regclass, 'outbox_key'::regclass)",
+        "SELECT 'table options ' || relname, coalesce(array_to_string(reloptions, ','), '') || ' acl=' || coalesce(relacl::text, '') \
+           FROM pg_class WHERE oid IN ('outbox_event'::regclass, 'outbox_key'::regclass)",
         "SELECT 'type ' || t.typname, string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder) \
            FROM pg_type t JOIN pg_enum e ON e.enumtypid = t.oid \
           WHERE t.typname = 'outbox_status' GROUP BY t.typname",
@@ -54,7 +54,12 @@ async fn update_from_0_2_0_with_events_in_flight() {
     update_with_events_in_flight("0.2.0").await;
 }
 
-/// A role granted what the 0.1.0 / 0.2.0 recipe gave a relay; dropped on drop.
+#[tokio::test]
+async fn update_from_0_3_0_with_events_in_flight() {
+    update_with_events_in_flight("0.3.0").await;
+}
+
+/// A role granted calls of an earlier release (nack, reclaim, stats, requeue); dropped on drop.
 struct OldRelayRole(String);
 
 impl Drop for OldRelayRole {
@@ -73,9 +78,16 @@ async fn update_with_events_in_flight(from: &str) {
     c.batch_execute(&format!("CREATE EXTENSION outbox VERSION '{from}'"))
         .await
         .unwrap();
+    // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
+    // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim.
+    let returning = if from == "0.3.0" {
+        ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
+    } else {
+        ""
+    };
     c.batch_execute(&format!(
         "CREATE ROLE {0} NOLOGIN; GRANT EXECUTE ON FUNCTION outbox_nack(text, bigint, bigint[], text), \
-         outbox_reclaim(interval) TO {0}",
+         outbox_reclaim(interval), outbox_stats(), outbox_requeue(bigint[]){returning} TO {0}",
         role.0
     ))
     .await
@@ -106,6 +118,9 @@ async fn update_with_events_in_flight(from: &str) {
     for f in [
         "outbox_nack_returning(text, bigint, bigint[], text)",
         "outbox_reclaim_returning(interval)",
+        "outbox_stats()",
+        "outbox_blocked_keys(integer)",
+        "outbox_skip(bigint[])",
     ] {
         let may: bool = scalar(
             &c,
@@ -117,7 +132,8 @@ async fn update_with_events_in_flight(from: &str) {
     }
     c.batch_execute(&format!(
         "REVOKE ALL ON FUNCTION outbox_nack(text, bigint, bigint[], text), outbox_reclaim(interval), \
-         outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval) FROM {}",
+         outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
+         outbox_stats(), outbox_requeue(bigint[]), outbox_blocked_keys(int), outbox_skip(bigint[]) FROM {}",
         role.0
     ))
     .await
@@ -142,23 +158,39 @@ async fn update_with_events_in_flight(from: &str) {
     assert_eq!(settle("SELECT outbox_renew('relay-a', $1, '{4}')").await, 1);
     assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{4}')").await, 1);
 
-    // Drain what is left (event 3 after its backoff, 5 and 6) through the new code.
-    c.batch_execute("UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'")
-        .await
-        .unwrap();
-    let claimed = c
-        .query(
-            "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
-            &[],
-        )
-        .await
-        .unwrap();
-    let mut ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
-    ids.sort();
-    assert_eq!(ids, vec![3, 5, 6]);
-    let t: i64 = claimed[0].get(1);
-    let n: i32 = scalar(&c, "SELECT outbox_ack('relay-b', $1, '{3,5,6}')", &[&t]).await;
-    assert_eq!(n, 3);
+    // Drain what is left through the new code, in per-key order. Keys: 1 k1, 2 k2, 3 k0, 4 k1,
+    // 5 k2, 6 k0. Event 3 backs off after its nack, and holds back 6, the next event of k0.
+    let claim = || {
+        let c = &c;
+        async move {
+            let rows = c
+                .query("SELECT id, claim_token FROM outbox_claim('relay-b', 10)", &[])
+                .await
+                .unwrap();
+            let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+            (ids, rows.first().map(|r| r.get::<_, i64>(1)))
+        }
+    };
+    let ack = |ids: Vec<i64>, token: Option<i64>| {
+        let c = &c;
+        async move {
+            let n: i32 = scalar(c, "SELECT outbox_ack('relay-b', $1, $2)", &[&token, &ids]).await;
+            assert_eq!(n as usize, ids.len());
+        }
+    };
+    let (ids, token) = claim().await;
+    assert_eq!(ids, vec![5], "event 6 waits for 3, the head of its key");
+    ack(ids, token).await;
+    // The backoff ends now (for the event and for its key's next look).
+    c.batch_execute(
+        "UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'; \
+         UPDATE outbox_key SET due_at = now()",
+    )
+    .await
+    .unwrap();
+    let (ids, token) = claim().await;
+    assert_eq!(ids, vec![3, 6], "k0's run, in commit order");
+    ack(ids, token).await;
     let success: i64 = scalar(
         &c,
         "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",

@@ -1,0 +1,670 @@
+-- outbox 0.3.0 -> 0.4.0 (docs/reference.md, "Per-key order" and "Upgrades").
+-- * Per-key order: keyed events (on topics not in outbox.unordered_topics) are published in the
+--   order their transactions committed, one run per key at a time. outbox_enqueue takes a per-key
+--   advisory lock until commit, so ids follow commit order within a key; outbox_key holds one row
+--   per key that may have work; outbox_claim claims each key's run from its head.
+-- * outbox.head_of_line = block | skip; outbox_blocked_keys and outbox_skip for operators;
+--   outbox_stats reports blocked keys.
+-- * Events in flight: unfinished keyed events are ordered by id from now on (their ids were taken
+--   at insert, not in commit order: two that raced before the update may keep their id order).
+\echo Use "ALTER EXTENSION outbox UPDATE TO '0.4.0'" to load this file. \quit
+
+CREATE FUNCTION @extschema@."outbox_topic_ordered"("topic" TEXT) RETURNS bool
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_topic_ordered_wrapper';
+
+ALTER TABLE @extschema@.outbox_event
+    ADD COLUMN ordered boolean NOT NULL DEFAULT false,
+    ADD COLUMN skipped_at timestamptz;
+
+-- Unfinished keyed events in flight keep their key's order from now on.
+UPDATE @extschema@.outbox_event
+   SET ordered = true
+ WHERE event_key IS NOT NULL AND status <> 'SUCCESS' AND @extschema@.outbox_topic_ordered(topic);
+
+DROP INDEX @extschema@.outbox_event_wait_due_idx;
+CREATE INDEX outbox_event_wait_due_idx
+    ON @extschema@.outbox_event (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
+CREATE INDEX outbox_event_key_pending_idx
+    ON @extschema@.outbox_event (topic, event_key, id) WHERE ordered AND status <> 'SUCCESS';
+
+CREATE TABLE @extschema@.outbox_key (
+    topic     text NOT NULL,
+    event_key text NOT NULL,
+    due_at    timestamptz NOT NULL,
+    PRIMARY KEY (topic, event_key)
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
+CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');
+REVOKE ALL ON TABLE @extschema@.outbox_key FROM PUBLIC;
+
+-- Every key with unfinished events gets its row, due now.
+INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+SELECT DISTINCT e.topic, e.event_key, pg_catalog.now()
+  FROM @extschema@.outbox_event e
+ WHERE e.ordered AND e.status <> 'SUCCESS';
+
+-- The advisory lock that makes producers of one (topic, key) take turns until they commit
+-- (outbox_enqueue), and that a claim takes before deleting an idle key. Topics never contain '/'.
+CREATE FUNCTION @extschema@.outbox_key_lock_id(topic text, event_key text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT pg_catalog.hashtextextended(topic || '/' || event_key, 7964)
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    topic text,
+    payload jsonb,
+    key text DEFAULT NULL,
+    event_type text DEFAULT NULL,
+    headers jsonb DEFAULT '{}',
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    header record;
+    payload_bytes int;
+    message_bytes bigint;
+    max_bytes int;
+    new_id bigint;
+    ordered boolean;
+BEGIN
+    -- Format and the operator's allow-list (outbox.allowed_topics), in Rust.
+    PERFORM @extschema@.outbox_check_topic(topic);
+    IF payload IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = 'outbox_enqueue: payload must not be NULL (use ''null''::jsonb for a JSON null)';
+    END IF;
+    headers := coalesce(headers, '{}'::jsonb);
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+            DETAIL = format('headers is a JSON %s', jsonb_typeof(headers));
+    END IF;
+    IF headers <> '{}'::jsonb THEN
+        FOR header IN SELECT h.key, jsonb_typeof(h.value) AS kind FROM jsonb_each(headers) h LOOP
+            IF header.kind <> 'string' THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+                    DETAIL = format('header %L is a JSON %s', header.key, header.kind);
+            END IF;
+            IF header.key IN ('event_id', 'event_type', 'event_key', 'outbox_id') THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = format('outbox_enqueue: header %L is set by the relay and cannot be given in headers', header.key);
+            END IF;
+        END LOOP;
+    END IF;
+    -- 'infinity' would be stored and never become due.
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: deliver_at must be a finite timestamp (or NULL for now)',
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+    -- The limit guards the whole message the relay will send: payload, key and headers.
+    payload_bytes := octet_length(payload::text);
+    message_bytes := payload_bytes::bigint + coalesce(octet_length(key), 0)
+                     + CASE WHEN headers = '{}'::jsonb THEN 0 ELSE octet_length(headers::text) END;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    IF message_bytes > max_bytes THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('outbox_enqueue: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             message_bytes, payload_bytes, coalesce(octet_length(key), 0),
+                             message_bytes - payload_bytes - coalesce(octet_length(key), 0), max_bytes);
+    END IF;
+
+    ordered := key IS NOT NULL AND @extschema@.outbox_topic_ordered(topic);
+    IF ordered THEN
+        -- Producers of one key take turns from here until they commit, so the id drawn below
+        -- follows commit order within the key (a sequence alone does not: docs/reference.md).
+        PERFORM pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key));
+    END IF;
+
+    INSERT INTO @extschema@.outbox_event
+        (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+    VALUES
+        (topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), ordered)
+    RETURNING id INTO new_id;
+
+    IF ordered THEN
+        -- An idle key gets its row; an active key has one, and its head decides when it is due.
+        INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+        VALUES (topic, key, greatest(now(), deliver_at))
+        ON CONFLICT DO NOTHING;
+    END IF;
+
+    -- PostgreSQL folds identical notifications of one transaction into one, delivered at commit
+    -- and dropped on rollback: one wake-up per transaction however many rows it enqueued.
+    IF @extschema@.outbox_notify_enabled() THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN new_id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    token bigint;
+    -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
+    stamp timestamptz := clock_timestamp();
+    lease interval;
+    skip_dead boolean;
+    key_topics text[];
+    key_names text[];
+    key_due timestamptz[];
+    share int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', cfg.max_claim),
+            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
+    END IF;
+    token := nextval('@extschema@.outbox_claim_token_seq');
+    lease := make_interval(secs => cfg.lease_ms / 1000.0);
+    skip_dead := current_setting('outbox.head_of_line') = 'skip';
+
+    -- Ordered keys due for a look, locked until this call's transaction ends: one caller at a
+    -- time decides a key's run. SKIP LOCKED: concurrent claimers split the keys. At most 1,000
+    -- keys, as an idle one costs an advisory lock below.
+    SELECT array_agg(d.topic ORDER BY d.due_at), array_agg(d.event_key ORDER BY d.due_at),
+           array_agg(d.due_at ORDER BY d.due_at)
+      INTO key_topics, key_names, key_due
+      FROM (SELECT k.topic, k.event_key, k.due_at FROM @extschema@.outbox_key k
+             WHERE k.due_at <= stamp
+             ORDER BY k.due_at
+             LIMIT least(max_events, 1000)
+             FOR UPDATE SKIP LOCKED) d;
+    -- Each key may fill an equal share of the batch (a single hot key: all of it).
+    share := ceil(max_events::numeric / greatest(coalesce(cardinality(key_topics), 0), 1));
+
+    -- The one statement that decides ownership. A key's run is the prefix of its unfinished
+    -- events (in commit = id order, from its head) that are WAIT and due: nothing after a held,
+    -- backing-off or dead event. Unordered events are claimed as before, SKIP LOCKED. The batch
+    -- is cut by due time with a key's run ranked as one block, so a cut keeps a prefix.
+    RETURN QUERY
+    WITH keys AS (
+        SELECT t.topic, t.event_key, t.due_at, t.rank
+          FROM unnest(key_topics, key_names, key_due) WITH ORDINALITY AS t(topic, event_key, due_at, rank)
+    ), pending AS MATERIALIZED (
+        SELECT k.rank, k.due_at AS key_due, p.id, p.status, p.next_retry_time, p.claimed_at, p.pos,
+               bool_and(p.status = 'WAIT' AND p.next_retry_time <= stamp)
+                   OVER (PARTITION BY k.rank ORDER BY p.pos) AS runnable
+          FROM keys k
+          CROSS JOIN LATERAL (
+              SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                     row_number() OVER (ORDER BY e.id) AS pos
+                FROM @extschema@.outbox_event e
+               WHERE e.topic = k.topic AND e.event_key = k.event_key
+                 AND e.ordered AND e.status <> 'SUCCESS'
+                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+               ORDER BY e.id
+               LIMIT share
+          ) p
+    ), unordered AS MATERIALIZED (
+        SELECT c.id, c.next_retry_time
+          FROM @extschema@.outbox_event c
+         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
+         ORDER BY c.next_retry_time, c.id
+         LIMIT max_events
+         FOR UPDATE SKIP LOCKED
+    ), chosen AS MATERIALIZED (
+        SELECT x.id FROM (
+            SELECT p.id, p.key_due AS due, p.rank AS grp, p.pos FROM pending p WHERE p.runnable
+            UNION ALL
+            SELECT u.id, u.next_retry_time, 0, 1 FROM unordered u
+        ) x
+        ORDER BY x.due, x.grp, x.pos
+        LIMIT max_events
+    ), claimed AS (
+        UPDATE @extschema@.outbox_event e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
+        RETURNING e.*
+    ), holding AS (
+        SELECT DISTINCT p.rank FROM pending p JOIN chosen c ON c.id = p.id
+    ), verdict AS (
+        -- When each visited key needs a look next: after its run (the lease, unless settled
+        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle.
+        SELECT k.topic, k.event_key,
+               CASE WHEN hk.rank IS NOT NULL THEN stamp + lease
+                    WHEN h.id IS NULL THEN '-infinity'::timestamptz
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN k.due_at
+                    WHEN h.status = 'WAIT' THEN h.next_retry_time
+                    WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
+                    ELSE 'infinity'::timestamptz
+               END AS next_due
+          FROM keys k
+          LEFT JOIN pending h ON h.rank = k.rank AND h.pos = 1
+          LEFT JOIN holding hk ON hk.rank = k.rank
+    ), looked AS (
+        UPDATE @extschema@.outbox_key k SET due_at = v.next_due
+          FROM verdict v
+         WHERE k.topic = v.topic AND k.event_key = v.event_key AND k.due_at <> v.next_due
+    )
+    -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
+    SELECT * FROM claimed c ORDER BY c.id;
+
+    -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
+    -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
+    -- every event they committed, and none can add one before this transaction ends.
+    SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
+      FROM @extschema@.outbox_key k
+      JOIN unnest(key_topics, key_names) AS t(topic, event_key)
+        ON k.topic = t.topic AND k.event_key = t.event_key
+     WHERE k.due_at = '-infinity'
+       AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
+    IF key_topics IS NOT NULL THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(key_topics, key_names) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_event e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_ack(owner text, claim_token bigint, ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
+    -- Row locks in id order, the one order of every statement that may wait for a row lock
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock.
+    WITH held AS MATERIALIZED (
+        SELECT h.id FROM @extschema@.outbox_event h
+         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
+           AND h.claim_owner = owner AND h.claim_token = claim_token
+         ORDER BY h.id
+         FOR UPDATE
+    ), settled AS (
+        UPDATE @extschema@.outbox_event e
+           SET status = 'SUCCESS', updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        UPDATE @extschema@.outbox_key k SET due_at = stamp
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+    )
+    SELECT count(*) INTO done FROM settled;
+    RETURN done;
+END
+$$;
+
+-- One failed attempt for the rows the caller still holds; returns each settled row with its new
+-- state, so the caller knows which ones became dead letters without re-deriving the rule.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_nack_returning(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, next_retry_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
+    -- Row locks in id order, the one order of every statement that may wait for a row lock
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock.
+    RETURN QUERY
+    WITH held AS MATERIALIZED (
+        SELECT h.id FROM @extschema@.outbox_event h
+         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
+           AND h.claim_owner = owner AND h.claim_token = claim_token
+         ORDER BY h.id
+         FOR UPDATE
+    ), settled AS (
+        UPDATE @extschema@.outbox_event e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp + make_interval(secs =>
+                   least(power(e.retry_count + 1, 2) * cfg.backoff_base_ms, cfg.backoff_max_ms)
+                   * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               -- A nack without a reason keeps the last one instead of erasing it.
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        UPDATE @extschema@.outbox_key k SET due_at = stamp
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+    )
+    SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
+END
+$$;
+
+-- Hands held rows back WITHOUT counting a failed attempt: for failures that are not the event's
+-- fault (broker unreachable, timeouts, not enough replicas). Fenced like nack; due after `delay`.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_release(owner text, claim_token bigint, ids bigint[],
+                                           delay interval DEFAULT '0', error text DEFAULT NULL)
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_release', owner, claim_token, ids);
+    IF delay IS NULL OR delay < interval '0' OR delay > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
+            DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
+    END IF;
+    -- Row locks in id order, like ack, nack and renew.
+    WITH held AS MATERIALIZED (
+        SELECT h.id FROM @extschema@.outbox_event h
+         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
+           AND h.claim_owner = owner AND h.claim_token = claim_token
+         ORDER BY h.id
+         FOR UPDATE
+    ), settled AS (
+        UPDATE @extschema@.outbox_event e
+           SET status = 'WAIT', next_retry_time = stamp + delay,
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        UPDATE @extschema@.outbox_key k SET due_at = stamp
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+    )
+    SELECT count(*) INTO done FROM settled;
+    RETURN done;
+END
+$$;
+
+-- Expired claims back to WAIT (or FAIL): returns each reclaimed row with its new state and the
+-- owner whose lease expired, so the caller can log and count the dead letters it made.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_reclaim_returning(lease interval DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    lease := coalesce(lease, make_interval(secs => cfg.lease_ms / 1000.0));
+    -- The upper bound keeps stamp - lease inside timestamptz's range (else 22008 from deep inside).
+    IF lease <= interval '0' OR lease > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_reclaim: lease must be a positive interval of at most 100 years',
+            DETAIL = format('lease = %s', lease);
+    END IF;
+    -- Guarded by status and claimed_at in the same statement: a row acked, nacked or renewed
+    -- while this runs no longer matches and is left alone. A reclaim counts as a failed attempt,
+    -- so a poison event that kills its relay every time still ends as a dead letter.
+    -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
+    -- (waiting in claimed_at order against acks in id order could deadlock).
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_event x
+         WHERE x.status = 'SENDING' AND x.claimed_at < stamp - lease
+         ORDER BY x.id
+         FOR UPDATE SKIP LOCKED
+    ), reclaimed AS (
+        UPDATE @extschema@.outbox_event e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp,
+               last_error = format('lease expired: claimed by %s at %s, not settled within %s',
+                                   e.claim_owner, e.claimed_at, lease),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        UPDATE @extschema@.outbox_key k SET due_at = stamp
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM reclaimed d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+    )
+    SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
+      FROM reclaimed r JOIN expired x ON x.id = r.id
+     ORDER BY r.id;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    IF done > 0 AND cfg.notify THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_requeue(ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_requeue');
+    PERFORM @extschema@.outbox_check_ids('outbox_requeue', ids);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    -- last_error is kept: it is the operator's record of why the event had failed.
+    WITH dead AS MATERIALIZED (
+        SELECT d.id FROM @extschema@.outbox_event d
+         WHERE d.id = ANY (ids) AND d.status = 'FAIL'
+         ORDER BY d.id
+         FOR UPDATE
+    ), revived AS (
+        UPDATE @extschema@.outbox_event e
+           SET status = 'WAIT', retry_count = 0, next_retry_time = stamp, skipped_at = NULL,
+               updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- A blocked key resumes with its requeued head; under the skip policy its row may be gone.
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+        SELECT DISTINCT r.topic, r.event_key, stamp FROM revived r WHERE r.ordered
+        ON CONFLICT (topic, event_key) DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+    )
+    SELECT count(*) INTO done FROM revived;
+    IF done > 0 AND cfg.notify THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN done;
+END
+$$;
+
+-- Keys held back by a dead head (outbox.head_of_line = block): the head, since when it is dead
+-- and why, and how many events wait behind it. Oldest first.
+CREATE FUNCTION @extschema@.outbox_blocked_keys(max_rows int DEFAULT 100)
+RETURNS TABLE (topic text, event_key text, head_id bigint, blocked_since timestamptz,
+               last_error text, waiting bigint)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_blocked_keys: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    -- A claim marks a key blocked ('infinity') when it finds its head dead.
+    RETURN QUERY
+    SELECT k.topic, k.event_key, h.id, h.updated_at, h.last_error,
+           (SELECT count(*) FROM @extschema@.outbox_event w
+             WHERE w.topic = k.topic AND w.event_key = k.event_key AND w.ordered
+               AND w.status <> 'SUCCESS' AND w.status = 'WAIT' AND w.id > h.id)
+      FROM @extschema@.outbox_key k
+      CROSS JOIN LATERAL (
+          SELECT e.id, e.updated_at, e.last_error FROM @extschema@.outbox_event e
+           WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
+             AND e.status <> 'SUCCESS'
+           ORDER BY e.id
+           LIMIT 1
+      ) h
+     WHERE k.due_at = 'infinity'
+     ORDER BY h.updated_at, k.topic, k.event_key
+     LIMIT max_rows;
+END
+$$;
+
+-- Lets the keys of these dead letters go on without them (outbox.head_of_line = block): they
+-- stay FAIL, listed as dead letters, and can still be requeued (then published out of order).
+CREATE FUNCTION @extschema@.outbox_skip(ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_skip');
+    PERFORM @extschema@.outbox_check_ids('outbox_skip', ids);
+    WITH dead AS MATERIALIZED (
+        SELECT d.id FROM @extschema@.outbox_event d
+         WHERE d.id = ANY (ids) AND d.status = 'FAIL' AND d.skipped_at IS NULL
+         ORDER BY d.id
+         FOR UPDATE
+    ), settled AS (
+        UPDATE @extschema@.outbox_event e SET skipped_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        UPDATE @extschema@.outbox_key k SET due_at = stamp
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+    )
+    SELECT count(*) INTO done FROM settled;
+    RETURN done;
+END
+$$;
+
+-- outbox_stats gains OUT columns: the old one steps aside until its grants are carried over.
+ALTER FUNCTION @extschema@.outbox_stats() RENAME TO outbox_stats_0_3_0;
+
+CREATE FUNCTION @extschema@.outbox_stats(
+    OUT due_wait bigint,
+    OUT delayed_wait bigint,
+    OUT sending bigint,
+    OUT failed bigint,
+    OUT succeeded bigint,
+    OUT oldest_due_age interval,
+    OUT oldest_lease_age interval,
+    OUT blocked_keys bigint,
+    OUT oldest_blocked_age interval
+)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    est real;
+BEGIN
+    -- Loads the library (and so the outbox.* settings) for relays that read them after this call.
+    PERFORM @extschema@.outbox_config();
+    -- Every count below reads a partial index whose size follows the backlog, not the history
+    -- (WAIT rows: the unordered ones' and the ordered keys' index).
+    SELECT count(*) FILTER (WHERE w.next_retry_time <= stamp),
+           count(*) FILTER (WHERE w.next_retry_time > stamp),
+           stamp - min(w.next_retry_time) FILTER (WHERE w.next_retry_time <= stamp)
+      INTO due_wait, delayed_wait, oldest_due_age
+      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_event e
+             WHERE e.status = 'WAIT' AND NOT e.ordered
+            UNION ALL
+            SELECT e.next_retry_time FROM @extschema@.outbox_event e
+             WHERE e.ordered AND e.status <> 'SUCCESS' AND e.status = 'WAIT') w;
+    SELECT count(*), stamp - min(e.claimed_at)
+      INTO sending, oldest_lease_age
+      FROM @extschema@.outbox_event e WHERE e.status = 'SENDING';
+    SELECT count(*) INTO failed FROM @extschema@.outbox_event e WHERE e.status = 'FAIL';
+    -- Keys held back by a dead head, and since when that head has been dead.
+    SELECT count(*), stamp - min(h.updated_at)
+      INTO blocked_keys, oldest_blocked_age
+      FROM @extschema@.outbox_key k
+      CROSS JOIN LATERAL (
+          SELECT e.updated_at FROM @extschema@.outbox_event e
+           WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
+             AND e.status <> 'SUCCESS'
+           ORDER BY e.id
+           LIMIT 1
+      ) h
+     WHERE k.due_at = 'infinity';
+    -- SUCCESS rows are the history: count them exactly while the table is small (< 8 MB),
+    -- estimate from the planner's statistics beyond that.
+    SELECT c.reltuples INTO est
+      FROM pg_class c WHERE c.oid = '@extschema@.outbox_event'::regclass;
+    IF pg_relation_size('@extschema@.outbox_event'::regclass) < 8 * 1024 * 1024 OR est < 0 THEN
+        SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
+    ELSE
+        succeeded := greatest(est::bigint - due_wait - delayed_wait - sending - failed, 0);
+    END IF;
+END
+$$;
+
+REVOKE ALL ON FUNCTION
+    @extschema@.outbox_topic_ordered(text),
+    @extschema@.outbox_key_lock_id(text, text),
+    @extschema@.outbox_blocked_keys(int),
+    @extschema@.outbox_skip(bigint[]),
+    @extschema@.outbox_stats()
+FROM PUBLIC;
+
+-- Grants carried over: outbox_stats to whoever had it; the operator's new calls to the roles
+-- that may requeue dead letters.
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT a.grantee::pg_catalog.regrole AS grantee
+          FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+         WHERE p.oid = '@extschema@.outbox_stats_0_3_0()'::pg_catalog.regprocedure
+           AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0 AND a.grantee <> p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_stats() TO %s', g.grantee);
+    END LOOP;
+    FOR g IN
+        SELECT a.grantee::pg_catalog.regrole AS grantee
+          FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+         WHERE p.oid = '@extschema@.outbox_requeue(bigint[])'::pg_catalog.regprocedure
+           AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0 AND a.grantee <> p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_blocked_keys(int) TO %s', g.grantee);
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_skip(bigint[]) TO %s', g.grantee);
+    END LOOP;
+END
+$$;
+DROP FUNCTION @extschema@.outbox_stats_0_3_0();
