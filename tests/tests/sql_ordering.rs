@@ -1,0 +1,384 @@
+//! Per-key order (docs/reference.md, "Per-key order"): within one (topic, key) an event is never
+//! claimed before every earlier event of that key is SUCCESS (or skipped), where "earlier" is
+//! commit order; events without a key, and keyed events of unordered topics, stay parallel.
+
+use std::time::{Duration, Instant};
+
+use outbox_tests::db::{scalar, TestDb};
+use tokio_postgres::Client;
+
+async fn enqueue(c: &Client, key: &str) -> i64 {
+    scalar(
+        c,
+        "SELECT outbox_enqueue('orders', '{}', key => $1)",
+        &[&key],
+    )
+    .await
+}
+
+/// Claims for `owner`: the ids in the order returned, and the token.
+async fn claim(c: &Client, owner: &str, max: i32) -> (Vec<i64>, i64) {
+    let rows = c
+        .query(
+            "SELECT id, claim_token FROM outbox_claim($1, $2)",
+            &[&owner, &max],
+        )
+        .await
+        .unwrap();
+    let token = rows.first().map(|r| r.get(1)).unwrap_or(0);
+    (rows.iter().map(|r| r.get(0)).collect(), token)
+}
+
+async fn settle(c: &Client, call: &str, owner: &str, token: i64, ids: &[i64]) -> i32 {
+    scalar(
+        c,
+        &format!("SELECT {call}($1, $2, $3)"),
+        &[&owner, &token, &ids],
+    )
+    .await
+}
+
+/// Waits until `pid` waits for a lock (the producer queued behind another one of its key).
+async fn wait_until_blocked(c: &Client, pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: bool = scalar(
+            c,
+            "SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1",
+            &[&pid],
+        )
+        .await;
+        if waiting {
+            return;
+        }
+        assert!(Instant::now() < deadline, "backend {pid} never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn commit_order_decides_not_start_order() {
+    // The issue's case: T2 starts first, waits for T1's lock on the order row, and enqueues
+    // OrderPaid after T1 committed OrderCreated. Before 0.4.0 the claim returned OrderPaid first.
+    let db = TestDb::create();
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE orders (id int PRIMARY KEY, state text); INSERT INTO orders VALUES (1, 'new')")
+        .await
+        .unwrap();
+    let t2 = db.connect().await;
+    let t1 = db.connect().await;
+    t2.batch_execute("BEGIN; SELECT now()").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    t1.batch_execute("BEGIN; UPDATE orders SET state = 'created' WHERE id = 1")
+        .await
+        .unwrap();
+    let t2_pid: i32 = scalar(&t2, "SELECT pg_backend_pid()", &[]).await;
+    let paid = tokio::spawn(async move {
+        t2.batch_execute(
+            "UPDATE orders SET state = 'paid' WHERE id = 1; \
+             SELECT outbox_enqueue('orders', '{}', key => 'order-1', event_type => 'OrderPaid'); COMMIT",
+        )
+        .await
+        .unwrap();
+    });
+    wait_until_blocked(&setup, t2_pid).await;
+    t1.batch_execute(
+        "SELECT outbox_enqueue('orders', '{}', key => 'order-1', event_type => 'OrderCreated'); COMMIT",
+    )
+    .await
+    .unwrap();
+    paid.await.unwrap();
+
+    let types: Vec<String> = setup
+        .query(
+            "SELECT event_type FROM outbox_claim('relay-a', 10)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(types, ["OrderCreated", "OrderPaid"]);
+}
+
+#[tokio::test]
+async fn producers_of_one_key_take_turns_until_commit_and_other_keys_do_not_wait() {
+    let db = TestDb::create();
+    let watch = db.connect().await;
+    let first = db.connect().await;
+    let second = db.connect().await;
+    let other = db.connect().await;
+    first.batch_execute("BEGIN").await.unwrap();
+    let first_id = enqueue(&first, "k").await;
+    // Another key is not held up by the open transaction.
+    other.batch_execute("BEGIN").await.unwrap();
+    enqueue(&other, "other-key").await;
+    other.batch_execute("COMMIT").await.unwrap();
+
+    let second_pid: i32 = scalar(&second, "SELECT pg_backend_pid()", &[]).await;
+    let queued = tokio::spawn(async move {
+        second.batch_execute("BEGIN").await.unwrap();
+        let id = enqueue(&second, "k").await;
+        second.batch_execute("COMMIT").await.unwrap();
+        id
+    });
+    wait_until_blocked(&watch, second_pid).await;
+    first.batch_execute("COMMIT").await.unwrap();
+    let second_id = queued.await.unwrap();
+    assert!(
+        second_id > first_id,
+        "the event committed second ({second_id}) must come after the first ({first_id})"
+    );
+
+    // A rolled-back producer lets the next one go on and leaves nothing behind.
+    first.batch_execute("BEGIN").await.unwrap();
+    enqueue(&first, "k").await;
+    first.batch_execute("ROLLBACK").await.unwrap();
+    let (ids, _) = claim(&watch, "relay-a", 10).await;
+    let mut keyed: Vec<i64> = ids.into_iter().filter(|&i| i != first_id + 1).collect();
+    keyed.retain(|&i| i == first_id || i == second_id);
+    assert_eq!(keyed, vec![first_id, second_id]);
+}
+
+#[tokio::test]
+async fn a_key_is_claimed_by_one_caller_at_a_time_and_unkeyed_events_in_parallel() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let mut k = Vec::new();
+    for _ in 0..4 {
+        k.push(enqueue(&c, "k").await);
+    }
+    let (a, _) = claim(&c, "relay-a", 2).await;
+    assert_eq!(a, k[..2], "the head of the key and the next, in order");
+    let (b, _) = claim(&c, "relay-b", 2).await;
+    assert!(b.is_empty(), "the key is held by relay-a: {b:?}");
+
+    let mut free = Vec::new();
+    for _ in 0..4 {
+        free.push(scalar::<i64>(&c, "SELECT outbox_enqueue('orders', '{}')", &[]).await);
+    }
+    let (a, _) = claim(&c, "relay-a", 2).await;
+    let (b, _) = claim(&c, "relay-b", 2).await;
+    assert_eq!((a.len(), b.len()), (2, 2), "unkeyed events go to both");
+
+    // An unordered topic's keyed events are claimed in parallel too, and say so.
+    c.batch_execute("SET outbox.unordered_topics = 'metrics, logs.*'")
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        scalar::<i64>(
+            &c,
+            "SELECT outbox_enqueue('logs.app', '{}', key => 'k')",
+            &[],
+        )
+        .await;
+    }
+    let ordered: i64 = scalar(
+        &c,
+        "SELECT count(*) FROM outbox_event WHERE topic = 'logs.app' AND ordered",
+        &[],
+    )
+    .await;
+    assert_eq!(ordered, 0);
+    let (a, _) = claim(&c, "relay-a", 2).await;
+    let (b, _) = claim(&c, "relay-b", 2).await;
+    assert_eq!((a.len(), b.len()), (2, 2));
+    // A malformed list is refused at SET, like outbox.allowed_topics' entries at use.
+    c.batch_execute("SET outbox.unordered_topics = 'bad topic'")
+        .await
+        .unwrap();
+    let err = c
+        .query_one("SELECT outbox_enqueue('orders', '{}', key => 'x')", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().unwrap().code(), "22023", "{err}");
+}
+
+#[tokio::test]
+async fn a_nacked_head_holds_its_key_until_its_backoff_ends() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.backoff_base = '300ms'")
+        .await
+        .unwrap();
+    let a1 = enqueue(&c, "A").await;
+    let a2 = enqueue(&c, "A").await;
+    let b1 = enqueue(&c, "B").await;
+    let (ids, token) = claim(&c, "relay-a", 1).await;
+    assert_eq!(ids, [a1]);
+    assert_eq!(settle(&c, "outbox_nack", "relay-a", token, &ids).await, 1);
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [b1], "A's next event waits behind its backing-off head");
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (ids, _) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [a1, a2], "after the backoff: the head, then the rest, in order");
+}
+
+/// A claimed run where the head failed for good and the relay released the rest of the run.
+async fn dead_head(c: &Client) -> (i64, i64, i64, i64) {
+    c.batch_execute("SET outbox.max_retry = 0").await.unwrap();
+    let a1 = enqueue(c, "A").await;
+    let a2 = enqueue(c, "A").await;
+    let a3 = enqueue(c, "A").await;
+    let b1 = enqueue(c, "B").await;
+    let (ids, token) = claim(c, "relay-a", 10).await;
+    assert_eq!(ids, [a1, a2, a3, b1]);
+    assert_eq!(settle(c, "outbox_nack", "relay-a", token, &[a1]).await, 1);
+    assert_eq!(
+        settle(c, "outbox_release", "relay-a", token, &[a2, a3]).await,
+        2
+    );
+    assert_eq!(settle(c, "outbox_ack", "relay-a", token, &[b1]).await, 1);
+    (a1, a2, a3, b1)
+}
+
+#[tokio::test]
+async fn a_dead_head_blocks_its_key_until_requeued_and_shows_as_blocked() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let (a1, a2, a3, _) = dead_head(&c).await;
+    let a4 = enqueue(&c, "A").await;
+    let b2 = enqueue(&c, "B").await;
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [b2], "key A is blocked by its dead head, key B goes on");
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+
+    let blocked = c
+        .query(
+            "SELECT topic, event_key, head_id, waiting, last_error IS NULL FROM outbox_blocked_keys()",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(blocked.len(), 1);
+    let r = &blocked[0];
+    assert_eq!(
+        (
+            r.get::<_, String>(0),
+            r.get::<_, String>(1),
+            r.get::<_, i64>(2),
+            r.get::<_, i64>(3)
+        ),
+        ("orders".into(), "A".into(), a1, 3)
+    );
+    let (keys, age): (i64, bool) = {
+        let r = c
+            .query_one(
+                "SELECT blocked_keys, oldest_blocked_age >= interval '0' FROM outbox_stats()",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((keys, age), (1, true));
+
+    assert_eq!(
+        scalar::<i32>(&c, "SELECT outbox_requeue($1)", &[&vec![a1]]).await,
+        1
+    );
+    let (ids, _) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [a1, a2, a3, a4], "the key resumes in order");
+    let blocked: i64 = scalar(&c, "SELECT blocked_keys FROM outbox_stats()", &[]).await;
+    assert_eq!(blocked, 0);
+}
+
+#[tokio::test]
+async fn skipping_a_dead_head_lets_its_key_go_on_and_keeps_the_dead_letter() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let (a1, a2, a3, _) = dead_head(&c).await;
+    let (ids, _) = claim(&c, "relay-a", 10).await;
+    assert!(ids.is_empty(), "blocked: {ids:?}");
+    assert_eq!(
+        scalar::<i32>(&c, "SELECT outbox_skip($1)", &[&vec![a1, a2]]).await,
+        1,
+        "only dead letters are skipped"
+    );
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [a2, a3]);
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+    let dead: Vec<i64> = c
+        .query("SELECT id FROM outbox_dead_letters()", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(dead, [a1], "a skipped event is still a dead letter");
+    // Nothing is left to do: the key rows are gone.
+    claim(&c, "relay-a", 10).await;
+    let keys: i64 = scalar(&c, "SELECT count(*) FROM outbox_key", &[]).await;
+    assert_eq!(keys, 0);
+}
+
+#[tokio::test]
+async fn the_skip_policy_lets_a_key_go_on_past_its_dead_head() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("SET outbox.head_of_line = 'skip'")
+        .await
+        .unwrap();
+    let (_, a2, a3, _) = dead_head(&c).await;
+    let (ids, _) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [a2, a3]);
+    let blocked: i64 = scalar(&c, "SELECT count(*) FROM outbox_blocked_keys()", &[]).await;
+    assert_eq!(blocked, 0);
+    let err = c
+        .batch_execute("SET outbox.head_of_line = 'sometimes'")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().unwrap().code(), "22023", "{err}");
+}
+
+#[tokio::test]
+async fn an_idle_key_is_deleted_unless_a_producer_is_enqueuing_for_it() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let producer = db.connect().await;
+    let e1 = enqueue(&c, "k").await;
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [e1]);
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+
+    // A producer is enqueuing for the key (uncommitted) while a claim finds it idle: the key
+    // row must survive, or the producer's event would never be claimed.
+    producer.batch_execute("BEGIN").await.unwrap();
+    let e2 = enqueue(&producer, "k").await;
+    let (ids, _) = claim(&c, "relay-a", 10).await;
+    assert!(ids.is_empty());
+    let keys: i64 = scalar(&c, "SELECT count(*) FROM outbox_key", &[]).await;
+    assert_eq!(keys, 1, "deleted while a producer was enqueuing");
+    producer.batch_execute("COMMIT").await.unwrap();
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [e2]);
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+
+    // Once the key has nothing left, the next claim deletes its row.
+    claim(&c, "relay-a", 10).await;
+    let keys: i64 = scalar(&c, "SELECT count(*) FROM outbox_key", &[]).await;
+    assert_eq!(keys, 0);
+}
+
+#[tokio::test]
+async fn a_reclaimed_run_goes_back_to_its_key_in_order() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let k: Vec<i64> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(enqueue(&c, "k").await);
+        }
+        v
+    };
+    let (ids, _) = claim(&c, "relay-dead", 10).await;
+    assert_eq!(ids, k);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let n: i32 = scalar(&c, "SELECT outbox_reclaim('1 millisecond')", &[]).await;
+    assert_eq!(n, 3);
+    let (ids, _) = claim(&c, "relay-b", 10).await;
+    assert_eq!(ids, k);
+}
