@@ -5,7 +5,8 @@ Usage: python consumer.py [BOOTSTRAP_SERVERS]
   BOOTSTRAP_SERVERS  argument, else $BOOTSTRAP_SERVERS (default: 127.0.0.1:9092)
   $OUTBOX_TOPIC      topic to read (default: orders)
   $CONSUMER_GROUP    consumer group (default: a new one, so the topic is read from the start)
-  $IDLE_SECONDS      stop after this long without a message (default: 5)
+  $IDLE_SECONDS      stop after this long without a message (default: 5; the wait for the
+                     first message, while the consumer joins its group, is at most 60 s)
 
 Prints `event` for each new event, `duplicate` for each copy skipped, and a final `done` line.
 """
@@ -35,9 +36,10 @@ def main():
     # (INSERT INTO processed_events (event_id) ... ON CONFLICT DO NOTHING), see README.md.
     seen = set()
     messages = duplicates = 0
-    last = time.monotonic()
+    start = time.monotonic()
+    last = None  # the idle clock starts with the first message: joining the group takes a while
     try:
-        while time.monotonic() - last < idle:
+        while (time.monotonic() - last < idle) if last is not None else (time.monotonic() - start < 60):
             msg = consumer.poll(0.5)
             if msg is None:
                 continue

@@ -22,7 +22,8 @@ import org.apache.kafka.common.serialization.StringDeserializer;
  *   BOOTSTRAP_SERVERS  argument, else $BOOTSTRAP_SERVERS (default: 127.0.0.1:9092)
  *   $OUTBOX_TOPIC      topic to read (default: orders)
  *   $CONSUMER_GROUP    consumer group (default: a new one, so the topic is read from the start)
- *   $IDLE_SECONDS      stop after this long without a message (default: 5)
+ *   $IDLE_SECONDS      stop after this long without a message (default: 5; the wait for the
+ *                      first message, while the consumer joins its group, is at most 60 s)
  * </pre>
  *
  * Prints {@code event} for each new event, {@code duplicate} for each copy skipped, and a final
@@ -57,8 +58,11 @@ public final class Consumer {
         int duplicates = 0;
         try (KafkaConsumer<String, String> consumer = new KafkaConsumer<>(p)) {
             consumer.subscribe(List.of(topic));
-            long last = System.nanoTime();
-            while (System.nanoTime() - last < idle.toNanos()) {
+            // The idle clock starts with the first message: joining the group takes a while.
+            long start = System.nanoTime();
+            long last = 0;
+            while (last == 0 ? System.nanoTime() - start < Duration.ofSeconds(60).toNanos()
+                    : System.nanoTime() - last < idle.toNanos()) {
                 var records = consumer.poll(Duration.ofMillis(500));
                 for (ConsumerRecord<String, String> r : records) {
                     last = System.nanoTime();
