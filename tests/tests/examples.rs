@@ -1,0 +1,569 @@
+//! The client examples of `examples/` (Python, Node, Java, Go) run as real programs: each against
+//! its own scratch database with the extension, the real relay and a real Kafka broker (one
+//! broker shared by the tests of this file while any of them runs). What counts is what arrived
+//! at the broker: the committed events with their keys and `event_id` headers, not the
+//! rolled-back ones; the invalid call reported with SQLSTATE 22023; and for the consumers
+//! (Python, Java) each event counted once although the test published a duplicate copy.
+//!
+//! The toolchains and packages come from `scripts/examples-setup`; a missing one fails the test
+//! with a message naming it, never skips it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use outbox_tests::broker::{Broker, Msg};
+use outbox_tests::db::TestDb;
+use outbox_tests::events::wait_counts;
+use outbox_tests::relay::Relay;
+use outbox_worker::{HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::ClientConfig;
+
+/// How long an example program (or a build) may run.
+const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One broker for the tests of this file, started by the first that needs it and stopped when
+/// the last one running drops it.
+fn shared_broker() -> Arc<Broker> {
+    static SHARED: Mutex<Weak<Broker>> = Mutex::new(Weak::new());
+    let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(b) = shared.upgrade() {
+        return b;
+    }
+    let b = Arc::new(Broker::start());
+    *shared = Arc::downgrade(&b);
+    b
+}
+
+fn examples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")
+}
+
+/// `OUTBOX_TOOLS` as `scripts/env.sh` sets it.
+fn tools_dir() -> PathBuf {
+    std::env::var_os("OUTBOX_TOOLS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/outbox-tools"))
+}
+
+/// A program from the PATH (or one of `extra` places); fails the test naming what to run when
+/// it is missing.
+fn tool(name: &str, extra: &[&str], lang: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .chain(extra.iter().map(PathBuf::from))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "the {lang} example needs `{name}`, which is not on the PATH: \
+                 run scripts/examples-setup {lang}"
+            )
+        })
+}
+
+/// The scratch database as a `postgresql://` URL (what the examples take), from the libpq
+/// key=value parameters of [`TestDb::url`].
+fn pg_url(db: &TestDb) -> String {
+    let mut params = BTreeMap::new();
+    for part in db.url().split_whitespace() {
+        let (k, v) = part
+            .split_once('=')
+            .unwrap_or_else(|| panic!("libpq parameter {part:?} in {:?}", db.url()));
+        assert!(
+            !v.starts_with('\''),
+            "quoted libpq values are not supported here: {:?}",
+            db.url()
+        );
+        params.insert(k.to_string(), v.to_string());
+    }
+    let get = |k: &str, d: &str| params.get(k).cloned().unwrap_or_else(|| d.to_string());
+    let auth = match params.get("password") {
+        Some(pw) => format!("{}:{pw}", get("user", "postgres")),
+        None => get("user", "postgres"),
+    };
+    format!(
+        "postgresql://{auth}@{}:{}/{}",
+        get("host", "127.0.0.1"),
+        get("port", "5432"),
+        get("dbname", "postgres")
+    )
+}
+
+/// What a program printed and how it ended.
+struct Ran {
+    what: String,
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ran {
+    fn context(&self) -> String {
+        format!(
+            "{}:\n--- stdout\n{}--- stderr\n{}",
+            self.what, self.stdout, self.stderr
+        )
+    }
+
+    /// Lines starting with `tag `, as `key=value` maps (a `message=` value runs to the line's
+    /// end).
+    fn records(&self, tag: &str) -> Vec<BTreeMap<String, String>> {
+        self.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix(tag)?.strip_prefix(' '))
+            .map(|rest| {
+                let (fields, message) = match rest.split_once("message=") {
+                    Some((f, m)) => (f, Some(m)),
+                    None => (rest, None),
+                };
+                let mut m: BTreeMap<String, String> = fields
+                    .split_whitespace()
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                if let Some(msg) = message {
+                    m.insert("message".into(), msg.to_string());
+                }
+                m
+            })
+            .collect()
+    }
+
+    /// The single `done` line's fields.
+    fn done(&self) -> BTreeMap<String, String> {
+        let mut d = self.records("done");
+        assert_eq!(d.len(), 1, "one `done` line from {}", self.context());
+        d.remove(0)
+    }
+}
+
+/// Runs `cmd` to completion (killed after `RUN_TIMEOUT`), capturing its output.
+fn run(what: &str, mut cmd: Command) -> Ran {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {what} ({cmd:?}): {e}"));
+    let pipe = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = pipe(Box::new(child.stdout.take().expect("stdout")));
+    let err = pipe(Box::new(child.stderr.take().expect("stderr")));
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break Some(st);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut ran = Ran {
+        what: what.to_string(),
+        ok: status.is_some_and(|s| s.success()),
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    };
+    match status {
+        None => ran.stderr += &format!("\n(killed after {} s)\n", RUN_TIMEOUT.as_secs()),
+        Some(st) if !st.success() => ran.stderr += &format!("\n(exit: {st})\n"),
+        _ => {}
+    }
+    ran
+}
+
+/// A build step that must succeed; `hint` says what to run when it does not.
+fn build(what: &str, cmd: Command, hint: &str) {
+    let r = run(what, cmd);
+    assert!(r.ok, "{}\n{hint}", r.context());
+}
+
+/// A run id unique to this test run, so reruns against one database would not collide.
+fn run_id(lang: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("t{}{lang}{}", std::process::id(), nanos % 1_000_000_000)
+}
+
+/// One example's world: database, topic, relay and the shared broker (dropped in this order:
+/// the relay first).
+struct World {
+    relay: Relay,
+    broker: Arc<Broker>,
+    db: TestDb,
+    topic: String,
+    run: String,
+}
+
+impl World {
+    fn new(lang: &str) -> World {
+        let db = TestDb::create();
+        let broker = shared_broker();
+        let topic = format!("examples.{lang}");
+        broker.create_topic(&topic);
+        let relay = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+        World {
+            db,
+            broker,
+            relay,
+            topic,
+            run: run_id(lang),
+        }
+    }
+
+    /// The environment every producer gets: topic and run id (the database URL is an argument).
+    fn env(&self, cmd: &mut Command) {
+        cmd.env("OUTBOX_TOPIC", &self.topic)
+            .env("RUN_ID", &self.run);
+    }
+
+    /// Checks a producer's output and what reached the broker; returns the messages read back.
+    async fn check_producer(
+        &self,
+        ran: &Ran,
+        committed_n: usize,
+        rolled_back_n: usize,
+        invalid_n: usize,
+    ) -> Vec<Msg> {
+        let ctx = ran.context();
+        assert!(ran.ok, "{ctx}");
+
+        // The program's own account.
+        let committed: BTreeMap<i64, String> = ran
+            .records("committed")
+            .iter()
+            .map(|r| {
+                let id = r["outbox_id"]
+                    .parse()
+                    .unwrap_or_else(|e| panic!("outbox_id {:?}: {e}\n{ctx}", r["outbox_id"]));
+                (id, r["key"].clone())
+            })
+            .collect();
+        let rolled_back: Vec<String> = ran
+            .records("rolled_back")
+            .iter()
+            .map(|r| r["key"].clone())
+            .collect();
+        let invalid = ran.records("invalid");
+        assert_eq!(committed.len(), committed_n, "committed events\n{ctx}");
+        assert_eq!(rolled_back.len(), rolled_back_n, "rolled back\n{ctx}");
+        assert_eq!(invalid.len(), invalid_n, "invalid calls reported\n{ctx}");
+        for i in &invalid {
+            assert_eq!(i["sqlstate"], "22023", "the bad topic's SQLSTATE\n{ctx}");
+            assert!(
+                i.get("message").is_some_and(|m| m.contains("topic")),
+                "the 22023 message names the topic argument: {i:?}\n{ctx}"
+            );
+        }
+        let done = ran.done();
+        assert_eq!(done["committed"], committed_n.to_string(), "{ctx}");
+        assert!(
+            done["invalid_sqlstate"] == "22023",
+            "done line: {done:?}\n{ctx}"
+        );
+        for key in committed.values().chain(&rolled_back) {
+            assert!(
+                key.contains(&self.run),
+                "key {key} carries the run id {}\n{ctx}",
+                self.run
+            );
+        }
+
+        // The database: the committed events only, each with its event_id.
+        let client = self.db.connect().await;
+        let n = committed_n as i64;
+        let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] >= n).await;
+        assert_eq!(
+            counts["SUCCESS"],
+            n,
+            "the relay delivered the committed events: {counts:?}\n{ctx}\nrelay log:\n{}",
+            self.relay.log_tail(30)
+        );
+        let mut event_ids = BTreeMap::new();
+        for row in client
+            .query(
+                "SELECT id, event_key, event_id::text FROM outbox_event",
+                &[],
+            )
+            .await
+            .expect("outbox rows")
+        {
+            let (id, key, event_id): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
+            assert_eq!(
+                committed.get(&id),
+                Some(&key),
+                "outbox row {id} ({key}) is one the program reported committed\n{ctx}"
+            );
+            event_ids.insert(id, event_id);
+        }
+        assert_eq!(event_ids.len(), committed_n, "{ctx}");
+        for key in &rolled_back {
+            let orders: i64 = client
+                .query_one("SELECT count(*) FROM orders WHERE order_no = $1", &[key])
+                .await
+                .expect("orders")
+                .get(0);
+            assert_eq!(orders, 0, "the rolled-back order {key} is not in orders");
+        }
+
+        // The broker: exactly the committed events, with their keys and event_id headers.
+        let msgs = self
+            .broker
+            .consume_all(&self.topic, Duration::from_secs(10));
+        let mut seen = BTreeSet::new();
+        for m in &msgs {
+            let key = m.key.clone().unwrap_or_default();
+            assert!(
+                !rolled_back.contains(&key),
+                "the rolled-back event {key} was published: {m:?}"
+            );
+            let id = m.outbox_id();
+            assert_eq!(committed.get(&id), Some(&key), "key of event {id}: {m:?}");
+            assert_eq!(
+                m.event_id(),
+                event_ids[&id],
+                "event_id header of {key}: {m:?}"
+            );
+            assert_eq!(m.headers.get(HEADER_EVENT_KEY), Some(&key), "{m:?}");
+            assert_eq!(
+                m.headers.get(HEADER_EVENT_TYPE).map(String::as_str),
+                Some("OrderCreated"),
+                "{m:?}"
+            );
+            let value: serde_json::Value = serde_json::from_str(&m.value)
+                .unwrap_or_else(|e| panic!("value of {key} is JSON: {e}: {m:?}"));
+            assert_eq!(
+                value["order_no"].as_str(),
+                Some(key.as_str()),
+                "payload of {key}"
+            );
+            seen.insert(id);
+        }
+        let want: BTreeSet<i64> = committed.keys().copied().collect();
+        assert_eq!(
+            seen, want,
+            "the broker holds exactly the committed events\n{ctx}"
+        );
+        assert_eq!(
+            msgs.len(),
+            committed_n,
+            "one message per event in a clean run"
+        );
+        msgs
+    }
+
+    /// Publishes a second copy of `m` (same key, value and headers: what an at-least-once
+    /// redelivery looks like) and checks that the topic now holds it.
+    fn publish_copy(&self, m: &Msg, before: usize) {
+        let producer: BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", self.broker.addr())
+            .create()
+            .expect("producer");
+        let mut headers = OwnedHeaders::new();
+        for (k, v) in &m.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_str()),
+            });
+        }
+        let key = m.key.clone().unwrap_or_default();
+        producer
+            .send(
+                BaseRecord::to(&self.topic)
+                    .key(&key)
+                    .payload(&m.value)
+                    .headers(headers)
+                    .partition(m.partition as i32),
+            )
+            .unwrap_or_else(|(e, _)| panic!("publishing a copy of {key}: {e}"));
+        producer
+            .flush(Duration::from_secs(30))
+            .expect("flush the copy");
+        let now = self
+            .broker
+            .consume_all(&self.topic, Duration::from_secs(10));
+        assert_eq!(now.len(), before + 1, "the copy of {key} is on the topic");
+    }
+
+    /// Checks a consumer's output: every event once, the copy of `dup` skipped as a duplicate.
+    fn check_consumer(&self, ran: &Ran, msgs: &[Msg], dup: &Msg) {
+        let ctx = ran.context();
+        assert!(ran.ok, "{ctx}");
+        let want: BTreeMap<String, String> = msgs
+            .iter()
+            .map(|m| (m.event_id().to_string(), m.key.clone().unwrap_or_default()))
+            .collect();
+        let events = ran.records("event");
+        let mut got = BTreeMap::new();
+        for e in &events {
+            assert!(
+                got.insert(e["event_id"].clone(), e["key"].clone())
+                    .is_none(),
+                "event {} processed twice\n{ctx}",
+                e["event_id"]
+            );
+            assert_eq!(e["type"], "OrderCreated", "{ctx}");
+        }
+        assert_eq!(got, want, "each event processed once, with its key\n{ctx}");
+        let dups = ran.records("duplicate");
+        assert_eq!(dups.len(), 1, "one duplicate skipped\n{ctx}");
+        assert_eq!(
+            dups[0]["event_id"], dup.headers[HEADER_EVENT_ID],
+            "the copy was the one skipped\n{ctx}"
+        );
+        let done = ran.done();
+        assert_eq!(done["messages"], (msgs.len() + 1).to_string(), "{ctx}");
+        assert_eq!(done["unique"], msgs.len().to_string(), "{ctx}");
+        assert_eq!(done["duplicates"], "1", "{ctx}");
+    }
+
+    /// Publishes a copy of the first message, runs the consumer `cmd` (given the broker address
+    /// as its argument and the topic in its environment) and checks it deduplicated.
+    fn consume_with_duplicate(&self, what: &str, mut cmd: Command, msgs: &[Msg]) {
+        let dup = &msgs[0];
+        self.publish_copy(dup, msgs.len());
+        cmd.arg(self.broker.addr())
+            .env("OUTBOX_TOPIC", &self.topic)
+            .env("IDLE_SECONDS", "3")
+            .env_remove("CONSUMER_GROUP");
+        let ran = run(what, cmd);
+        self.check_consumer(&ran, msgs, dup);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_psycopg_producer_and_confluent_kafka_consumer() {
+    let venv = std::env::var_os("EXAMPLES_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tools_dir().join("python-examples"));
+    let python = venv.join("bin/python");
+    assert!(
+        python.is_file(),
+        "the Python example needs the venv {} (psycopg, confluent-kafka): \
+         run scripts/examples-setup python",
+        venv.display()
+    );
+    let dir = examples_dir().join("python");
+    let w = World::new("python");
+
+    let mut cmd = Command::new(&python);
+    cmd.arg(dir.join("producer.py")).arg(pg_url(&w.db));
+    w.env(&mut cmd);
+    let ran = run("python producer.py", cmd);
+    let msgs = w.check_producer(&ran, 4, 1, 1).await;
+
+    let mut cmd = Command::new(&python);
+    cmd.arg(dir.join("consumer.py"));
+    w.consume_with_duplicate("python consumer.py", cmd, &msgs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_pg_producer() {
+    let node = tool("node", &[], "node");
+    let dir = examples_dir().join("node");
+    assert!(
+        dir.join("node_modules/pg/package.json").is_file(),
+        "the Node example needs its packages in {}: run scripts/examples-setup node",
+        dir.join("node_modules").display()
+    );
+    let w = World::new("node");
+
+    let mut cmd = Command::new(node);
+    cmd.arg(dir.join("producer.js")).arg(pg_url(&w.db));
+    w.env(&mut cmd);
+    let ran = run("node producer.js", cmd);
+    w.check_producer(&ran, 4, 1, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn java_jdbc_and_spring_producer_and_kafka_clients_consumer() {
+    let mvn = tool("mvn", &[], "java");
+    let java = tool("java", &[], "java");
+    let dir = examples_dir().join("java");
+    // Offline: the dependencies and plugins are the ones scripts/examples-setup put into ~/.m2.
+    let mut cmd = Command::new(mvn);
+    cmd.current_dir(&dir).args(["-B", "-q", "-o", "package"]);
+    build(
+        "mvn -o package (examples/java)",
+        cmd,
+        "the Java example's dependencies must be in ~/.m2: run scripts/examples-setup java",
+    );
+    let classpath = format!(
+        "{}:{}/*",
+        dir.join("target/classes").display(),
+        dir.join("target/lib").display()
+    );
+    let w = World::new("java");
+
+    let mut cmd = Command::new(&java);
+    cmd.args(["-cp", &classpath, "example.Producer"])
+        .arg(pg_url(&w.db));
+    w.env(&mut cmd);
+    let ran = run("java example.Producer", cmd);
+    // JDBC: 4 committed, 1 rolled back, 1 invalid; Spring: 3 committed, 1 rolled back, 1 invalid.
+    let msgs = w.check_producer(&ran, 7, 2, 2).await;
+    let via: BTreeSet<String> = ran
+        .records("invalid")
+        .iter()
+        .map(|r| r["via"].clone())
+        .collect();
+    assert_eq!(
+        via,
+        BTreeSet::from(["jdbc".to_string(), "spring".to_string()]),
+        "{}",
+        ran.context()
+    );
+    let keys: Vec<&str> = msgs.iter().filter_map(|m| m.key.as_deref()).collect();
+    assert_eq!(
+        keys.iter().filter(|k| k.contains("-spring-")).count(),
+        3,
+        "the Spring service's events arrived: {keys:?}"
+    );
+
+    let mut cmd = Command::new(&java);
+    cmd.args(["-cp", &classpath, "example.Consumer"]);
+    w.consume_with_duplicate("java example.Consumer", cmd, &msgs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_pgx_producer() {
+    let go = tool("go", &["/usr/local/go/bin/go"], "go");
+    let dir = examples_dir().join("go");
+    let bin = std::env::temp_dir().join(format!("outbox-example-go-{}", std::process::id()));
+    // Offline: the modules are the ones scripts/examples-setup put into Go's module cache.
+    let mut cmd = Command::new(go);
+    cmd.current_dir(&dir)
+        .env("GOPROXY", "off")
+        .args(["build", "-mod=readonly", "-o"])
+        .arg(&bin)
+        .arg(".");
+    build(
+        "go build (examples/go)",
+        cmd,
+        "the Go example's modules must be in Go's module cache: run scripts/examples-setup go",
+    );
+    let w = World::new("go");
+
+    let mut cmd = Command::new(&bin);
+    cmd.arg(pg_url(&w.db));
+    w.env(&mut cmd);
+    let ran = run("go example (pgx)", cmd);
+    let _ = std::fs::remove_file(&bin);
+    w.check_producer(&ran, 4, 1, 1).await;
+}
