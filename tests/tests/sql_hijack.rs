@@ -577,7 +577,10 @@ async fn lifecycle(
     let blocked = api.call("outbox_blocked_keys", "", &[]).await.len();
     api.expect(blocked == 2, &format!("{blocked} blocked keys, want 2"));
     let skipped = api.count("outbox_skip", "$1", &[&dead]).await;
-    api.expect(skipped == Some(2), &format!("skipped {skipped:?} of {dead:?}"));
+    api.expect(
+        skipped == Some(2),
+        &format!("skipped {skipped:?} of {dead:?}"),
+    );
     let requeued = api.count("outbox_requeue", "$1", &[&dead]).await;
     api.expect(
         requeued == Some(2),

@@ -91,10 +91,7 @@ async fn commit_order_decides_not_start_order() {
     paid.await.unwrap();
 
     let types: Vec<String> = setup
-        .query(
-            "SELECT event_type FROM outbox_claim('relay-a', 10)",
-            &[],
-        )
+        .query("SELECT event_type FROM outbox_claim('relay-a', 10)", &[])
         .await
         .unwrap()
         .iter()
@@ -210,11 +207,19 @@ async fn a_nacked_head_holds_its_key_until_its_backoff_ends() {
     assert_eq!(ids, [a1]);
     assert_eq!(settle(&c, "outbox_nack", "relay-a", token, &ids).await, 1);
     let (ids, token) = claim(&c, "relay-a", 10).await;
-    assert_eq!(ids, [b1], "A's next event waits behind its backing-off head");
+    assert_eq!(
+        ids,
+        [b1],
+        "A's next event waits behind its backing-off head"
+    );
     settle(&c, "outbox_ack", "relay-a", token, &ids).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let (ids, _) = claim(&c, "relay-a", 10).await;
-    assert_eq!(ids, [a1, a2], "after the backoff: the head, then the rest, in order");
+    assert_eq!(
+        ids,
+        [a1, a2],
+        "after the backoff: the head, then the rest, in order"
+    );
 }
 
 /// A claimed run where the head failed for good and the relay released the rest of the run.
@@ -243,7 +248,11 @@ async fn a_dead_head_blocks_its_key_until_requeued_and_shows_as_blocked() {
     let a4 = enqueue(&c, "A").await;
     let b2 = enqueue(&c, "B").await;
     let (ids, token) = claim(&c, "relay-a", 10).await;
-    assert_eq!(ids, [b2], "key A is blocked by its dead head, key B goes on");
+    assert_eq!(
+        ids,
+        [b2],
+        "key A is blocked by its dead head, key B goes on"
+    );
     settle(&c, "outbox_ack", "relay-a", token, &ids).await;
 
     let blocked = c

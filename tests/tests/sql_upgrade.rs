@@ -164,7 +164,10 @@ async fn update_with_events_in_flight(from: &str) {
         let c = &c;
         async move {
             let rows = c
-                .query("SELECT id, claim_token FROM outbox_claim('relay-b', 10)", &[])
+                .query(
+                    "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
+                    &[],
+                )
                 .await
                 .unwrap();
             let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
