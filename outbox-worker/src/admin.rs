@@ -1,4 +1,5 @@
-//! Operator commands: stats, dead-letters, requeue, purge (through the extension's functions), and
+//! Operator commands: stats, dead-letters, blocked, requeue, skip, purge (through the extension's
+//! functions), and
 //! tail (reads a topic back from Kafka).
 
 use std::io::Write;
@@ -10,7 +11,9 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::json;
 
-use crate::cli::{DeadLettersArgs, PurgeArgs, RequeueArgs, StatsArgs, TailArgs};
+use crate::cli::{
+    BlockedArgs, DeadLettersArgs, PurgeArgs, RequeueArgs, SkipArgs, StatsArgs, TailArgs,
+};
 use crate::db::{admin_session, db_error};
 use crate::store::Stats;
 use crate::Fatal;
@@ -32,6 +35,7 @@ pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
         ("sending", s.sending),
         ("failed", s.failed),
         ("succeeded", s.succeeded),
+        ("blocked_keys", s.blocked_keys),
     ];
     if args.json {
         let mut obj = serde_json::Map::new();
@@ -40,6 +44,10 @@ pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
         }
         obj.insert("oldest_due_age_seconds".into(), json!(s.oldest_due_age));
         obj.insert("oldest_lease_age_seconds".into(), json!(s.oldest_lease_age));
+        obj.insert(
+            "oldest_blocked_age_seconds".into(),
+            json!(s.oldest_blocked_age),
+        );
         println!("{}", serde_json::Value::Object(obj));
     } else {
         for (n, c) in counts {
@@ -48,6 +56,7 @@ pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
         let fmt = |a: Option<f64>| a.map_or("-".to_string(), |s| format!("{s:.3}s"));
         println!("{:<22} {}", "oldest_due_age", fmt(s.oldest_due_age));
         println!("{:<22} {}", "oldest_lease_age", fmt(s.oldest_lease_age));
+        println!("{:<22} {}", "oldest_blocked_age", fmt(s.oldest_blocked_age));
     }
     Ok(())
 }
@@ -105,6 +114,67 @@ pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
     if !args.json {
         let _ = writeln!(out, "({} dead letters)", rows.len());
     }
+    Ok(())
+}
+
+/// Keys held back by a dead head: what `requeue` (resume in order) or `skip` would release.
+pub async fn blocked(args: BlockedArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let rows = client
+        .query(
+            &format!(
+                "SELECT topic, event_key, head_id, waiting, last_error, \
+                 to_char(blocked_since, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS blocked_since \
+                 FROM {schema}.outbox_blocked_keys($1)"
+            ),
+            &[&args.limit],
+        )
+        .await
+        .map_err(|e| failed("outbox_blocked_keys()", &e))?;
+    let mut out = std::io::stdout().lock();
+    if !args.json {
+        let _ = writeln!(
+            out,
+            "{:<20} {:<24} {:>10} {:>8}  {:<29} last_error",
+            "topic", "key", "head_id", "waiting", "blocked_since"
+        );
+    }
+    for r in &rows {
+        let (topic, key): (String, String) = (r.get("topic"), r.get("event_key"));
+        let (head, waiting): (i64, i64) = (r.get("head_id"), r.get("waiting"));
+        let err: Option<String> = r.get("last_error");
+        let since: String = r.get("blocked_since");
+        if args.json {
+            let v = json!({"topic": topic, "key": key, "head_id": head, "waiting": waiting,
+                           "blocked_since": since, "last_error": err});
+            let _ = writeln!(out, "{v}");
+        } else {
+            let _ = writeln!(
+                out,
+                "{topic:<20} {key:<24} {head:>10} {waiting:>8}  {since:<29} {}",
+                err.unwrap_or_default().replace('\n', " ")
+            );
+        }
+    }
+    if !args.json {
+        let _ = writeln!(
+            out,
+            "({} blocked keys; `requeue HEAD_ID` resumes a key in order, `skip HEAD_ID` lets it go on without its head)",
+            rows.len()
+        );
+    }
+    Ok(())
+}
+
+/// Lets the keys of these dead letters go on without them (outbox_skip).
+pub async fn skip(args: SkipArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let row = client
+        .query_one(&format!("SELECT {schema}.outbox_skip($1)"), &[&args.ids])
+        .await
+        .map_err(|e| failed("outbox_skip()", &e))?;
+    let n: i32 = row.get(0);
+    println!("skipped {n} of {} dead letters", args.ids.len());
     Ok(())
 }
 

@@ -46,8 +46,12 @@ pub enum Command {
     Stats(StatsArgs),
     /// List dead letters (FAIL rows), oldest id first.
     DeadLetters(DeadLettersArgs),
-    /// Put dead letters back to WAIT (retry count 0, due now).
+    /// Put dead letters back to WAIT (retry count 0, due now); a key blocked by one resumes in order.
     Requeue(RequeueArgs),
+    /// List keys held back by a dead head event (outbox_blocked_keys()).
+    Blocked(BlockedArgs),
+    /// Let the keys of these dead letters go on without them (they stay dead letters).
+    Skip(SkipArgs),
     /// Delete delivered (SUCCESS) rows older than a given age.
     Purge(PurgeArgs),
     /// Print the messages of a Kafka topic (all partitions, from the beginning).
@@ -360,6 +364,27 @@ pub struct RequeueArgs {
     /// Requeue every dead letter (deliberately no environment variable: command line only).
     #[arg(long)]
     pub all: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BlockedArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// At most this many keys.
+    #[arg(long, env = "OUTBOX_BLOCKED_LIMIT", default_value_t = defaults::DEAD_LETTERS_LIMIT)]
+    pub limit: i32,
+    /// Print JSON lines instead of a table.
+    #[arg(long, env = "OUTBOX_JSON")]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SkipArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Ids of dead letters (the head_id that `blocked` lists).
+    #[arg(required = true)]
+    pub ids: Vec<i64>,
 }
 
 #[derive(Args, Debug)]

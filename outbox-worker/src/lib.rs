@@ -81,6 +81,8 @@ pub fn execute(cli: Cli) -> ExitCode {
             Command::Stats(a) => admin::stats(a).await,
             Command::DeadLetters(a) => admin::dead_letters(a).await,
             Command::Requeue(a) => admin::requeue(a).await,
+            Command::Blocked(a) => admin::blocked(a).await,
+            Command::Skip(a) => admin::skip(a).await,
             Command::Purge(a) => admin::purge(a).await,
             Command::Tail(a) => tokio::task::spawn_blocking(move || admin::tail(a))
                 .await

@@ -81,6 +81,9 @@ pub async fn stats_loop(
                 m.oldest_due_age.set(stats.oldest_due_age.unwrap_or(0.0));
                 m.oldest_lease_age
                     .set(stats.oldest_lease_age.unwrap_or(0.0));
+                m.blocked_keys.set(stats.blocked_keys);
+                m.oldest_blocked_age
+                    .set(stats.oldest_blocked_age.unwrap_or(0.0));
             }
             Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => tracing::warn!("reading outbox_stats() failed: {e}"),

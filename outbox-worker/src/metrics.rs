@@ -36,6 +36,8 @@ pub struct Metrics {
     pub sending: IntGauge,
     pub dead_letters: IntGauge,
     pub oldest_due_age: Gauge,
+    pub blocked_keys: IntGauge,
+    pub oldest_blocked_age: Gauge,
     pub oldest_lease_age: Gauge,
     pub health: Health,
 }
@@ -161,6 +163,16 @@ impl Metrics {
                 &r,
                 "outbox_oldest_lease_age_seconds",
                 "Age of the oldest lease (0 when none)",
+            ),
+            blocked_keys: int_gauge(
+                &r,
+                "outbox_blocked_keys",
+                "Keys held back by a dead head event (outbox.head_of_line = block)",
+            ),
+            oldest_blocked_age: gauge(
+                &r,
+                "outbox_oldest_blocked_age_seconds",
+                "Time since the oldest blocking head event became a dead letter (0 when none)",
             ),
             registry: r,
             health,

@@ -117,6 +117,10 @@ pub struct Stats {
     pub oldest_due_age: Option<f64>,
     /// Seconds; None when nothing is claimed.
     pub oldest_lease_age: Option<f64>,
+    /// Keys held back by a dead head (outbox.head_of_line = block).
+    pub blocked_keys: i64,
+    /// Seconds since the oldest blocking head died; None when no key is blocked.
+    pub oldest_blocked_age: Option<f64>,
     /// None when the setting cannot be read.
     pub max_retry: Option<i32>,
 }
@@ -127,7 +131,8 @@ impl Stats {
         format!(
             "SELECT due_wait, delayed_wait, sending, failed, succeeded, \
              extract(epoch from oldest_due_age)::float8 AS oldest_due_age, \
-             extract(epoch from oldest_lease_age)::float8 AS oldest_lease_age, \
+             extract(epoch from oldest_lease_age)::float8 AS oldest_lease_age, blocked_keys, \
+             extract(epoch from oldest_blocked_age)::float8 AS oldest_blocked_age, \
              current_setting('outbox.max_retry', true) AS max_retry \
              FROM {schema}.outbox_stats()"
         )
@@ -142,6 +147,8 @@ impl Stats {
             succeeded: r.try_get("succeeded")?,
             oldest_due_age: r.try_get("oldest_due_age")?,
             oldest_lease_age: r.try_get("oldest_lease_age")?,
+            blocked_keys: r.try_get("blocked_keys")?,
+            oldest_blocked_age: r.try_get("oldest_blocked_age")?,
             max_retry: parse_setting(r.try_get("max_retry")?),
         })
     }

@@ -1,4 +1,4 @@
-//! Operator commands: stats, dead-letters, requeue, purge.
+//! Operator commands: stats, dead-letters, blocked, requeue, skip, purge.
 
 use outbox_tests::db::TestDb;
 use outbox_tests::events::status_counts;
@@ -100,4 +100,57 @@ async fn stats_dead_letters_requeue_and_purge() {
     assert!(out.contains("purged 3"), "{out}");
     let c = status_counts(&client).await;
     assert_eq!((c["SUCCESS"], c["WAIT"]), (0, 3), "{c:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_lists_keys_behind_a_dead_head_and_skip_lets_them_go_on() {
+    let db = TestDb::create();
+    let url = db.url();
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.max_retry = 0",
+        db.name
+    ));
+    let client = db.connect().await;
+    // K1's head dies (max_retry 0); two more K1 events wait behind it; K2 is delivered.
+    client
+        .batch_execute(
+            "SELECT outbox_enqueue('orders', '{\"n\":1}', key => 'K1');
+             SELECT outbox_nack('t', c.claim_token, ARRAY[c.id], 'too large') FROM outbox_claim('t', 1) c;
+             SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'K1') FROM generate_series(2, 3) g;
+             SELECT outbox_enqueue('orders', '{}', key => 'K2');
+             SELECT outbox_ack('t', min(c.claim_token), array_agg(c.id)) FROM outbox_claim('t', 10) c;",
+        )
+        .await
+        .expect("set-up");
+
+    let v: serde_json::Value =
+        serde_json::from_str(ok(&["stats", "--json", "--database-url", &url]).trim())
+            .expect("json");
+    assert_eq!(v["blocked_keys"], 1, "{v}");
+    let lines: Vec<serde_json::Value> = ok(&["blocked", "--json", "--database-url", &url])
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(
+        (
+            &lines[0]["key"],
+            &lines[0]["waiting"],
+            &lines[0]["last_error"]
+        ),
+        (&"K1".into(), &2.into(), &"too large".into())
+    );
+    let head = lines[0]["head_id"].as_i64().expect("head_id");
+    let text = ok(&["blocked", "--database-url", &url]);
+    assert!(text.contains("(1 blocked keys"), "{text}");
+
+    assert_eq!(
+        ok(&["skip", "--database-url", &url, &head.to_string()]).trim(),
+        "skipped 1 of 1 dead letters"
+    );
+    let n: i64 =
+        outbox_tests::db::scalar(&client, "SELECT count(*) FROM outbox_claim('t', 10)", &[]).await;
+    assert_eq!(n, 2, "K1 goes on without its skipped head");
+    let out = run_cmd(&["skip", "--database-url", &url]);
+    assert!(!out.status.success(), "skip without ids must fail");
 }
