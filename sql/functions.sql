@@ -66,12 +66,15 @@ END
 $$;
 
 -- The advisory lock that makes producers of one (topic, key) take turns until they commit
--- (outbox_enqueue), and that a claim takes before deleting an idle key. Topics never contain '/'.
+-- (outbox_enqueue), and that a claim takes before deleting an idle key. One of 1,024 locks by the
+-- key's hash, so a transaction holds at most 1,024 of them however many keys it enqueues for
+-- (PostgreSQL's lock table is small and shared); the high 32 bits ('outb') keep them apart from
+-- an application's small advisory lock numbers. Topics never contain '/'.
 CREATE FUNCTION @extschema@.outbox_key_lock_id(topic text, event_key text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT pg_catalog.hashtextextended(topic || '/' || event_key, 7964)
+    SELECT 8031453474740764672 + (pg_catalog.hashtextextended(topic || '/' || event_key, 7964) & 1023)
 $$;
 
 CREATE FUNCTION @extschema@.outbox_enqueue(
