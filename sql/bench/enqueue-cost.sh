@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Server-side cost of one outbox_enqueue, the first release (0.1.0) against the current one, in
-# the same run, next to a plain INSERT of the same row: 20,000 rows in one statement, notify off,
+# Server-side cost of one outbox_enqueue, the first release (0.1.0) and the previous one (0.3.0)
+# against the current one, in the same run, next to a plain INSERT of the same row: 20,000 rows
+# with distinct keys (each an ordered key of its own from 0.4.0 on) in one statement, notify off,
 # best of 5. Writes docs/ENQUEUE.md. Usage: sql/bench/enqueue-cost.sh (after scripts/setup).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,7 +39,7 @@ row() { # version label -> markdown row
 }
 
 current=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
-results=$(row 0.1.0; row "$current")
+results=$(row 0.1.0; row 0.3.0; row "$current")
 {
   echo "# Enqueue cost per row"
   echo
