@@ -135,6 +135,8 @@ impl Relay {
                     .entry((error.class(), error.to_string()))
                     .or_default()
                     .push(i),
+                // Always after a failure of its key, so among the held-back events above.
+                Outcome::NotSent => {}
             }
         }
         if !delivered.is_empty() {
@@ -327,9 +329,9 @@ impl Relay {
 const HELD_BACK: &str = "held back: an earlier event of its key failed in the same batch";
 
 /// Per-key order within a batch (sorted by id, i.e. commit order per key): the indexes of ordered
-/// events that come after a failed event of their key. Even if delivered, they must not be acked
-/// before it: they go back to WAIT without an attempt counted, and follow it later (consumers
-/// drop the extra copy by `event_id`).
+/// events that come after a failed event of their key (those not even sent, and those delivered,
+/// which must not be acked before it): they go back to WAIT without an attempt counted, and
+/// follow it later (consumers drop an extra copy by `event_id`).
 fn held_back(events: &[Event], outcomes: &[Outcome]) -> BTreeSet<usize> {
     let mut failed_keys: BTreeSet<(&str, &str)> = BTreeSet::new();
     let mut held = BTreeSet::new();
@@ -401,6 +403,7 @@ mod tests {
             ev(7, Some("C"), false), // unordered topic: failures do not hold it back
             ev(8, Some("C"), false),
             ev(9, Some("A"), true), // failed too, but after 3: held back, not nacked
+            ev(10, Some("A"), true), // not even sent
         ];
         let outcomes = [
             ok(),
@@ -412,8 +415,9 @@ mod tests {
             failed(),
             ok(),
             failed(),
+            Outcome::NotSent,
         ];
         let held: Vec<usize> = held_back(&events, &outcomes).into_iter().collect();
-        assert_eq!(held, vec![3, 8]);
+        assert_eq!(held, vec![3, 8, 9]);
     }
 }

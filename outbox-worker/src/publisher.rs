@@ -28,8 +28,12 @@ const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    Delivered { latency: Duration },
+    Delivered {
+        latency: Duration,
+    },
     Failed(PublishError),
+    /// Not handed to the producer: an earlier event of its ordered key failed to be queued.
+    NotSent,
 }
 
 /// Routes librdkafka's own log lines and client errors into tracing, its statistics into the
@@ -178,18 +182,33 @@ impl Publisher {
         // key reach its partition in that order; the idempotent producer keeps it through
         // retries. A full local queue holds back the rest of the batch instead of letting a
         // later event overtake the one that waits for room.
+        // An event that could not be queued (too large, unknown partition...) stops the rest of
+        // its ordered key: sending them would let them arrive before it.
         let mut queued = Vec::with_capacity(events.len());
+        let mut refused: BTreeSet<(&str, &str)> = BTreeSet::new();
         for ev in events {
-            queued.push((ev, self.enqueue(&producer, ev, start).await));
+            let key = ev.key.as_deref().filter(|_| ev.ordered);
+            let held = key.is_some_and(|k| refused.contains(&(ev.topic.as_str(), k)));
+            let q = if held {
+                None
+            } else {
+                let q = self.enqueue(&producer, ev, start).await;
+                if let (Err(_), Some(k)) = (&q, key) {
+                    refused.insert((ev.topic.as_str(), k));
+                }
+                Some(q)
+            };
+            queued.push((ev, q));
         }
         let sends = queued.into_iter().map(|(ev, queued)| async move {
             let result = match queued {
-                Ok(delivery) => match delivery.await {
+                None => return (Outcome::NotSent, None),
+                Some(Ok(delivery)) => match delivery.await {
                     Ok(Ok(_)) => Ok(()),
                     Ok(Err((e, _msg))) => Err(e),
                     Err(_canceled) => Err(KafkaError::Canceled),
                 },
-                Err(e) => Err(e),
+                Some(Err(e)) => Err(e),
             };
             match result {
                 Ok(()) => (

@@ -120,3 +120,82 @@ async fn first_arrivals_of_each_key_are_in_commit_order() {
     let keys_left: i64 = db::scalar(&client, "SELECT count(*) FROM outbox_key", &[]).await;
     assert!(keys_left <= KEYS, "{keys_left} key rows");
 }
+
+/// Events of `key` read back from `topic`, first arrivals only, in arrival order.
+fn first_arrivals(broker: &Broker, topic: &str, key: &str) -> Vec<i64> {
+    let mut msgs = broker.consume_all(topic, Duration::from_secs(10));
+    msgs.sort_by_key(|m| (m.partition, m.offset));
+    let mut seen = BTreeSet::new();
+    msgs.iter()
+        .filter(|m| m.key.as_deref() == Some(key))
+        .map(|m| m.outbox_id())
+        .filter(|id| seen.insert(*id))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_event_holds_back_the_rest_of_its_key_until_skipped() {
+    // The producer refuses messages over 2,000 bytes (librdkafka's message.max.bytes), below the
+    // extension's limit: the second event of key K fails in the middle of its run, for good.
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.max_retry = 0",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let mut ids = Vec::new();
+    for (key, size) in [("K", 10), ("K", 3_000), ("K", 10), ("L", 10), ("K", 10)] {
+        let id: i64 = client
+            .query_one(
+                "SELECT outbox_enqueue('orders', jsonb_build_object('pad', repeat('x', $1)), key => $2)",
+                &[&size, &key],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        ids.push(id);
+    }
+    let (k1, k2, k3, l1, k4) = (ids[0], ids[1], ids[2], ids[3], ids[4]);
+    let mut relay = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--poll-interval",
+            "100ms",
+            "--kafka-property",
+            "message.max.bytes=2000",
+        ],
+    );
+    // K's head k1 and L go out; k2 is dead (max_retry 0) and blocks K.
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| {
+        c.get("SUCCESS") == Some(&2) && c.get("FAIL") == Some(&1)
+    })
+    .await;
+    assert_eq!(
+        (
+            counts.get("SUCCESS"),
+            counts.get("FAIL"),
+            counts.get("WAIT")
+        ),
+        (Some(&2), Some(&1), Some(&2)),
+        "{counts:?}"
+    );
+    let blocked: i64 = db::scalar(&client, "SELECT blocked_keys FROM outbox_stats()", &[]).await;
+    assert_eq!(blocked, 1);
+    assert_eq!(first_arrivals(&broker, "orders", "K"), [k1]);
+    assert_eq!(first_arrivals(&broker, "orders", "L"), [l1]);
+
+    // The operator skips the dead event: the rest of K follows, in order.
+    let n: i32 = db::scalar(&client, "SELECT outbox_skip($1)", &[&vec![k2]]).await;
+    assert_eq!(n, 1);
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| {
+        c.get("SUCCESS") == Some(&4)
+    })
+    .await;
+    assert_eq!(counts.get("SUCCESS"), Some(&4), "{counts:?}");
+    assert_eq!(first_arrivals(&broker, "orders", "K"), [k1, k3, k4]);
+    assert!(relay.is_running(), "{}", relay.log_tail(20));
+    relay.terminate(Duration::from_secs(20)).unwrap();
+}
