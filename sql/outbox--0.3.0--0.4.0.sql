@@ -163,6 +163,7 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     lease interval;
     skip_dead boolean;
+    key_rows tid[];
     key_topics text[];
     key_names text[];
     key_due timestamptz[];
@@ -183,10 +184,10 @@ BEGIN
     -- Ordered keys due for a look, locked until this call's transaction ends: one caller at a
     -- time decides a key's run. SKIP LOCKED: concurrent claimers split the keys. At most 1,000
     -- keys, as an idle one costs an advisory lock below.
-    SELECT array_agg(d.topic ORDER BY d.due_at), array_agg(d.event_key ORDER BY d.due_at),
-           array_agg(d.due_at ORDER BY d.due_at)
-      INTO key_topics, key_names, key_due
-      FROM (SELECT k.topic, k.event_key, k.due_at FROM @extschema@.outbox_key k
+    SELECT array_agg(d.ctid ORDER BY d.due_at), array_agg(d.topic ORDER BY d.due_at),
+           array_agg(d.event_key ORDER BY d.due_at), array_agg(d.due_at ORDER BY d.due_at)
+      INTO key_rows, key_topics, key_names, key_due
+      FROM (SELECT k.ctid, k.topic, k.event_key, k.due_at FROM @extschema@.outbox_key k
              WHERE k.due_at <= stamp
              ORDER BY k.due_at
              LIMIT least(max_events, 1000)
@@ -200,8 +201,9 @@ BEGIN
     -- is cut by due time with a key's run ranked as one block, so a cut keeps a prefix.
     RETURN QUERY
     WITH keys AS (
-        SELECT t.topic, t.event_key, t.due_at, t.rank
-          FROM unnest(key_topics, key_names, key_due) WITH ORDINALITY AS t(topic, event_key, due_at, rank)
+        SELECT t.row_id, t.topic, t.event_key, t.due_at, t.rank
+          FROM unnest(key_rows, key_topics, key_names, key_due)
+               WITH ORDINALITY AS t(row_id, topic, event_key, due_at, rank)
     ), pending AS MATERIALIZED (
         SELECT k.rank, k.due_at AS key_due, p.id, p.status, p.next_retry_time, p.claimed_at, p.pos,
                bool_and(p.status = 'WAIT' AND p.next_retry_time <= stamp)
@@ -238,26 +240,31 @@ BEGIN
                claimed_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
         RETURNING e.*
-    ), holding AS (
-        SELECT DISTINCT p.rank FROM pending p JOIN chosen c ON c.id = p.id
+    ), heads AS (
+        -- Per visited key: whether this call claims some of it, and its head's state.
+        SELECT p.rank, bool_or(c.id IS NOT NULL) AS holding,
+               min(p.status) FILTER (WHERE p.pos = 1) AS status,
+               min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
+               min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
+          FROM pending p LEFT JOIN chosen c ON c.id = p.id
+         GROUP BY p.rank
     ), verdict AS (
         -- When each visited key needs a look next: after its run (the lease, unless settled
         -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle.
-        SELECT k.topic, k.event_key,
-               CASE WHEN hk.rank IS NOT NULL THEN stamp + lease
-                    WHEN h.id IS NULL THEN '-infinity'::timestamptz
+        SELECT k.row_id,
+               CASE WHEN h.holding THEN stamp + lease
+                    WHEN h.rank IS NULL THEN '-infinity'::timestamptz
                     WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN k.due_at
                     WHEN h.status = 'WAIT' THEN h.next_retry_time
                     WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
                     ELSE 'infinity'::timestamptz
                END AS next_due
-          FROM keys k
-          LEFT JOIN pending h ON h.rank = k.rank AND h.pos = 1
-          LEFT JOIN holding hk ON hk.rank = k.rank
+          FROM keys k LEFT JOIN heads h ON h.rank = k.rank
     ), looked AS (
+        -- The key rows by their tuple ids: locked above, so they cannot have moved.
         UPDATE @extschema@.outbox_key k SET due_at = v.next_due
           FROM verdict v
-         WHERE k.topic = v.topic AND k.event_key = v.event_key AND k.due_at <> v.next_due
+         WHERE k.ctid = ANY (key_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
     )
     -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
     SELECT * FROM claimed c ORDER BY c.id;
@@ -267,9 +274,8 @@ BEGIN
     -- every event they committed, and none can add one before this transaction ends.
     SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
       FROM @extschema@.outbox_key k
-      JOIN unnest(key_topics, key_names) AS t(topic, event_key)
-        ON k.topic = t.topic AND k.event_key = t.event_key
      WHERE k.due_at = '-infinity'
+       AND (k.topic, k.event_key) IN (SELECT * FROM unnest(key_topics, key_names))
        AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
     IF key_topics IS NOT NULL THEN
         DELETE FROM @extschema@.outbox_key k
