@@ -71,6 +71,8 @@ pub enum Section {
     Seed,
     Broker,
     Latency,
+    /// Per-key order: ordered vs unordered drain to the broker, claim cost at a hot key.
+    Ordering,
     /// Partial vs the seed's composite indexes (docs/INDEXES.md).
     Indexes,
 }

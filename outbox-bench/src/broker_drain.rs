@@ -48,8 +48,22 @@ pub async fn drain(
     extra: &[String],
     tag: &str,
 ) -> Result<BrokerDrain> {
+    db::fill_backlog(env.monitor, backlog, "bench.drain").await?;
+    drain_filled(env, backlog, cap, loops, extra, tag).await
+}
+
+/// Drains the `backlog` events already in the table (and nothing else: the caller emptied it
+/// before filling) through `outbox-worker run --concurrency loops <extra>`; the fill stays out of
+/// every figure.
+pub async fn drain_filled(
+    env: &RelayEnv<'_>,
+    backlog: i64,
+    cap: Duration,
+    loops: usize,
+    extra: &[String],
+    tag: &str,
+) -> Result<BrokerDrain> {
     let m = env.monitor;
-    db::fill_backlog(m, backlog, "bench.drain").await?;
     let mut args = vec!["--concurrency".to_string(), loops.to_string()];
     args.extend(extra.iter().cloned());
     let cpu = DbCpu::start(m, &env.db.name).await?;

@@ -85,6 +85,60 @@ pub async fn insert_backlog(c: &Client, n: i64, topic: &str) -> Result<()> {
     Ok(())
 }
 
+/// Events per transaction of a keyed fill. Each distinct key of a transaction holds an advisory
+/// lock until commit (`outbox_enqueue` on an ordered topic), and the server's shared lock table
+/// holds about max_locks_per_transaction × max_connections locks (64 × 100 by default): one
+/// transaction enqueuing for 100,000 keys fails with "out of shared memory".
+pub const KEYED_FILL_TX: i64 = 1_000;
+
+/// Empties the outbox (events and key rows) and enqueues `n` events over `keys` keys
+/// (`'k' || g % keys`) through `outbox_enqueue`, `KEYED_FILL_TX` events per transaction, so the
+/// `ordered` flags, the key rows and the id order are the real ones; with `unordered` the session
+/// lists `topic` in `outbox.unordered_topics` first. Then VACUUM ANALYZE. Returns (ordered events,
+/// key rows). Use a session of its own: the setting stays in it.
+pub async fn fill_keyed(
+    c: &Client,
+    topic: &str,
+    n: i64,
+    keys: i64,
+    unordered: bool,
+) -> Result<(i64, i64)> {
+    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
+    let list = if unordered { topic } else { "" };
+    c.execute(
+        "SELECT set_config('outbox.unordered_topics', $1, false)",
+        &[&list],
+    )
+    .await?;
+    let fill = c
+        .prepare(
+            "SELECT count(outbox_enqueue($1, jsonb_build_object('order_id', g, 'customer', 'c' || (g % 977), 'amount', 42.50),
+                                         key => 'k' || (g % $4), event_type => 'OrderCreated'))
+               FROM generate_series($2::bigint, $3::bigint) g",
+        )
+        .await?;
+    let mut from = 1;
+    while from <= n {
+        let to = (from + KEYED_FILL_TX - 1).min(n);
+        c.query_one(&fill, &[&topic, &from, &to, &keys])
+            .await
+            .context("enqueuing the keyed backlog")?;
+        from = to + 1;
+    }
+    c.batch_execute("SELECT pg_stat_force_next_flush()").await?;
+    c.batch_execute("SELECT 1").await?;
+    c.batch_execute("VACUUM ANALYZE outbox_event, outbox_key")
+        .await?;
+    let r = c
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox_event WHERE ordered),
+                    (SELECT count(*) FROM outbox_key)",
+            &[],
+        )
+        .await?;
+    Ok((r.get(0), r.get(1)))
+}
+
 pub async fn count_status(c: &Client, status: &str) -> Result<i64> {
     Ok(c.query_one(
         "SELECT count(*) FROM outbox_event WHERE status = $1::text::outbox_status",

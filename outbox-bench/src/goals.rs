@@ -7,7 +7,7 @@ use crate::latency::notify_cap_note;
 use crate::null_sink::find_run;
 use crate::report::{ms, num, pct, Goal};
 use crate::results::Results;
-use crate::{broker_drain, latency, null_sink};
+use crate::{broker_drain, latency, null_sink, ordering};
 
 fn cpu_limit_note(host_busy: f64, other: f64) -> String {
     let base = if host_busy >= 85.0 {
@@ -190,6 +190,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
         },
         _ => not_measured("8 claimers vs 1", "throughput(8) ≥ throughput(1)".into()),
     });
+    g.extend(ordering::goals(r));
     g
 }
 

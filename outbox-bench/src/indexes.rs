@@ -329,7 +329,7 @@ fn markdown(p: &Profile, s: &DesignRun, c: &DesignRun, conclusion: &str) -> Stri
 
 /// Runs the comparison in a scratch database of its own (it replaces the extension's indexes).
 pub async fn run(p: &Profile, server: &str, r: &mut Results) -> Result<()> {
-    progress!("==> 7. index comparison");
+    progress!("==> 8. index comparison");
     let db = TestDb::create_on(server, "outbox_index_bench");
     let c = db.client().await?;
     let shipped = measure(&c, p, &SHIPPED).await?;

@@ -34,6 +34,13 @@ pub struct Profile {
     pub linger_ms: Vec<u32>,
     pub latency_rates: Vec<f64>,
     pub latency_time: Duration,
+    /// Per-key order: a keyed backlog drained ordered and unordered over each number of keys
+    /// (capped at the backlog), and a hot key's backlogs for the claim cost, with calls per size.
+    pub ordering_backlog: i64,
+    pub ordering_keys: Vec<i64>,
+    pub ordering_cap: Duration,
+    pub claim_cost_backlogs: Vec<i64>,
+    pub claim_cost_calls: usize,
     /// Index comparison: SUCCESS history, SENDING leases, WAIT backlog, time per query.
     pub index_history: i64,
     pub index_sending: i64,
@@ -72,6 +79,11 @@ impl Profile {
             linger_ms: vec![1, 5, 20],
             latency_rates: vec![100.0, LATENCY_GOAL_RATE, 5000.0],
             latency_time: Duration::from_secs(5),
+            ordering_backlog: 20_000,
+            ordering_keys: vec![1, 100, 10_000, 100_000],
+            ordering_cap: Duration::from_secs(120),
+            claim_cost_backlogs: vec![100, 1_000, 100_000],
+            claim_cost_calls: 50,
             index_history: 1_000_000,
             index_sending: 1_000,
             index_backlog: 10_000,
@@ -95,6 +107,8 @@ impl Profile {
             broker_backlog: 1_000_000,
             broker_cap: Duration::from_secs(300),
             latency_time: Duration::from_secs(20),
+            ordering_backlog: 100_000,
+            ordering_cap: Duration::from_secs(300),
             ..Profile::quick()
         }
     }
@@ -127,6 +141,11 @@ impl Profile {
             linger_ms: vec![],
             latency_rates: vec![200.0],
             latency_time: Duration::from_secs(1),
+            ordering_backlog: 1_000,
+            ordering_keys: vec![1, 100, 100_000],
+            ordering_cap: Duration::from_secs(20),
+            claim_cost_backlogs: vec![100, 1_000, 2_000],
+            claim_cost_calls: 5,
             index_history: 20_000,
             index_sending: 100,
             index_backlog: 1_000,

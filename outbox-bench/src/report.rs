@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::goals::recommendations;
 use crate::results::Results;
-use crate::{broker_drain, contention, latency, null_sink, seed, Profile};
+use crate::{broker_drain, contention, latency, null_sink, ordering, seed, Profile};
 
 pub struct Table {
     head: Vec<String>,
@@ -175,8 +175,10 @@ pub fn render(p: &Profile, r: &Results, goals: &[Goal], env: &str, took: Duratio
         Some(h) => s += h,
         None => s += "Not run.\n",
     }
+    s += "\n## 7. Per-key order\n\n";
+    s += &ordering::markdown(p, r);
     if let Some(md) = &r.indexes_md {
-        s += "\n## 7. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
+        s += "\n## 8. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
         s += md;
     }
     s += &failures(r);

@@ -7,7 +7,7 @@ use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 
 use crate::report::Goal;
-use crate::{broker_drain, enqueue, latency, null_sink, seed, Profile};
+use crate::{broker_drain, enqueue, hot_key, latency, null_sink, ordering, seed, Profile};
 
 /// Everything the report needs, filled in section by section.
 #[derive(Default)]
@@ -23,6 +23,8 @@ pub struct Results {
     pub seed_compare: Option<null_sink::DrainRun>,
     pub broker: Vec<broker_drain::BrokerDrain>,
     pub latency: Vec<latency::LatencyRun>,
+    pub ordering: Vec<ordering::KeyedDrain>,
+    pub claim_cost: Option<hot_key::ClaimCosts>,
     pub indexes_md: Option<String>,
     pub indexes: Option<Value>,
     pub broker_note: Option<String>,
@@ -72,7 +74,7 @@ fn seed_run(s: &seed::SeedRun) -> Value {
     })
 }
 
-fn broker_run(b: &broker_drain::BrokerDrain) -> Value {
+pub fn broker_run(b: &broker_drain::BrokerDrain) -> Value {
     json!({
         "loops": b.loops,
         "relay_settings": b.settings,
@@ -135,6 +137,7 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
         },
         "broker_drain": r.broker.iter().map(broker_run).collect::<Vec<_>>(),
         "latency": r.latency.iter().map(latency_run).collect::<Vec<_>>(),
+        "ordering": ordering::json(r),
         "contention": r.contention.iter().map(drain_run).collect::<Vec<_>>(),
         "seed": {
             "runs": r.seed.iter().map(seed_run).collect::<Vec<_>>(),

@@ -11,8 +11,8 @@ use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
-    broker_drain, contention, enqueue, goals, health, indexes, latency, null_sink, report, seed,
-    sys,
+    broker_drain, contention, enqueue, goals, health, hot_key, indexes, latency, null_sink,
+    ordering, report, seed, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -46,7 +46,8 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
 
     let mut broker_version = "not used".to_string();
     let mut relay_version = "not used".to_string();
-    if !args.no_broker && (want(Section::Broker) || want(Section::Latency)) {
+    let broker_wanted = want(Section::Broker) || want(Section::Latency) || want(Section::Ordering);
+    if !args.no_broker && broker_wanted {
         let relay_bin = outbox_tests::relay::find_relay_bin();
         if let Ok(bin) = &relay_bin {
             relay_version = sys::command_line(bin, &["--version"])
@@ -70,6 +71,9 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
         r.broker_note = Some("skipped (`--no-broker`)".into());
     }
 
+    if want(Section::Ordering) {
+        hot_key::run(p, db, &mut r).await?;
+    }
     if want(Section::Indexes) {
         indexes::run(p, &db.server, &mut r).await?;
     }
@@ -117,6 +121,11 @@ async fn broker_sections(
     broker
         .try_create_topic("bench.drain")
         .map_err(anyhow::Error::msg)?;
+    if want(Section::Ordering) {
+        broker
+            .try_create_topic(ordering::TOPIC)
+            .map_err(anyhow::Error::msg)?;
+    }
     let env = RelayEnv {
         db,
         monitor,
@@ -131,6 +140,10 @@ async fn broker_sections(
     if want(Section::Latency) {
         progress!("==> 3. commit-to-broker latency");
         latency::run(p, &env, r).await?;
+    }
+    if want(Section::Ordering) {
+        progress!("==> 7. per-key order: ordered vs unordered drain to the broker");
+        ordering::run_drains(p, &env, r).await?;
     }
     Ok(())
 }

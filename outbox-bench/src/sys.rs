@@ -203,7 +203,7 @@ pub async fn environment(
             "SELECT name || ' = ' || setting || coalesce(unit, '') FROM pg_settings
               WHERE name IN ('shared_buffers', 'synchronous_commit', 'fsync', 'wal_level',
                              'max_connections', 'autovacuum', 'shared_preload_libraries',
-                             'max_wal_size', 'checkpoint_timeout')
+                             'max_wal_size', 'checkpoint_timeout', 'max_locks_per_transaction')
               ORDER BY name",
             &[],
         )
