@@ -334,9 +334,10 @@ BEGIN
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
         -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        UPDATE @extschema@.outbox_key k SET due_at = stamp
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
           FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT count(*) INTO done FROM settled;
     RETURN done;
@@ -392,9 +393,10 @@ BEGIN
         RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
     ), woken AS (
         -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        UPDATE @extschema@.outbox_key k SET due_at = stamp
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
           FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
 END
@@ -474,9 +476,10 @@ BEGIN
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
         -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        UPDATE @extschema@.outbox_key k SET due_at = stamp
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
           FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT count(*) INTO done FROM settled;
     RETURN done;
@@ -527,9 +530,10 @@ BEGIN
         RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
     ), woken AS (
         -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        UPDATE @extschema@.outbox_key k SET due_at = stamp
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
           FROM (SELECT DISTINCT d.topic, d.event_key FROM reclaimed d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
       FROM reclaimed r JOIN expired x ON x.id = r.id
@@ -646,9 +650,9 @@ BEGIN
          WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
-        UPDATE @extschema@.outbox_key k SET due_at = stamp
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
           FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at > stamp
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT count(*) INTO done FROM settled;
     RETURN done;
