@@ -307,11 +307,27 @@ mod tests {
 
     #[test]
     fn any_version_from_the_minimum_on_is_accepted() {
-        for v in ["0.3.0", "0.3.1", "0.4.0", "0.10.0", "1.0.0", "0.4.0-rc1", "0.4"] {
-            assert_eq!(version_at_least(v, MIN_EXTENSION_VERSION), Some(true), "{v}");
+        for v in [
+            "0.3.0",
+            "0.3.1",
+            "0.4.0",
+            "0.10.0",
+            "1.0.0",
+            "0.4.0-rc1",
+            "0.4",
+        ] {
+            assert_eq!(
+                version_at_least(v, MIN_EXTENSION_VERSION),
+                Some(true),
+                "{v}"
+            );
         }
         for v in ["0.1.0", "0.2.0", "0.2.9", "0.2"] {
-            assert_eq!(version_at_least(v, MIN_EXTENSION_VERSION), Some(false), "{v}");
+            assert_eq!(
+                version_at_least(v, MIN_EXTENSION_VERSION),
+                Some(false),
+                "{v}"
+            );
         }
         assert_eq!(version_at_least("dev", MIN_EXTENSION_VERSION), None);
         let old = Extension {
@@ -322,7 +338,11 @@ mod tests {
         assert_eq!(e.code, 2);
         assert!(e.message.contains("version 0.2.0"), "{}", e.message);
         assert!(e.message.contains("0.3.0 or later"), "{}", e.message);
-        assert!(e.message.contains("ALTER EXTENSION outbox UPDATE"), "{}", e.message);
+        assert!(
+            e.message.contains("ALTER EXTENSION outbox UPDATE"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -320,7 +320,12 @@ async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
         .await
         .expect("query")
         .get(0);
-    assert_eq!(max_retry, 0, "events churned through attempts: {}", worker.logs());
+    assert_eq!(
+        max_retry,
+        0,
+        "events churned through attempts: {}",
+        worker.logs()
+    );
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()
@@ -404,7 +409,12 @@ async fn fatal_producer_error_replaces_the_producer() {
         c["SUCCESS"] == 20 && c["FAIL"] == 1
     })
     .await;
-    assert_eq!((c["SUCCESS"], c["FAIL"]), (20, 1), "{c:?}\n{}", worker.logs());
+    assert_eq!(
+        (c["SUCCESS"], c["FAIL"]),
+        (20, 1),
+        "{c:?}\n{}",
+        worker.logs()
+    );
     let row = client
         .query_one(
             "SELECT retry_count, last_error FROM outbox_event WHERE id = $1",
@@ -431,7 +441,10 @@ async fn fatal_producer_error_replaces_the_producer() {
         .await
         .expect("query")
         .get(0);
-    assert_eq!(healthy_retries, 0, "a healthy event paid for the broken producer");
+    assert_eq!(
+        healthy_retries, 0,
+        "a healthy event paid for the broken producer"
+    );
     let got: BTreeSet<i64> = broker
         .consume_all("orders", Duration::from_secs(3))
         .iter()

@@ -131,10 +131,7 @@ fn wrong_password_exits_2_and_is_not_printed() {
     .expect("write hba");
     let pg = PgCluster::start(&format!("hba_file = '{}'", hba.display()), &[]);
     pg.psql("postgres", "ALTER ROLE postgres PASSWORD 'right-password'");
-    let base = format!(
-        "{} connect_timeout=5",
-        pg.params("127.0.0.1", "postgres")
-    );
+    let base = format!("{} connect_timeout=5", pg.params("127.0.0.1", "postgres"));
     let out = run_cmd(&[
         "run",
         "--database-url",
