@@ -334,7 +334,7 @@ mod tests {
             schema: "public".into(),
             version: "0.2.0".into(),
         };
-        let e = old.check_version("host=h").err().expect("refused");
+        let e = old.check_version("host=h").expect_err("refused");
         assert_eq!(e.code, 2);
         assert!(e.message.contains("version 0.2.0"), "{}", e.message);
         assert!(e.message.contains("0.3.0 or later"), "{}", e.message);
