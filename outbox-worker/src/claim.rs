@@ -16,7 +16,7 @@ use crate::breaker::Breaker;
 use crate::defaults;
 use crate::error::{DbError, FailureClass};
 use crate::metrics::Metrics;
-use crate::publisher::{Outcome, Publisher};
+use crate::publisher::{Outcome, Publisher, Replaced};
 use crate::store::{Event, Store};
 
 /// Everything the claim loops share.
@@ -109,10 +109,21 @@ impl Relay {
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
         let (outcomes, replaced) = self.publisher.publish(&events).await;
-        if let Some(reason) = replaced {
-            self.metrics.producer_restarts.inc();
+        let producer_failures = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Failed(e) if e.producer_unusable()))
+            .count();
+        self.metrics
+            .producer_failures
+            .inc_by(producer_failures as u64);
+        if let Some(Replaced { reason, detail }) = replaced {
+            self.metrics
+                .producer_replaced
+                .with_label_values(&[reason.label()])
+                .inc();
             tracing::warn!(
-                "the Kafka producer became unusable ({reason}): replaced by a new producer; this round's failed events are retried"
+                reason = reason.label(),
+                "the Kafka producer became unusable ({detail}): replaced by a new producer; this round's failed events are retried"
             );
         }
         let published_at = Instant::now();

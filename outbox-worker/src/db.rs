@@ -82,20 +82,47 @@ pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
     Ok(Target { cfg, tls, desc })
 }
 
-/// A failed connection attempt as one line: a failed TLS negotiation is a configuration error
-/// (exit 2: the certificate, the CA file or the sslmode must change), anything else an outage.
+/// A failed connection attempt as one line. A configuration error exits 2 (a restart does not fix
+/// it): a failed TLS negotiation (the certificate, the CA file or the sslmode must change), a login
+/// the server refuses (SQLSTATE class 28: unknown role, wrong password, no pg_hba.conf entry) or a
+/// database that does not exist (3D000). Anything else is an outage (exit 1).
 pub fn connect_failure(desc: &str, e: &(dyn StdError + 'static)) -> Fatal {
     if tls::is_tls_failure(e) {
-        Fatal::usage(format!(
+        return Fatal::usage(format!(
             "TLS to the database failed ({desc}): {}",
             one_line(e)
-        ))
-    } else {
-        Fatal::runtime(format!(
+        ));
+    }
+    match server_error(e) {
+        Some(d) if crate::error::is_configuration(d.code()) => Fatal::usage(format!(
+            "cannot connect to the database ({desc}): {} ({}); a configuration error (role, password, pg_hba.conf or database name)",
+            d.message(),
+            d.code().code()
+        )),
+        _ => Fatal::runtime(format!(
             "cannot connect to the database ({desc}): {}",
             one_line(e)
-        ))
+        )),
     }
+}
+
+/// The server's error (with its SQLSTATE) behind a failed connection attempt, if the server
+/// answered with one.
+fn server_error<'a>(e: &'a (dyn StdError + 'static)) -> Option<&'a tokio_postgres::error::DbError> {
+    let mut cur: Option<&(dyn StdError + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(d) = err.downcast_ref::<tokio_postgres::error::DbError>() {
+            return Some(d);
+        }
+        if let Some(d) = err
+            .downcast_ref::<tokio_postgres::Error>()
+            .and_then(tokio_postgres::Error::as_db_error)
+        {
+            return Some(d);
+        }
+        cur = err.source();
+    }
+    None
 }
 
 /// Adds `-c statement_timeout=…` to the sessions' startup options, unless `timeout` is zero or
@@ -154,14 +181,64 @@ pub async fn connect_once(target: &Target) -> Result<tokio_postgres::Client, Fat
     Ok(client)
 }
 
-/// The quoted schema of the installed extension, or a one-line error saying it is missing.
-pub async fn extension_schema(
-    client: &tokio_postgres::Client,
-    desc: &str,
-) -> Result<String, Fatal> {
+/// The oldest extension version that has everything the relay calls and reads: `outbox_release`
+/// (0.2.0), `outbox_nack_returning` and `outbox_reclaim_returning` (0.3.0), the claim's `ordered`
+/// column and `outbox_stats().blocked_keys` (0.4.0).
+pub const MIN_EXTENSION_VERSION: &str = "0.4.0";
+
+/// The installed `outbox` extension.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Extension {
+    /// Its schema, quoted for SQL.
+    pub schema: String,
+    /// `pg_extension.extversion`, e.g. `0.3.0`.
+    pub version: String,
+}
+
+impl Extension {
+    /// Refuses a version older than [`MIN_EXTENSION_VERSION`] (or one that is not a version
+    /// number) with one line naming both versions and the fix; any later version is accepted.
+    pub fn check_version(&self, desc: &str) -> Result<(), Fatal> {
+        match version_at_least(&self.version, MIN_EXTENSION_VERSION) {
+            Some(true) => Ok(()),
+            _ => Err(Fatal::usage(format!(
+                "the database has outbox extension version {} ({desc}) but this relay ({}) needs {MIN_EXTENSION_VERSION} or later \
+                 (per-key order, outbox_nack_returning, outbox_reclaim_returning): run ALTER EXTENSION outbox UPDATE",
+                self.version,
+                env!("CARGO_PKG_VERSION")
+            ))),
+        }
+    }
+}
+
+/// The numeric components of a version (`0.4.0`, `1.2`, `0.4.0-rc1` -> [0, 4, 0]); None when
+/// it does not start with a number.
+fn version_numbers(v: &str) -> Option<Vec<u64>> {
+    let core = v.trim().split(['-', '+', ' ']).next()?;
+    core.split('.')
+        .map(|part| {
+            let digits: String = part.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .collect()
+}
+
+/// Whether version `v` is `min` or later (numerically, component by component; missing
+/// components count as 0). None when either is not a version number.
+pub fn version_at_least(v: &str, min: &str) -> Option<bool> {
+    let (mut a, mut b) = (version_numbers(v)?, version_numbers(min)?);
+    let n = a.len().max(b.len());
+    a.resize(n, 0);
+    b.resize(n, 0);
+    Some(a >= b)
+}
+
+/// The installed extension (schema and version), or a one-line error saying it is missing (a
+/// configuration error: wrong database, or the extension was never created there).
+pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Extension, Fatal> {
     let row = client
         .query_opt(
-            "SELECT quote_ident(n.nspname) FROM pg_catalog.pg_extension e \
+            "SELECT quote_ident(n.nspname), e.extversion FROM pg_catalog.pg_extension e \
              JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'outbox'",
             &[],
         )
@@ -173,11 +250,22 @@ pub async fn extension_schema(
             ))
         })?;
     match row {
-        Some(r) => Ok(r.get(0)),
-        None => Err(Fatal::runtime(format!(
+        Some(r) => Ok(Extension {
+            schema: r.get(0),
+            version: r.get(1),
+        }),
+        None => Err(Fatal::usage(format!(
             "the outbox extension is not installed in the database ({desc}): run CREATE EXTENSION outbox"
         ))),
     }
+}
+
+/// The quoted schema of the installed extension, or a one-line error saying it is missing.
+pub async fn extension_schema(
+    client: &tokio_postgres::Client,
+    desc: &str,
+) -> Result<String, Fatal> {
+    Ok(extension(client, desc).await?.schema)
 }
 
 /// Opens a session for an admin command and returns it with the extension's schema.
@@ -216,6 +304,38 @@ mod tests {
         ))
         .expect("kv");
         assert_eq!(t.desc, "host=h port=5432 dbname=x user=u sslmode=require");
+    }
+
+    #[test]
+    fn any_version_from_the_minimum_on_is_accepted() {
+        for v in ["0.4.0", "0.4.1", "0.5.0", "0.10.0", "1.0.0", "0.4"] {
+            assert_eq!(
+                version_at_least(v, MIN_EXTENSION_VERSION),
+                Some(true),
+                "{v}"
+            );
+        }
+        for v in ["0.1.0", "0.2.0", "0.3.0", "0.3.9", "0.3"] {
+            assert_eq!(
+                version_at_least(v, MIN_EXTENSION_VERSION),
+                Some(false),
+                "{v}"
+            );
+        }
+        assert_eq!(version_at_least("dev", MIN_EXTENSION_VERSION), None);
+        let old = Extension {
+            schema: "public".into(),
+            version: "0.2.0".into(),
+        };
+        let e = old.check_version("host=h").expect_err("refused");
+        assert_eq!(e.code, 2);
+        assert!(e.message.contains("version 0.2.0"), "{}", e.message);
+        assert!(e.message.contains("0.4.0 or later"), "{}", e.message);
+        assert!(
+            e.message.contains("ALTER EXTENSION outbox UPDATE"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -53,7 +53,7 @@ impl DbError {
 /// missing object (42501, the role lacks EXECUTE), 25000 a row-locking call outside READ
 /// COMMITTED (the role's default isolation). Class 25 as a whole is not: 25006 (read-only) is what
 /// a failover shows for a moment.
-fn is_configuration(s: &SqlState) -> bool {
+pub fn is_configuration(s: &SqlState) -> bool {
     let code = s.code();
     *s == SqlState::INVALID_TRANSACTION_STATE
         || ["22", "28", "3D", "3F", "42"]

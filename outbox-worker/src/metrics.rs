@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
+use crate::publisher::ReplaceReason;
 use crate::Fatal;
 
 pub struct Metrics {
@@ -27,7 +28,10 @@ pub struct Metrics {
     pub broker_circuit_open: IntGauge,
     pub reclaimed: IntCounter,
     pub database_errors: IntCounter,
-    pub producer_restarts: IntCounter,
+    /// By `reason` (fenced, fatal, timeouts; every reason exported from the start, at 0).
+    pub producer_replaced: IntCounterVec,
+    /// Failed publishes blamed on the producer itself (each also in `failed`).
+    pub producer_failures: IntCounter,
     pub claim_batch_size: Histogram,
     pub publish_latency: Histogram,
     pub commit_to_ack_lag: Histogram,
@@ -112,10 +116,26 @@ impl Metrics {
                 "outbox_database_errors_total",
                 "Failed database calls (claim, ack, nack, reclaim, stats)",
             ),
-            producer_restarts: counter(
+            producer_replaced: {
+                let c = counter_vec(
+                    &r,
+                    "outbox_producer_replaced_total",
+                    "Kafka producers replaced because they became unusable; reason=fenced: a \
+                     delivery report rejected its id, epoch or sequence; fatal: librdkafka raised a \
+                     fatal error; timeouts: rounds in a row in which every publish timed out",
+                    &["reason"],
+                );
+                // Exported at 0 from the start: a scraper tells "never" from "not exported".
+                for reason in ReplaceReason::ALL {
+                    c.with_label_values(&[reason.label()]);
+                }
+                c
+            },
+            producer_failures: counter(
                 &r,
-                "outbox_producer_restarts_total",
-                "Kafka producers replaced because they became unusable (fenced, fatal error)",
+                "outbox_producer_failures_total",
+                "Failed publishes blamed on the producer itself (fenced, epoch or sequence \
+                 rejected, fatal error): released, and the producer replaced",
             ),
             claim_batch_size: histogram(
                 &r,

@@ -26,6 +26,41 @@ use crate::Fatal;
 /// How long a batch waits before offering a message again to a full librdkafka queue.
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 
+/// Why a producer was replaced: the `reason` label of `outbox_producer_replaced_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplaceReason {
+    /// A delivery report said the broker rejects the producer's id, epoch or sequence
+    /// (ProducerFenced, InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId, ...).
+    Fenced,
+    /// librdkafka raised a fatal error: the producer refuses every later message.
+    Fatal,
+    /// Several rounds in a row in which every publish timed out.
+    Timeouts,
+}
+
+impl ReplaceReason {
+    pub const ALL: [ReplaceReason; 3] = [
+        ReplaceReason::Fenced,
+        ReplaceReason::Fatal,
+        ReplaceReason::Timeouts,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ReplaceReason::Fenced => "fenced",
+            ReplaceReason::Fatal => "fatal",
+            ReplaceReason::Timeouts => "timeouts",
+        }
+    }
+}
+
+/// A producer this round found unusable and replaced: why, and librdkafka's words for it.
+#[derive(Debug, Clone)]
+pub struct Replaced {
+    pub reason: ReplaceReason,
+    pub detail: String,
+}
+
 #[derive(Debug, Clone)]
 pub enum Outcome {
     Delivered {
@@ -172,9 +207,9 @@ impl Publisher {
 
     /// Publishes every event concurrently and waits for each delivery report; the outcome of
     /// `events[i]` is at index `i`. Returns within about the send timeout. When the producer
-    /// turned out unusable (fenced, fatal), it is replaced for the next round and the reason is
-    /// returned.
-    pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<String>) {
+    /// turned out unusable (fenced, fatal, timing out round after round), it is replaced for the
+    /// next round and the reason is returned (None when another claim loop replaced it first).
+    pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
         let producer = self.current();
         self.recheck_missing_topics(&producer, events).await;
         let start = Instant::now();
@@ -222,7 +257,14 @@ impl Publisher {
                         topic: ev.topic.clone(),
                         source: e,
                     };
-                    let unusable = error.producer_unusable().then(|| error.source.to_string());
+                    let unusable = error.producer_unusable().then(|| Replaced {
+                        reason: if error.code() == Some(RDKafkaErrorCode::Fatal) {
+                            ReplaceReason::Fatal
+                        } else {
+                            ReplaceReason::Fenced
+                        },
+                        detail: error.source.to_string(),
+                    });
                     (Outcome::Failed(error), unusable)
                 }
             }
@@ -234,14 +276,17 @@ impl Publisher {
             broken = producer
                 .client()
                 .fatal_error()
-                .map(|(code, reason)| format!("fatal error {code:?}: {reason}"));
+                .map(|(code, reason)| Replaced {
+                    reason: ReplaceReason::Fatal,
+                    detail: format!("fatal error {code:?}: {reason}"),
+                });
         }
         if broken.is_none() {
             broken = self.note_timeouts(&results);
         }
         let outcomes = results.into_iter().map(|(o, _)| o).collect();
         let replaced = match broken {
-            Some(reason) => self.replace(&producer).map(|()| reason),
+            Some(why) => self.replace(&producer).map(|()| why),
             None => None,
         };
         (outcomes, replaced)
@@ -313,7 +358,7 @@ impl Publisher {
         }
     }
 
-    fn note_missing_topics(&self, results: &[(Outcome, Option<String>)]) {
+    fn note_missing_topics(&self, results: &[(Outcome, Option<Replaced>)]) {
         let mut missing = self.missing_topics.lock().expect("missing topics");
         for (o, _) in results {
             if let Outcome::Failed(e) = o {
@@ -330,7 +375,7 @@ impl Publisher {
     }
 
     /// Counts rounds that timed out entirely; names the reason once there were too many in a row.
-    fn note_timeouts(&self, results: &[(Outcome, Option<String>)]) -> Option<String> {
+    fn note_timeouts(&self, results: &[(Outcome, Option<Replaced>)]) -> Option<Replaced> {
         let all_timed_out = !results.is_empty()
             && results
                 .iter()
@@ -342,7 +387,12 @@ impl Publisher {
         let rounds = self.timed_out_rounds.fetch_add(1, Ordering::Relaxed) + 1;
         (rounds >= TIMED_OUT_ROUNDS_BEFORE_REPLACING).then(|| {
             self.timed_out_rounds.store(0, Ordering::Relaxed);
-            format!("{rounds} rounds in a row without a delivery, every publish timed out")
+            Replaced {
+                reason: ReplaceReason::Timeouts,
+                detail: format!(
+                    "{rounds} rounds in a row without a delivery, every publish timed out"
+                ),
+            }
         })
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 
-use crate::db::{connect_failure, extension_schema, Target};
+use crate::db::{connect_failure, extension, Target};
 use crate::error::DbError;
 use crate::Fatal;
 
@@ -226,7 +226,8 @@ pub struct Store {
 }
 
 impl Store {
-    /// Connects, checks the extension and returns the store. Waiting for a connection (opening
+    /// Connects, checks the extension (installed, version at least
+    /// [`crate::db::MIN_EXTENSION_VERSION`]) and returns the store. Waiting for a connection (opening
     /// it included) takes at most `wait`. Errors are one clear line.
     pub async fn open(target: Target, pool_size: usize, wait: Duration) -> Result<Store, Fatal> {
         let Target { cfg, tls, desc } = target;
@@ -249,8 +250,11 @@ impl Store {
             deadpool_postgres::PoolError::Backend(b) => connect_failure(&desc, b),
             other => connect_failure(&desc, other),
         })?;
-        let schema = extension_schema(&client, &desc).await?;
+        // Refused here rather than at the first nack (42883) of a relay that looked started.
+        let ext = extension(&client, &desc).await?;
+        ext.check_version(&desc)?;
         drop(client);
+        let schema = ext.schema;
         let sql = Sql::new(&schema);
         Ok(Store {
             pool,

@@ -142,6 +142,13 @@ impl Broker {
             .unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// A topic like [`Broker::create_topic`]'s with topic-level settings, e.g.
+    /// `[("max.message.bytes", "1024")]`.
+    pub fn create_topic_with(&self, name: &str, config: &[(&str, &str)]) {
+        kafka::create_topics_with(&self.addr(), &[name], PARTITIONS, config)
+            .unwrap_or_else(|e| panic!("{e}\nbroker log {}", self.log.display()));
+    }
+
     /// `create_topic`, returning the failure with the tail of the broker's log.
     pub fn try_create_topic(&self, name: &str) -> Result<(), String> {
         kafka::create_topics(&self.addr(), &[name], PARTITIONS).map_err(|e| {

@@ -388,6 +388,16 @@ fn block_on<F: Future>(f: F) -> F::Output {
 /// waits until the broker's metadata lists every partition of each with a leader, so a producer
 /// started right after does not see an unknown topic.
 pub fn create_topics(addr: &str, names: &[&str], partitions: i32) -> Result<(), String> {
+    create_topics_with(addr, names, partitions, &[])
+}
+
+/// [`create_topics`] with topic-level settings (e.g. `max.message.bytes`).
+pub fn create_topics_with(
+    addr: &str,
+    names: &[&str],
+    partitions: i32,
+    config: &[(&str, &str)],
+) -> Result<(), String> {
     let timeout = Duration::from_secs(30);
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", addr)
@@ -395,7 +405,12 @@ pub fn create_topics(addr: &str, names: &[&str], partitions: i32) -> Result<(), 
         .map_err(|e| format!("admin client for {addr}: {e}"))?;
     let topics: Vec<NewTopic> = names
         .iter()
-        .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
+        .map(|n| {
+            config.iter().fold(
+                NewTopic::new(n, partitions, TopicReplication::Fixed(1)),
+                |t, (k, v)| t.set(k, v),
+            )
+        })
         .collect();
     let opts = AdminOptions::new()
         .operation_timeout(Some(timeout))

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use outbox_tests::broker::free_port;
 use outbox_tests::db::TestDb;
+use outbox_tests::pg_cluster::PgCluster;
 use outbox_tests::relay::{relay_bin, run_cmd, Relay};
 use outbox_tests::roles::Roles;
 
@@ -45,6 +46,98 @@ fn database_without_the_extension() {
     db.psql("DROP EXTENSION outbox");
     let out = run_cmd(&["run", "--database-url", &db.url()]);
     one_line_failure(&out, &["outbox extension is not installed", &db.name]);
+    assert_eq!(out.status.code(), Some(2), "a configuration error");
+}
+
+/// Starts a relay on `url` and stops it: it must get as far as its first (empty) claim.
+fn starts_and_stops(url: &str) {
+    let brokers = format!("127.0.0.1:{}", free_port());
+    let mut w = Relay::spawn(url, &brokers, &[]);
+    assert!(
+        w.wait_log(&["claim returned no due events"], Duration::from_secs(15))
+            .is_some(),
+        "{}",
+        w.logs()
+    );
+    let st = w.terminate(Duration::from_secs(10)).expect("stops");
+    assert!(st.success(), "{}", w.logs());
+}
+
+/// The relay reads the claim's `ordered` column and `outbox_stats().blocked_keys` (extension
+/// 0.4.0): against an older extension it would fail only at its first claim. It refuses to start
+/// with one line naming both versions and the fix, exit 2; after `ALTER EXTENSION outbox UPDATE`
+/// it runs.
+#[test]
+fn extension_older_than_the_relay_needs_is_refused_until_updated() {
+    let db = TestDb::empty();
+    db.psql("CREATE EXTENSION outbox VERSION '0.3.0'");
+    let out = run_cmd(&[
+        "run",
+        "--database-url",
+        &db.url(),
+        "--brokers",
+        &format!("127.0.0.1:{}", free_port()),
+    ]);
+    one_line_failure(
+        &out,
+        &[
+            "extension version 0.3.0",
+            "0.4.0 or later",
+            "ALTER EXTENSION outbox UPDATE",
+            &db.name,
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "a configuration error");
+
+    db.psql("ALTER EXTENSION outbox UPDATE");
+    starts_and_stops(&db.url());
+}
+
+/// A login the server refuses (an unknown role; a wrong password) is a configuration error: a
+/// restart does not fix it. One line, exit 2, the password never printed.
+#[test]
+fn unknown_role_exits_2() {
+    let db = TestDb::create();
+    let role = format!("outbox_no_such_role_{}", std::process::id());
+    let url = format!("{} user={role}", db.url());
+    let out = run_cmd(&["run", "--database-url", &url]);
+    one_line_failure(&out, &["cannot connect to the database", &role, "28000"]);
+    assert_eq!(out.status.code(), Some(2), "a configuration error");
+}
+
+#[test]
+fn wrong_password_exits_2_and_is_not_printed() {
+    // The shared server trusts loopback logins, so a cluster of its own that asks for passwords.
+    let hba = std::env::temp_dir().join(format!("outbox-test-hba-{}.conf", std::process::id()));
+    std::fs::write(
+        &hba,
+        "local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\nhost all all ::1/128 scram-sha-256\n",
+    )
+    .expect("write hba");
+    let pg = PgCluster::start(&format!("hba_file = '{}'", hba.display()), &[]);
+    pg.psql("postgres", "ALTER ROLE postgres PASSWORD 'right-password'");
+    let base = format!("{} connect_timeout=5", pg.params("127.0.0.1", "postgres"));
+    let out = run_cmd(&[
+        "run",
+        "--database-url",
+        &format!("{base} password=wrong-password"),
+    ]);
+    one_line_failure(&out, &["cannot connect to the database", "28P01"]);
+    assert_eq!(out.status.code(), Some(2), "a configuration error");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!all.contains("wrong-password"), "password leaked: {all}");
+    // The right password gets past the login: the next check (no extension here) fails instead.
+    let out = run_cmd(&[
+        "run",
+        "--database-url",
+        &format!("{base} password=right-password"),
+    ]);
+    one_line_failure(&out, &["outbox extension is not installed"]);
+    let _ = std::fs::remove_file(&hba);
 }
 
 #[test]

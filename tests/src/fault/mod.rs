@@ -19,7 +19,8 @@
 //! (lease expiry after a kill, the zombie, a publish that failed after the broker had stored it).
 //!
 //! Modules: `profile` (sizes, schedule, seed), `producer`, `runner` and `zombie` (the faults),
-//! `audit` (who acked what), `analysis` (read back and compare), `report` (printing, verdict).
+//! `audit` (who acked what), `scrape` (what each relay counted, from its /metrics), `analysis`
+//! (read back and compare), `report` (printing, verdict).
 
 mod analysis;
 mod audit;
@@ -28,6 +29,7 @@ mod producer;
 mod profile;
 mod report;
 mod runner;
+mod scrape;
 mod zombie;
 
 use std::collections::HashSet;
@@ -92,6 +94,7 @@ pub fn run(p: &Profile) -> Report {
         },
         killed_owners: HashSet::new(),
         zombie_owner: None,
+        last_scrape: Instant::now(),
     };
     eprintln!(
         "[fault] profile {} seed {}: K={} E={} on {}",
@@ -146,6 +149,7 @@ pub fn run(p: &Profile) -> Report {
     let mut produce_time = None;
     loop {
         r.reap();
+        r.scrape_all();
         let now = r.start.elapsed();
         let (done, err) = {
             let s = shared.lock().expect("produced");
@@ -187,6 +191,7 @@ pub fn run(p: &Profile) -> Report {
     let deadline = Instant::now() + p.quiesce_timeout;
     loop {
         r.reap();
+        r.scrape_all();
         let open = r.query_i64(
             "SELECT count(*) FROM outbox_event WHERE status IN ('WAIT', 'SENDING')",
             &[],
@@ -206,7 +211,10 @@ pub fn run(p: &Profile) -> Report {
     let drain_time = r.start.elapsed();
     r.log("quiescent: no WAIT or SENDING rows".to_string());
 
-    // Graceful stop.
+    // Graceful stop, after a last look at what each relay counted.
+    for i in 0..r.slots.len() {
+        r.scrape(i);
+    }
     for s in &r.slots {
         s.worker.signal(libc::SIGTERM);
     }

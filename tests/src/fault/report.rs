@@ -67,14 +67,22 @@ pub struct Report {
     pub sigterm_exit_failures: Vec<String>,
     /// last_error of FAIL rows that are not poison (first 120 characters) -> rows.
     pub unexpected_dead_letter_errors: BTreeMap<String, usize>,
-    /// Workers whose producer was fenced (every publish failing with ProducerFenced), and the
-    /// events they failed that way.
-    pub fenced_workers: Vec<String>,
-    pub fenced_failures: u64,
-    /// How often a worker replaced its unusable (fenced) producer and went on.
-    pub producer_replacements: u64,
-    /// Relays with fenced publishes that never replaced their producer.
-    pub fenced_not_replaced: Vec<String>,
+    /// From the relays' own /metrics (last scrape before each was killed or stopped): failed
+    /// publishes by class, summed over the relays.
+    pub failed_transient: u64,
+    pub failed_permanent: u64,
+    /// Publishes the relays blamed on their producer (fenced, epoch or sequence rejected,
+    /// fatal), and the relays that had such failures.
+    pub producer_failures: u64,
+    pub producer_failure_workers: Vec<String>,
+    /// Producer replacements by reason (fenced, fatal, timeouts).
+    pub replacements: BTreeMap<String, u64>,
+    /// Relays with publishes blamed on their producer that never replaced it.
+    pub not_replaced: Vec<String>,
+    /// Scrapes that answered without a metric the runner relies on.
+    pub metrics_problems: Vec<String>,
+    /// Relays killed or exited before they answered a single scrape.
+    pub unscraped: Vec<String>,
     /// From the ack audit: rows whose turn to SUCCESS was made by a session (application_name =
     /// relay owner) other than the claim's owner, and the first of their ids.
     pub acks_audited: i64,
@@ -161,10 +169,24 @@ impl Report {
                 self.sigterm_exit_failures.join("; ")
             ));
         }
-        if !self.fenced_not_replaced.is_empty() {
+        if !self.not_replaced.is_empty() {
             v.push(format!(
-                "producers fenced and never replaced (every later publish fails): {}",
-                self.fenced_not_replaced.join(", ")
+                "producers fenced or broken and never replaced (every later publish fails): {}",
+                self.not_replaced.join(", ")
+            ));
+        }
+        if !self.metrics_problems.is_empty() {
+            v.push(format!(
+                "the relays' metrics cannot be counted: {}",
+                self.metrics_problems.join("; ")
+            ));
+        }
+        // The poison events can only become dead letters through failed publishes, most of
+        // them nacked: a sum of 0 means the counting broke, not that nothing failed.
+        let poison_dead = self.poison - self.poison_not_dead.len().min(self.poison);
+        if poison_dead > 0 && self.failed_permanent == 0 {
+            v.push(format!(
+                "the relays' metrics counted no permanent publish failure although {poison_dead} poison events were dead-lettered"
             ));
         }
         v
@@ -288,14 +310,34 @@ impl std::fmt::Display for Report {
             secs(total)
         )?;
         writeln!(f, "wall time              {}", secs(self.wall_time))?;
-        if !self.fenced_workers.is_empty() {
+        writeln!(
+            f,
+            "failed publishes       {} transient (released), {} permanent (nacked), as the relays counted them (/metrics)",
+            self.failed_transient, self.failed_permanent
+        )?;
+        let by_reason: Vec<String> = self
+            .replacements
+            .iter()
+            .map(|(reason, n)| format!("{reason} {n}"))
+            .collect();
+        writeln!(
+            f,
+            "producers              {} publishes blamed on the producer ({} workers{}), producers replaced: {}",
+            self.producer_failures,
+            self.producer_failure_workers.len(),
+            if self.producer_failure_workers.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", self.producer_failure_workers.join(", "))
+            },
+            by_reason.join(", ")
+        )?;
+        if !self.unscraped.is_empty() {
             writeln!(
                 f,
-                "fenced producers       {} workers failed {} publishes with ProducerFenced, replaced their producer {} times: {}",
-                self.fenced_workers.len(),
-                self.fenced_failures,
-                self.producer_replacements,
-                self.fenced_workers.join(", ")
+                "not counted            {} relays killed or exited before their first scrape: {}",
+                self.unscraped.len(),
+                self.unscraped.join(", ")
             )?;
         }
         for (e, n) in &self.unexpected_dead_letter_errors {

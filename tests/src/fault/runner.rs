@@ -10,6 +10,7 @@ use tokio_postgres::Client;
 
 use super::profile::{Profile, Rng};
 use super::report::Report;
+use super::scrape::{scrape, Counters};
 use crate::broker::Broker;
 use crate::relay::Relay;
 
@@ -18,6 +19,8 @@ pub(super) struct Slot {
     pub(super) generation: usize,
     pub(super) owner: String,
     pub(super) worker: Relay,
+    /// What it counted as of its last scrape (None: it never answered one).
+    pub(super) counters: Option<Counters>,
 }
 
 pub(super) struct Runner<'a> {
@@ -34,6 +37,7 @@ pub(super) struct Runner<'a> {
     /// Owners that were SIGKILLed / frozen as the zombie.
     pub(super) killed_owners: HashSet<String>,
     pub(super) zombie_owner: Option<String>,
+    pub(super) last_scrape: Instant,
 }
 
 impl Runner<'_> {
@@ -82,29 +86,55 @@ impl Runner<'_> {
             generation,
             owner,
             worker,
+            counters: None,
         }
     }
 
-    /// Collects what a worker's log tells before the worker is dropped.
-    pub(super) fn harvest(&mut self, i: usize) {
-        let logs = self.slots[i].worker.logs();
-        let (mut fenced, mut replaced) = (0, 0);
-        for l in logs.lines() {
-            if l.contains("publish failed") && l.contains("ProducerFenced") {
-                fenced += field(l, "count=").unwrap_or(0);
-            }
-            if l.contains("replaced by a new producer") {
-                replaced += 1;
+    /// Scrapes one relay's /metrics; an answer without a metric the runner relies on is
+    /// reported (a violation), not read as 0.
+    pub(super) fn scrape(&mut self, i: usize) {
+        match scrape(&self.slots[i].worker) {
+            Ok(Some(c)) => self.slots[i].counters = Some(c),
+            Ok(None) => {}
+            Err(e) => {
+                let line = format!("{}: {e}", self.slots[i].owner);
+                if !self.report.metrics_problems.contains(&line) {
+                    self.report.metrics_problems.push(line);
+                }
             }
         }
-        self.report.producer_replacements += replaced;
-        if fenced > 0 {
-            self.report.fenced_failures += fenced;
-            let owner = self.slots[i].owner.clone();
-            if replaced == 0 {
-                self.report.fenced_not_replaced.push(owner.clone());
+    }
+
+    /// Scrapes every relay, at most once a second.
+    pub(super) fn scrape_all(&mut self) {
+        if self.last_scrape.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        for i in 0..self.slots.len() {
+            self.scrape(i);
+        }
+        self.last_scrape = Instant::now();
+    }
+
+    /// Adds what a relay counted (its last scrape) to the report before the relay is dropped.
+    pub(super) fn harvest(&mut self, i: usize) {
+        let owner = self.slots[i].owner.clone();
+        let Some(c) = self.slots[i].counters.clone() else {
+            self.report.unscraped.push(owner);
+            return;
+        };
+        let r = &mut self.report;
+        r.failed_transient += c.failed_transient;
+        r.failed_permanent += c.failed_permanent;
+        for (reason, n) in &c.replaced {
+            *r.replacements.entry(reason.clone()).or_default() += n;
+        }
+        if c.producer_failures > 0 {
+            r.producer_failures += c.producer_failures;
+            if c.replaced_total() == 0 {
+                r.not_replaced.push(owner.clone());
             }
-            self.report.fenced_workers.push(owner);
+            r.producer_failure_workers.push(owner);
         }
     }
 
@@ -157,6 +187,8 @@ impl Runner<'_> {
             "SELECT count(*) FROM outbox_event WHERE status = 'SENDING' AND claim_owner = $1",
             &[&owner],
         );
+        // What it counted, as late as possible: nothing can be read once it is dead.
+        self.scrape(i);
         self.slots[i].worker.signal(libc::SIGKILL);
         self.slots[i].worker.wait_exit(Duration::from_secs(10));
         self.killed_owners.insert(owner.clone());
@@ -206,14 +238,4 @@ impl Runner<'_> {
             t.elapsed().as_secs_f64()
         ));
     }
-}
-
-/// `name=123` in a log line.
-fn field(line: &str, name: &str) -> Option<u64> {
-    let at = line.find(name)? + name.len();
-    let digits: String = line[at..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect();
-    digits.parse().ok()
 }

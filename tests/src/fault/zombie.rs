@@ -12,6 +12,7 @@ impl Runner<'_> {
         let i = self.rng.below(self.slots.len() as u64) as usize;
         let owner = self.slots[i].owner.clone();
         let mut held: Vec<(i64, i64)> = Vec::new();
+        let mut settled_before = None;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             let n = self.query_i64(
@@ -19,9 +20,14 @@ impl Runner<'_> {
                 &[&owner],
             );
             if n > 0 {
+                // What it had settled so far: its stale round is over once it settled the rows
+                // it holds now.
+                self.scrape(i);
+                settled_before = self.slots[i].counters.as_ref().map(|c| c.settled());
                 self.slots[i].worker.signal(libc::SIGSTOP);
-                // Let a statement already on the wire finish.
-                std::thread::sleep(Duration::from_millis(300));
+                // A statement already on the wire (a claim) still runs in its session: wait
+                // until none of its sessions is active.
+                self.wait_for_no_active_statement(&owner);
                 held = self
                     .rt
                     .block_on(self.admin.query(
@@ -70,13 +76,28 @@ impl Runner<'_> {
             "SELECT coalesce(extract(epoch FROM max(claimed_at)) * 1000, 0)::bigint FROM outbox_event WHERE id = ANY($1)",
             &[&locked],
         );
-        let now_ms = self.query_i64("SELECT (extract(epoch FROM now()) * 1000)::bigint", &[]);
-        let expiry = Duration::from_millis((claimed_at - now_ms).max(0) as u64) + self.p.lease;
-        std::thread::sleep(expiry + Duration::from_millis(200));
-        self.query_i64(
-            "SELECT outbox_reclaim($1::text::interval)::bigint",
-            &[&lease],
+        let now_ms = self.query_i64(
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            &[],
         );
+        let expiry = Duration::from_millis((claimed_at - now_ms).max(0) as u64) + self.p.lease;
+        // outbox_reclaim (the relays' own call, with their lease) until every row it held is
+        // reclaimed: the lease expires by the database's clock, not the runner's.
+        let deadline = Instant::now() + expiry + Duration::from_secs(10);
+        loop {
+            self.query_i64(
+                "SELECT outbox_reclaim($1::text::interval)::bigint",
+                &[&lease],
+            );
+            let open = self.query_i64(
+                "SELECT count(*) FROM outbox_event WHERE id = ANY($1) AND status = 'SENDING'",
+                &[&locked],
+            );
+            if open == 0 || Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         let kept = self.ids_of(
             "UPDATE outbox_event SET next_retry_time = now() + interval '1 hour' \
              WHERE id = ANY($1) AND status = 'WAIT' RETURNING id",
@@ -95,21 +116,34 @@ impl Runner<'_> {
             stopped_for.as_secs_f64()
         ));
         // Before the next fault may pick it, its stale round ends: publish, then the late acks,
-        // which meet the fence (the ack audit shows whether one took effect).
+        // which meet the fence (the ack audit shows whether one took effect). Ended means: its
+        // metrics count every row it held as settled (delivered or failed).
         let round_done = Instant::now() + self.p.send_timeout + Duration::from_secs(10);
-        let late_log = loop {
-            let logs = self.slots[i].worker.logs();
-            let after: Vec<&str> = logs.lines().skip(mark).collect();
-            if after.iter().any(|l| l.contains("round done")) || Instant::now() > round_done {
-                break after
-                    .iter()
-                    .filter(|l| l.contains("WARN") || l.contains("ERROR"))
-                    .take(4)
-                    .map(|l| l.chars().take(300).collect())
-                    .collect();
+        let target = settled_before.map(|b| b + held.len() as u64);
+        loop {
+            self.scrape(i);
+            let settled = self.slots[i].counters.as_ref().map(|c| c.settled());
+            if settled.is_some() && settled >= target && target.is_some() {
+                break;
+            }
+            if Instant::now() > round_done {
+                self.report.notes.push(format!(
+                    "zombie: {owner} had not settled its stale round {} s after SIGCONT (settled {settled:?}, expected {target:?})",
+                    round_done.duration_since(stopped).as_secs()
+                ));
+                break;
             }
             std::thread::sleep(Duration::from_millis(50));
-        };
+        }
+        let late_log: Vec<String> = self.slots[i]
+            .worker
+            .logs()
+            .lines()
+            .skip(mark)
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .take(4)
+            .map(|l| l.chars().take(300).collect())
+            .collect();
         let due_again = self.ids_of(
             "UPDATE outbox_event SET next_retry_time = now() \
              WHERE id = ANY($1) AND status = 'WAIT' RETURNING id",
@@ -132,6 +166,19 @@ impl Runner<'_> {
         };
         self.killed_owners.insert(owner);
         self.report.zombie = Some(z);
+    }
+
+    /// Waits (at most 10 s) until no session of `owner` runs a statement.
+    fn wait_for_no_active_statement(&self, owner: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.query_i64(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'active'",
+            &[&owner],
+        ) > 0
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn sql(&self, sql: &str) {
