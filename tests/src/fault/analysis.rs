@@ -55,6 +55,31 @@ pub(super) fn read_topic(
     })
 }
 
+/// Per-key order (docs/reference.md, "Per-key order"): the first arrival of each event, per
+/// (topic, key) in partition order, must come in id (= commit) order. The producers' key is
+/// `k-` || n % 97; the poison topic is unordered. Returns the first arrivals that came after a
+/// later event of their key.
+fn out_of_order(produced: &Produced, seen: &[Seen]) -> usize {
+    let mut by_position: Vec<&Seen> = seen.iter().collect();
+    by_position.sort_by_key(|s| (s.topic, s.partition, s.offset));
+    let mut first: HashSet<i64> = HashSet::new();
+    let mut last_of_key: HashMap<(u8, i64), i64> = HashMap::new();
+    let mut late = 0;
+    for s in by_position {
+        let ordered = produced.committed.get(&s.id).is_some_and(|v| v.1 != 2);
+        if !ordered || !first.insert(s.id) {
+            continue;
+        }
+        let last = last_of_key.entry((s.topic, s.n % 97)).or_insert(i64::MIN);
+        if s.id < *last {
+            late += 1;
+        } else {
+            *last = s.id;
+        }
+    }
+    late
+}
+
 pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) {
     let rep = &mut r.report;
     rep.committed = produced.committed.len();
@@ -83,6 +108,8 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         }
     }
     rep.delivered_distinct = copies.len();
+    rep.out_of_order = out_of_order(produced, &seen);
+    rep.deadlock_retries = produced.deadlock_retries;
     let mut lost: Vec<i64> = produced
         .committed
         .iter()
@@ -102,6 +129,7 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         ))
         .expect("final rows");
     let mut fail: BTreeSet<i64> = BTreeSet::new();
+    let mut unfinished: HashSet<i64> = HashSet::new();
     let mut last_error: HashMap<i64, (i32, String)> = HashMap::new();
     for row in &rows {
         let id: i64 = row.get(0);
@@ -110,8 +138,14 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         let err: String = row.get(3);
         let poison = produced.committed.get(&id).is_some_and(|v| v.1 == 2);
         match status.as_str() {
-            "WAIT" => rep.left_wait += 1,
-            "SENDING" => rep.left_sending += 1,
+            "WAIT" => {
+                rep.left_wait += 1;
+                unfinished.insert(id);
+            }
+            "SENDING" => {
+                rep.left_sending += 1;
+                unfinished.insert(id);
+            }
             "SUCCESS" => rep.success_rows += 1,
             _ => {
                 fail.insert(id);
@@ -139,6 +173,8 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
     for id in &lost_all {
         if fail.contains(id) {
             rep.lost_dead_lettered += 1;
+        } else if unfinished.contains(id) {
+            rep.lost_unfinished += 1;
         } else {
             rep.lost_silently.push(*id);
         }

@@ -18,6 +18,10 @@ pub(super) struct Produced {
     pub tx_committed: usize,
     pub tx_rolled_back: usize,
     pub poison_txs_done: usize,
+    /// Transactions PostgreSQL aborted as deadlock victims (40P01) and the producer retried: two
+    /// transactions enqueueing for the same keys in opposite orders wait for each other's
+    /// per-key locks (docs/reference.md, "Per-key order", Limits).
+    pub deadlock_retries: usize,
     pub done: usize,
     pub error: Option<String>,
 }
@@ -60,7 +64,8 @@ pub(super) async fn produce(
             ns.push(k * p.producers as i64 + me as i64);
             k += 1;
         }
-        let res: Result<Vec<(i64, i64)>, tokio_postgres::Error> = async {
+        let res = loop {
+            let res: Result<Vec<(i64, i64)>, tokio_postgres::Error> = async {
             client.batch_execute("BEGIN").await?;
             let rows = client
                 .query(
@@ -77,8 +82,19 @@ pub(super) async fn produce(
                 .batch_execute(if rollback { "ROLLBACK" } else { "COMMIT" })
                 .await?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
-        }
-        .await;
+            }
+            .await;
+            match res {
+                Err(e)
+                    if e.code()
+                        == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED) =>
+                {
+                    let _ = client.batch_execute("ROLLBACK").await;
+                    shared.lock().expect("produced").deadlock_retries += 1;
+                }
+                other => break other,
+            }
+        };
         let rows = match res {
             Ok(r) => r,
             Err(e) => {

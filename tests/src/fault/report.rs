@@ -38,8 +38,14 @@ pub struct Report {
     /// Of the lost: rows that ended FAIL (dead-lettered, recoverable with outbox_requeue), and
     /// rows that the database says were delivered (SUCCESS) but the broker does not hold.
     pub lost_dead_lettered: usize,
+    /// Of the lost: rows still WAIT or SENDING at the end (not delivered in time, or stuck).
+    pub lost_unfinished: usize,
     pub lost_silently: Vec<i64>,
     pub phantoms: usize,
+    /// First arrivals that came after a later event of their key (per-key order broken).
+    pub out_of_order: usize,
+    /// Producer transactions retried after a deadlock between per-key locks.
+    pub deadlock_retries: usize,
     pub unknown_ids: usize,
     pub corrupt: usize,
     pub messages_read: usize,
@@ -97,9 +103,10 @@ impl Report {
         let mut v = Vec::new();
         if self.lost_count > 0 {
             v.push(format!(
-                "LOST {} committed events: {} dead-lettered (FAIL rows, not poison), {} SUCCESS rows missing from the broker (first ids {:?})",
+                "LOST {} committed events: {} dead-lettered (FAIL rows, not poison), {} still WAIT or SENDING, {} SUCCESS rows missing from the broker (first ids {:?})",
                 self.lost_count,
                 self.lost_dead_lettered,
+                self.lost_unfinished,
                 self.lost_silently.len(),
                 self.lost
             ));
@@ -108,6 +115,12 @@ impl Report {
             v.push(format!(
                 "{} rolled-back events reached the broker",
                 self.phantoms
+            ));
+        }
+        if self.out_of_order > 0 {
+            v.push(format!(
+                "{} events arrived for the first time after a later event of their key",
+                self.out_of_order
             ));
         }
         if self.unknown_ids > 0 {
@@ -208,8 +221,8 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "committed E            {} events in {} transactions ({} of them poison, topic {POISON_TOPIC})",
-            self.committed, self.committed_tx, self.poison
+            "committed E            {} events in {} transactions ({} of them poison, topic {POISON_TOPIC}; {} transactions retried after a deadlock of per-key locks)",
+            self.committed, self.committed_tx, self.poison, self.deadlock_retries
         )?;
         writeln!(
             f,
@@ -223,15 +236,21 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "lost (E-P)-D           {} ({} of them dead-lettered FAIL rows, {} acked SUCCESS but not on the broker)",
+            "lost (E-P)-D           {} ({} of them dead-lettered FAIL rows, {} still WAIT or SENDING, {} acked SUCCESS but not on the broker)",
             self.lost_count,
             self.lost_dead_lettered,
+            self.lost_unfinished,
             self.lost_silently.len()
         )?;
         writeln!(
             f,
             "phantoms               {} rolled-back ids seen, {} unknown ids seen",
             self.phantoms, self.unknown_ids
+        )?;
+        writeln!(
+            f,
+            "out of order           {} first arrivals after a later event of their key",
+            self.out_of_order
         )?;
         writeln!(f, "corrupt messages       {}", self.corrupt)?;
         let rate = if self.delivered_distinct > 0 {

@@ -144,9 +144,16 @@ impl Runner<'_> {
             .take(4)
             .map(|l| l.chars().take(300).collect())
             .collect();
+        // Their keys are due again too: a claim set each key's next look to its held-back
+        // head's next_retry_time (docs/reference.md, "Per-key order": rows changed by hand).
         let due_again = self.ids_of(
-            "UPDATE outbox_event SET next_retry_time = now() \
-             WHERE id = ANY($1) AND status = 'WAIT' RETURNING id",
+            "WITH due AS (UPDATE outbox_event SET next_retry_time = now() \
+                           WHERE id = ANY($1) AND status = 'WAIT' \
+                           RETURNING id, topic, event_key, ordered), \
+                  woken AS (UPDATE outbox_key k SET due_at = now() \
+                              FROM (SELECT DISTINCT topic, event_key FROM due WHERE ordered) d \
+                             WHERE k.topic = d.topic AND k.event_key = d.event_key) \
+             SELECT id FROM due",
             &kept,
         );
         self.log(format!(
