@@ -9,6 +9,7 @@ pub mod db;
 pub mod events;
 pub mod fault;
 pub mod kafka;
+pub mod model;
 pub mod pg_cluster;
 pub mod relay;
 pub mod roles;

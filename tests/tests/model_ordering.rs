@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use outbox_tests::db::{connect, TestDb};
+use outbox_tests::model::env_usize;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -353,13 +354,6 @@ async fn run_case(
     .get(0);
     check!(keys == 0, "{keys} key rows left after the drain");
     Ok(())
-}
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 #[test]

@@ -19,6 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use outbox_tests::db::{connect, TestDb};
+use outbox_tests::model::env_usize;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -697,13 +698,6 @@ async fn compare(
         "{ctx}: outbox_stats (due, delayed, sending, failed, succeeded) = {got:?}, model {exp:?}"
     );
     Ok(())
-}
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 #[test]

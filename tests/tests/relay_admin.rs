@@ -14,8 +14,8 @@ fn ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stats_dead_letters_requeue_and_purge() {
+/// A scratch database where the first nack makes a dead letter (`outbox.max_retry = 0`).
+async fn first_failure_kills() -> (TestDb, String, tokio_postgres::Client) {
     let db = TestDb::create();
     let url = db.url();
     db.psql(&format!(
@@ -23,6 +23,12 @@ async fn stats_dead_letters_requeue_and_purge() {
         db.name
     ));
     let client = db.connect().await;
+    (db, url, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_dead_letters_requeue_and_purge() {
+    let (db, url, client) = first_failure_kills().await;
     // 3 delivered, 2 dead letters (max_retry 0: the first nack kills), 1 waiting.
     client
         .batch_execute(
@@ -104,13 +110,7 @@ async fn stats_dead_letters_requeue_and_purge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_lists_keys_behind_a_dead_head_and_skip_lets_them_go_on() {
-    let db = TestDb::create();
-    let url = db.url();
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.max_retry = 0",
-        db.name
-    ));
-    let client = db.connect().await;
+    let (db, url, client) = first_failure_kills().await;
     // K1's head dies (max_retry 0); two more K1 events wait behind it; K2 is delivered.
     client
         .batch_execute(
