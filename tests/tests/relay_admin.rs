@@ -28,7 +28,7 @@ async fn first_failure_kills() -> (TestDb, String, tokio_postgres::Client) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_dead_letters_requeue_and_purge() {
-    let (db, url, client) = first_failure_kills().await;
+    let (_db, url, client) = first_failure_kills().await;
     // 3 delivered, 2 dead letters (max_retry 0: the first nack kills), 1 waiting.
     client
         .batch_execute(
@@ -110,7 +110,7 @@ async fn stats_dead_letters_requeue_and_purge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_lists_keys_behind_a_dead_head_and_skip_lets_them_go_on() {
-    let (db, url, client) = first_failure_kills().await;
+    let (_db, url, client) = first_failure_kills().await;
     // K1's head dies (max_retry 0); two more K1 events wait behind it; K2 is delivered.
     client
         .batch_execute(
