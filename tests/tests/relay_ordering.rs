@@ -182,7 +182,15 @@ async fn a_failed_event_holds_back_the_rest_of_its_key_until_skipped() {
         (Some(&2), Some(&1), Some(&2)),
         "{counts:?}"
     );
-    let blocked: i64 = db::scalar(&client, "SELECT blocked_keys FROM outbox_stats()", &[]).await;
+    // The relay's next claim finds the dead head and marks the key blocked.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let blocked = loop {
+        let b: i64 = db::scalar(&client, "SELECT blocked_keys FROM outbox_stats()", &[]).await;
+        if b == 1 || std::time::Instant::now() > deadline {
+            break b;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(blocked, 1);
     assert_eq!(first_arrivals(&broker, "orders", "K"), [k1]);
     assert_eq!(first_arrivals(&broker, "orders", "L"), [l1]);
