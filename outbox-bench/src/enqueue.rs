@@ -96,7 +96,7 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
     // A relay would be listening: NOTIFY costs more with a listener to signal.
     let listener = db.client().await?;
     listener
-        .batch_execute(&format!("LISTEN {}", outbox_worker::WAKEUP_CHANNEL))
+        .batch_execute("LISTEN outbox")
         .await?;
 
     let mut results: Vec<EnqueueResult> = VARIANTS

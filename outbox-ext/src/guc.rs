@@ -11,7 +11,10 @@ pub static BACKOFF_JITTER: GucSetting<f64> = GucSetting::<f64>::new(0.0);
 pub static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(600_000);
 pub static MAX_CLAIM: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
-pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(true);
+// Off: NOTIFY serializes the commits of every notifying transaction (wake.rs); relays wait with
+// outbox_wait instead. On only for a listener of the application's own.
+pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
+pub static WAIT_POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(10);
 pub static HEAD_OF_LINE: GucSetting<HeadOfLine> = GucSetting::<HeadOfLine>::new(HeadOfLine::Block);
 
 /// `outbox.head_of_line`: what a key does when its head event becomes a dead letter. The SQL
@@ -100,11 +103,21 @@ pub fn register() {
     );
     GucRegistry::define_bool_guc(
         c"outbox.notify",
-        c"Send NOTIFY outbox at commit of a transaction that enqueued.",
-        c"",
+        c"Send NOTIFY outbox at commit of a transaction that enqueued (off: relays use outbox_wait).",
+        c"NOTIFY makes notifying transactions commit one at a time; turn it on only for a LISTEN client of your own.",
         &NOTIFY,
         GucContext::Userset,
         GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.wait_poll_interval",
+        c"How often outbox_wait looks at the queue when commits cannot wake it (no shared_preload_libraries).",
+        c"The wake-up latency without the preload; each look is one index probe.",
+        &WAIT_POLL_INTERVAL_MS,
+        1,
+        60_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
     );
     GucRegistry::define_enum_guc(
         c"outbox.head_of_line",

@@ -10,12 +10,14 @@ use pgrx::prelude::*;
 
 mod guc;
 mod producer;
+mod wake;
 
 ::pgrx::pg_module_magic!(name, version);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     guc::register();
+    wake::init();
 }
 
 // Order matters: the table and types first, then functions that read the settings.
@@ -33,7 +35,10 @@ extension_sql_file!(
         guc::outbox_max_payload_bytes,
         guc::outbox_notify_enabled,
         producer::outbox_check_topic,
-        producer::outbox_topic_ordered
+        producer::outbox_topic_ordered,
+        wake::outbox_enqueue_begin,
+        wake::outbox_wait_for,
+        wake::outbox_wake_mode
     ],
 );
 extension_sql_file!("../../sql/privileges.sql", name = "privileges", finalize);

@@ -28,6 +28,8 @@ pub struct Relay {
     pub owner: String,
     pub batch_size: i32,
     pub poll_interval: Duration,
+    /// Events taken by the last finished round (the wake-up session waits for one).
+    pub rounds: watch::Sender<usize>,
 }
 
 /// Rounds until cancelled (the round in flight is finished first). Ends with the error when a
@@ -59,6 +61,7 @@ pub async fn claim_loop(
         wake.borrow_and_update();
         let result = relay.round().await;
         relay.metrics.health.round_completed(n);
+        relay.rounds.send_replace(*result.as_ref().unwrap_or(&0));
         let delay = match result {
             Ok(claimed) if claimed as i32 >= relay.batch_size => {
                 failures = 0;

@@ -183,8 +183,8 @@ pub async fn connect_once(target: &Target) -> Result<tokio_postgres::Client, Fat
 
 /// The oldest extension version that has everything the relay calls and reads: `outbox_release`
 /// (0.2.0), `outbox_nack_returning` and `outbox_reclaim_returning` (0.3.0), the claim's `ordered`
-/// column and `outbox_stats().blocked_keys` (0.4.0).
-pub const MIN_EXTENSION_VERSION: &str = "0.4.0";
+/// column and `outbox_stats().blocked_keys` (0.4.0), `outbox_wait` (0.5.0).
+pub const MIN_EXTENSION_VERSION: &str = "0.5.0";
 
 /// The installed `outbox` extension.
 #[derive(Debug, Clone, PartialEq)]
@@ -308,14 +308,14 @@ mod tests {
 
     #[test]
     fn any_version_from_the_minimum_on_is_accepted() {
-        for v in ["0.4.0", "0.4.1", "0.5.0", "0.10.0", "1.0.0", "0.4"] {
+        for v in ["0.5.0", "0.5.1", "0.6.0", "0.10.0", "1.0.0", "0.5"] {
             assert_eq!(
                 version_at_least(v, MIN_EXTENSION_VERSION),
                 Some(true),
                 "{v}"
             );
         }
-        for v in ["0.1.0", "0.2.0", "0.3.0", "0.3.9", "0.3"] {
+        for v in ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.4.9", "0.4"] {
             assert_eq!(
                 version_at_least(v, MIN_EXTENSION_VERSION),
                 Some(false),
@@ -330,7 +330,7 @@ mod tests {
         let e = old.check_version("host=h").expect_err("refused");
         assert_eq!(e.code, 2);
         assert!(e.message.contains("version 0.2.0"), "{}", e.message);
-        assert!(e.message.contains("0.4.0 or later"), "{}", e.message);
+        assert!(e.message.contains("0.5.0 or later"), "{}", e.message);
         assert!(
             e.message.contains("ALTER EXTENSION outbox UPDATE"),
             "{}",

@@ -31,7 +31,7 @@ use cli::{Cli, Command, LogFormat};
 pub use message::{
     HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE, HEADER_OUTBOX_ID, RESERVED_HEADERS,
 };
-pub use wakeup::CHANNEL as WAKEUP_CHANNEL;
+pub use wakeup::READY as WAKEUP_READY;
 
 /// A reason to stop with one line on stderr.
 #[derive(Debug)]

@@ -1,5 +1,5 @@
 //! `outbox-worker run`: start-up checks, the claim loops, the reclaimer, the stats poller and the
-//! wake-up listener as tasks, and shutdown.
+//! wake-up session as tasks, and shutdown.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,6 +112,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let m = metrics.clone();
     tokio::spawn(async move { m.health.set_broker_reachable(probe.await) });
     let breaker = Arc::new(Breaker::new());
+    let (rounds_tx, rounds_rx) = watch::channel(0usize);
     let relay = Arc::new(Relay {
         store,
         publisher: publisher.clone(),
@@ -120,13 +121,20 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         owner,
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
+        rounds: rounds_tx,
     });
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
     let mut tasks = Tasks::new(cancel.clone());
-    let listen = wakeup::listen(target, wake_tx.clone(), cancel.clone());
-    tasks.spawn("wake-up listener", async move {
-        listen.await;
+    let waiter = wakeup::run(
+        target,
+        relay.store.schema().to_string(),
+        wake_tx.clone(),
+        rounds_rx,
+        cancel.clone(),
+    );
+    tasks.spawn("wake-up session", async move {
+        waiter.await;
         Ok(())
     });
     tasks.spawn(

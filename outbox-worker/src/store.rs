@@ -269,6 +269,11 @@ impl Store {
         &self.desc
     }
 
+    /// The extension's schema, quoted for SQL.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
     /// `schema.outbox_<name>`, for messages.
     pub fn func(&self, name: &str) -> String {
         format!("{}.outbox_{name}", self.schema)

@@ -1,4 +1,4 @@
-//! The relay's long-running tasks (claim loops, reclaimer, stats poller, wake-up listener) under
+//! The relay's long-running tasks (claim loops, reclaimer, stats poller, wake-up session) under
 //! one supervisor. Each runs until the shared cancellation token fires. One that fails, panics or
 //! stops on its own cancels the others, which settle their in-flight rows, and the relay then
 //! exits non-zero so that its supervisor (systemd, Kubernetes) restarts it: a relay with a dead
@@ -146,10 +146,10 @@ mod tests {
         let cancel = CancellationToken::new();
         let mut tasks = Tasks::new(cancel.clone());
         tasks.spawn("claim loop 0", until_cancelled(&cancel));
-        tasks.spawn("wake-up listener", async { Ok(()) });
+        tasks.spawn("wake-up session", async { Ok(()) });
         let e = tasks.join().await.expect_err("failure");
         assert_eq!(e.code, 1);
-        assert_eq!(e.message, "wake-up listener stopped unexpectedly");
+        assert_eq!(e.message, "wake-up session stopped unexpectedly");
     }
 
     #[tokio::test]

@@ -1,80 +1,117 @@
-//! The `LISTEN outbox` session: a direct connection (not from the pool, so it also works when the
-//! pool goes through a transaction-mode pooler) that reconnects by itself. Each notification bumps
-//! a counter the claim loops watch; the loops keep polling anyway in case one is lost.
+//! The wake-up session: a direct connection (not from the pool, so it holds no pool slot while it
+//! waits) that calls `outbox_wait` in a loop and bumps a counter the claim loops watch whenever
+//! events may be claimable. No LISTEN/NOTIFY: NOTIFY would make the producers' commits take turns
+//! (docs/reference.md, "Wake-up"). One statement per wait, so it also works through a
+//! transaction-mode pooler. The claim loops keep polling anyway, and it reconnects by itself.
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use tokio::sync::{mpsc, watch};
-use tokio_postgres::AsyncMessage;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{one_line, Target};
 
-pub const CHANNEL: &str = "outbox";
+/// Logged (info) once the first wait is about to start, with the server's wake-up mode.
+pub const READY: &str = "wake-up ready";
 
-pub async fn listen(target: Target, wake: watch::Sender<u64>, cancel: CancellationToken) {
+/// How long one `outbox_wait` call may block: it holds a snapshot meanwhile, so keep it short.
+const WAIT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// After a wake-up whose round claimed nothing, a pause before asking again, doubling from 1 ms
+/// up to this while it repeats. One empty round is normal (after an ack, a claim looks at the
+/// key once more to retire it); a streak means something is due that this relay cannot take
+/// (rows locked by another transaction), and `outbox_wait` would answer at once, again and again.
+const EMPTY_WAKE_PAUSE_MAX: Duration = Duration::from_millis(100);
+
+/// `rounds` carries the number of events the last finished claim round took.
+pub async fn run(
+    target: Target,
+    schema: String,
+    wake: watch::Sender<u64>,
+    mut rounds: watch::Receiver<usize>,
+    cancel: CancellationToken,
+) {
     let mut backoff = Duration::from_millis(500);
     let mut connected_before = false;
+    let wait_sql = format!("SELECT {schema}.outbox_wait(make_interval(secs => $1))");
+    let mode_sql = format!("SELECT {schema}.outbox_wake_mode()");
     loop {
         match target.cfg.connect(target.tls.clone()).await {
-            Ok((client, mut conn)) => {
-                let (tx, mut rx) = mpsc::unbounded_channel::<Result<(), String>>();
-                let driver = tokio::spawn(async move {
-                    let mut stream = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
-                    while let Some(msg) = stream.next().await {
-                        match msg {
-                            Ok(AsyncMessage::Notification(_)) => {
-                                if tx.send(Ok(())).is_err() {
-                                    return;
-                                }
-                            }
-                            Ok(_) => {}
-                            Err(e) => {
-                                let _ = tx.send(Err(one_line(&e)));
-                                return;
-                            }
-                        }
-                    }
-                    let _ = tx.send(Err("connection closed".to_string()));
-                });
-                match client.batch_execute(&format!("LISTEN {CHANNEL}")).await {
-                    Ok(()) => {
+            Ok((client, conn)) => {
+                let driver = tokio::spawn(conn);
+                match client.query_one(&mode_sql, &[]).await {
+                    Ok(row) => {
+                        let mode: String = row.get(0);
                         if connected_before {
-                            tracing::info!("LISTEN {CHANNEL} connection re-established");
+                            tracing::info!("wake-up connection re-established");
                         } else {
-                            tracing::debug!("listening for NOTIFY {CHANNEL}");
+                            // "polling": no shared_preload_libraries = 'outbox' (managed
+                            // PostgreSQL); waits end within outbox.wait_poll_interval.
+                            tracing::info!(mode = %mode, "{READY}");
                         }
                         connected_before = true;
                         backoff = Duration::from_millis(500);
-                        // Anything committed while we were not listening is picked up now.
+                        // Anything committed while we were not waiting is picked up now.
                         wake.send_modify(|g| *g = g.wrapping_add(1));
+                        let secs = WAIT_TIMEOUT.as_secs_f64();
+                        let mut empty_streak: u32 = 0;
                         loop {
-                            tokio::select! {
+                            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&secs];
+                            let woken = tokio::select! {
                                 _ = cancel.cancelled() => { driver.abort(); return; }
-                                msg = rx.recv() => match msg {
-                                    Some(Ok(())) => {
-                                        tracing::trace!("NOTIFY {CHANNEL}");
-                                        wake.send_modify(|g| *g = g.wrapping_add(1));
+                                r = client.query_one(&wait_sql, &params) => r,
+                            };
+                            match woken {
+                                Ok(row) if row.get::<_, bool>(0) => {
+                                    tracing::trace!("woken");
+                                    rounds.borrow_and_update();
+                                    wake.send_modify(|g| *g = g.wrapping_add(1));
+                                    // While events are due, outbox_wait answers at once: wait
+                                    // until a round has taken them.
+                                    let claimed = tokio::select! {
+                                        _ = cancel.cancelled() => { driver.abort(); return; }
+                                        r = tokio::time::timeout(WAIT_TIMEOUT, rounds.changed()) => match r {
+                                            Ok(Ok(())) => *rounds.borrow_and_update(),
+                                            Ok(Err(_)) => { driver.abort(); return; }
+                                            Err(_) => 0,
+                                        },
+                                    };
+                                    if claimed > 0 {
+                                        empty_streak = 0;
+                                        continue;
                                     }
-                                    Some(Err(e)) => {
-                                        tracing::warn!("LISTEN connection lost ({e}); reconnecting, polling meanwhile");
-                                        break;
+                                    let pause = (Duration::from_millis(1)
+                                        * 2u32.pow(empty_streak.min(7)))
+                                    .min(EMPTY_WAKE_PAUSE_MAX);
+                                    empty_streak += 1;
+                                    tokio::select! {
+                                        _ = cancel.cancelled() => { driver.abort(); return; }
+                                        _ = tokio::time::sleep(pause) => {}
                                     }
-                                    None => break,
+                                }
+                                Ok(_) => empty_streak = 0,
+                                Err(e) => {
+                                    tracing::warn!(
+                                        "wake-up connection lost ({}); reconnecting, polling meanwhile",
+                                        one_line(&e)
+                                    );
+                                    break;
                                 }
                             }
                         }
                     }
                     Err(e) => {
-                        tracing::warn!("LISTEN {CHANNEL} failed: {}; retrying", one_line(&e));
+                        tracing::warn!(
+                            "wake-up: outbox_wake_mode() failed: {}; retrying",
+                            one_line(&e)
+                        );
                     }
                 }
                 driver.abort();
             }
             Err(e) => {
                 tracing::warn!(
-                    "LISTEN connection failed: {}; retrying in {:?}, polling meanwhile",
+                    "wake-up connection failed: {}; retrying in {:?}, polling meanwhile",
                     one_line(&e),
                     backoff
                 );

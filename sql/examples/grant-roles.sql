@@ -11,7 +11,8 @@
 GRANT USAGE ON SCHEMA public TO :"producer", :"relay", :"admin";
 
 GRANT EXECUTE ON FUNCTION
-    public.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz)
+    public.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
+    public.outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)
 TO :"producer";
 
 GRANT EXECUTE ON FUNCTION
@@ -23,7 +24,9 @@ GRANT EXECUTE ON FUNCTION
     public.outbox_release(text, bigint, bigint[], interval, text),
     public.outbox_reclaim(interval),
     public.outbox_reclaim_returning(interval),
-    public.outbox_stats()
+    public.outbox_stats(),
+    public.outbox_wait(interval),
+    public.outbox_wake_mode()
 TO :"relay";
 
 GRANT :"relay" TO :"admin";

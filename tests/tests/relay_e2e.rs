@@ -8,7 +8,7 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, wait_counts, Expected};
 use outbox_tests::relay::Relay;
-use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE, WAKEUP_CHANNEL};
+use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE, WAKEUP_READY};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,10 +166,10 @@ async fn two_relays_share_the_work_without_duplicates() {
     let relays = [spawn("relay-a"), spawn("relay-b")];
     // Both relays wait for work before it comes, so sharing it does not race their start-up.
     for r in &relays {
-        let listening = format!("listening for NOTIFY {WAKEUP_CHANNEL}");
         assert!(
-            r.wait_log(&[&listening], Duration::from_secs(30)).is_some(),
-            "relay never listened: {}",
+            r.wait_log(&[WAKEUP_READY], Duration::from_secs(30))
+                .is_some(),
+            "relay never started waiting: {}",
             r.logs()
         );
     }

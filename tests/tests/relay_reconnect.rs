@@ -1,5 +1,5 @@
-//! The relay survives losing its database sessions: the LISTEN session reconnects by itself (and
-//! NOTIFY wakes it again), the pool replaces terminated connections, /health says when the
+//! The relay survives losing its database sessions: the wake-up session reconnects by itself (and
+//! commits wake it again), the pool replaces terminated connections, /health says when the
 //! database is gone.
 
 use std::collections::BTreeMap;
@@ -9,11 +9,11 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
 use outbox_tests::relay::Relay;
-use outbox_worker::WAKEUP_CHANNEL;
+use outbox_worker::WAKEUP_READY;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listen_session_and_pool_reconnect_after_their_backends_are_terminated() {
+async fn wake_up_session_and_pool_reconnect_after_their_backends_are_terminated() {
     let db = TestDb::create();
     let broker = Broker::start();
     broker.create_topic("orders");
@@ -26,10 +26,7 @@ async fn listen_session_and_pool_reconnect_after_their_backends_are_terminated()
     );
     assert!(
         worker
-            .wait_log(
-                &[&format!("listening for NOTIFY {WAKEUP_CHANNEL}")],
-                Duration::from_secs(15)
-            )
+            .wait_log(&[WAKEUP_READY], Duration::from_secs(15))
             .is_some(),
         "{}",
         worker.logs()
@@ -39,7 +36,7 @@ async fn listen_session_and_pool_reconnect_after_their_backends_are_terminated()
         .wait_for(warm.id, Duration::from_secs(20))
         .is_some());
 
-    // Kill every session of the relay (pool and LISTEN).
+    // Kill every session of the relay (pool and wake-up).
     let killed: i64 = client
         .query_one(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
@@ -51,13 +48,13 @@ async fn listen_session_and_pool_reconnect_after_their_backends_are_terminated()
         .get(0);
     assert!(
         killed >= 2,
-        "expected the pool and LISTEN sessions, killed {killed}"
+        "expected the pool and wake-up sessions, killed {killed}"
     );
     assert!(
         worker
-            .wait_log(&["LISTEN", "re-established"], Duration::from_secs(15))
+            .wait_log(&["wake-up", "re-established"], Duration::from_secs(15))
             .is_some(),
-        "LISTEN session did not come back: {}",
+        "wake-up session did not come back: {}",
         worker.logs()
     );
 

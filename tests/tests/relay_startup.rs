@@ -63,14 +63,14 @@ fn starts_and_stops(url: &str) {
     assert!(st.success(), "{}", w.logs());
 }
 
-/// The relay reads the claim's `ordered` column and `outbox_stats().blocked_keys` (extension
-/// 0.4.0): against an older extension it would fail only at its first claim. It refuses to start
+/// The relay waits with `outbox_wait` (extension 0.5.0): against an older extension its wake-up
+/// would fail at every call. It refuses to start
 /// with one line naming both versions and the fix, exit 2; after `ALTER EXTENSION outbox UPDATE`
 /// it runs.
 #[test]
 fn extension_older_than_the_relay_needs_is_refused_until_updated() {
     let db = TestDb::empty();
-    db.psql("CREATE EXTENSION outbox VERSION '0.3.0'");
+    db.psql("CREATE EXTENSION outbox VERSION '0.4.0'");
     let out = run_cmd(&[
         "run",
         "--database-url",
@@ -81,8 +81,8 @@ fn extension_older_than_the_relay_needs_is_refused_until_updated() {
     one_line_failure(
         &out,
         &[
-            "extension version 0.3.0",
-            "0.4.0 or later",
+            "extension version 0.4.0",
+            "0.5.0 or later",
             "ALTER EXTENSION outbox UPDATE",
             &db.name,
         ],

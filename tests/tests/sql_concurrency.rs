@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
 use outbox_tests::db::{self, scalar, TestDb};
-use outbox_worker::WAKEUP_CHANNEL;
+/// The channel of `outbox.notify = on` (for a LISTEN client of the application's own).
+const CHANNEL: &str = "outbox";
 use tokio_postgres::{AsyncMessage, NoTls};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -187,23 +188,33 @@ async fn listen_while<F: std::future::Future<Output = ()>>(db: &TestDb, work: F)
         }
     });
     listener
-        .batch_execute(&format!("LISTEN {WAKEUP_CHANNEL}"))
+        .batch_execute(&format!("LISTEN {CHANNEL}"))
         .await
         .unwrap();
     work.await;
     let mut count = 0;
     while let Ok(Some(channel)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await
     {
-        assert_eq!(channel, WAKEUP_CHANNEL);
+        assert_eq!(channel, CHANNEL);
         count += 1;
     }
     count
 }
 
 #[tokio::test]
-async fn notify_is_one_per_committing_transaction_and_none_on_rollback() {
+async fn notify_when_enabled_is_one_per_committing_transaction_and_none_on_rollback() {
     let db = TestDb::create();
     let mut c = db.connect().await;
+
+    // Off by default: relays wait with outbox_wait, and NOTIFY would serialize commits.
+    let n = listen_while(&db, async {
+        c.execute("SELECT outbox_enqueue('orders', '{}')", &[])
+            .await
+            .unwrap();
+    })
+    .await;
+    assert_eq!(n, 0, "outbox.notify is off by default");
+    c.batch_execute("SET outbox.notify = on").await.unwrap();
 
     let n = listen_while(&db, async {
         let tx = c.transaction().await.unwrap();
@@ -233,7 +244,7 @@ async fn notify_is_one_per_committing_transaction_and_none_on_rollback() {
 
     let n = listen_while(&db, async {
         c.batch_execute(
-            "SET outbox.notify = off; SELECT outbox_enqueue('orders', '{}'); RESET outbox.notify",
+            "SET outbox.notify = off; SELECT outbox_enqueue('orders', '{}'); SET outbox.notify = on",
         )
         .await
         .unwrap();

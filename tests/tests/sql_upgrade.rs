@@ -59,6 +59,11 @@ async fn update_from_0_3_0_with_events_in_flight() {
     update_with_events_in_flight("0.3.0").await;
 }
 
+#[tokio::test]
+async fn update_from_0_4_0_with_events_in_flight() {
+    update_with_events_in_flight("0.4.0").await;
+}
+
 /// A role granted calls of an earlier release (nack, reclaim, stats, requeue); dropped on drop.
 struct OldRelayRole(String);
 
@@ -79,15 +84,22 @@ async fn update_with_events_in_flight(from: &str) {
         .await
         .unwrap();
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
-    // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim.
-    let returning = if from == "0.3.0" {
-        ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
-    } else {
-        ""
+    // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
+    // 0.4.0 the operator's blocked_keys and skip.
+    let returning = match from {
+        "0.3.0" => {
+            ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
+        }
+        "0.4.0" => {
+            ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
+             outbox_blocked_keys(int), outbox_skip(bigint[])"
+        }
+        _ => "",
     };
     c.batch_execute(&format!(
         "CREATE ROLE {0} NOLOGIN; GRANT EXECUTE ON FUNCTION outbox_nack(text, bigint, bigint[], text), \
-         outbox_reclaim(interval), outbox_stats(), outbox_requeue(bigint[]){returning} TO {0}",
+         outbox_reclaim(interval), outbox_stats(), outbox_requeue(bigint[]), outbox_claim(text, int), \
+         outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz){returning} TO {0}",
         role.0
     ))
     .await
@@ -98,10 +110,12 @@ async fn update_with_events_in_flight(from: &str) {
     )
     .await
     .unwrap();
+    // 0.4.0 claims per key: whole runs (k1: 1 4, k2: 2 5, k0: 3 6), so it takes all six.
+    let held = if from == "0.4.0" { 6 } else { 4 };
     let token: i64 = scalar(
         &c,
-        "SELECT max(claim_token) FROM outbox_claim('relay-a', 4)",
-        &[],
+        "SELECT max(claim_token) FROM outbox_claim('relay-a', $1)",
+        &[&held],
     )
     .await;
 
@@ -121,6 +135,9 @@ async fn update_with_events_in_flight(from: &str) {
         "outbox_stats()",
         "outbox_blocked_keys(integer)",
         "outbox_skip(bigint[])",
+        "outbox_wait(interval)",
+        "outbox_wake_mode()",
+        "outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)",
     ] {
         let may: bool = scalar(
             &c,
@@ -133,7 +150,10 @@ async fn update_with_events_in_flight(from: &str) {
     c.batch_execute(&format!(
         "REVOKE ALL ON FUNCTION outbox_nack(text, bigint, bigint[], text), outbox_reclaim(interval), \
          outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
-         outbox_stats(), outbox_requeue(bigint[]), outbox_blocked_keys(int), outbox_skip(bigint[]) FROM {}",
+         outbox_stats(), outbox_requeue(bigint[]), outbox_blocked_keys(int), outbox_skip(bigint[]), \
+         outbox_claim(text, int), outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz), \
+         outbox_wait(interval), outbox_wake_mode(), \
+         outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz) FROM {}",
         role.0
     ))
     .await
@@ -157,6 +177,14 @@ async fn update_with_events_in_flight(from: &str) {
     );
     assert_eq!(settle("SELECT outbox_renew('relay-a', $1, '{4}')").await, 1);
     assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{4}')").await, 1);
+    if from == "0.4.0" {
+        // 5 was delivered; 6 comes after the failed 3 in its key, so the relay releases it.
+        assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{5}')").await, 1);
+        assert_eq!(
+            settle("SELECT outbox_release('relay-a', $1, '{6}', '0', 'held back')").await,
+            1
+        );
+    }
 
     // Drain what is left through the new code, in per-key order. Keys: 1 k1, 2 k2, 3 k0, 4 k1,
     // 5 k2, 6 k0. Event 3 backs off after its nack, and holds back 6, the next event of k0.
@@ -181,9 +209,16 @@ async fn update_with_events_in_flight(from: &str) {
             assert_eq!(n as usize, ids.len());
         }
     };
-    let (ids, token) = claim().await;
-    assert_eq!(ids, vec![5], "event 6 waits for 3, the head of its key");
-    ack(ids, token).await;
+    if from != "0.4.0" {
+        let (ids, token) = claim().await;
+        assert_eq!(ids, vec![5], "event 6 waits for 3, the head of its key");
+        ack(ids, token).await;
+    }
+    let (ids, _) = claim().await;
+    assert!(
+        ids.is_empty(),
+        "event 6 waits for 3, the head of its key: {ids:?}"
+    );
     // The backoff ends now (for the event and for its key's next look).
     c.batch_execute(
         "UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'; \
