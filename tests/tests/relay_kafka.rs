@@ -27,11 +27,12 @@ async fn relay_keys(
     topic: &str,
     keys: &[String],
     extra: &[&str],
+    payload: fn(usize) -> serde_json::Value,
 ) -> (Relay, Vec<Msg>) {
     let client = db.connect().await;
     let before = status_counts(&client).await["SUCCESS"];
     for (i, k) in keys.iter().enumerate() {
-        enqueue(&client, topic, k, "T", &json!({ "n": i }), &BTreeMap::new()).await;
+        enqueue(&client, topic, k, "T", &payload(i), &BTreeMap::new()).await;
     }
     let mut args = vec!["--poll-interval", "200ms"];
     args.extend_from_slice(extra);
@@ -42,6 +43,18 @@ async fn relay_keys(
     let msgs = broker.consume_all(topic, Duration::from_secs(3));
     assert_eq!(msgs.len(), keys.len(), "one message per event");
     (worker, msgs)
+}
+
+/// `{"n": i}`: the payload of relay_keys' events.
+fn numbered(i: usize) -> serde_json::Value {
+    json!({ "n": i })
+}
+
+/// `{"n": i}` with 2 KB of repeated text: librdkafka sends a batch uncompressed when compressing
+/// does not make it smaller, which a batch of one small event never is; a compressible payload
+/// makes every batch compress, however the rounds happen to split the events.
+fn padded(i: usize) -> serde_json::Value {
+    json!({ "n": i, "pad": "order created ".repeat(150) })
 }
 
 /// The payload of the tests' single events.
@@ -114,7 +127,7 @@ async fn a_key_lands_on_the_partition_the_java_client_chooses() {
     kafka::create_topics(&broker.addr(), &["relay", "java"], 7).expect("topics");
     let keys = random_keys(200);
 
-    let (_worker, msgs) = relay_keys(&db, &broker, "relay", &keys, &[]).await;
+    let (_worker, msgs) = relay_keys(&db, &broker, "relay", &keys, &[], numbered).await;
     let relay: BTreeMap<String, i64> = msgs
         .iter()
         .map(|m| (m.key.clone().expect("keyed message"), m.partition))
@@ -236,7 +249,7 @@ async fn zstd_and_lz4_batches_arrive_intact() {
         let keys: Vec<String> = (0..50).map(|i| format!("{codec}-{i}")).collect();
         let prop = format!("compression.type={codec}");
         let (mut worker, msgs) =
-            relay_keys(&db, &broker, codec, &keys, &["--kafka-property", &prop]).await;
+            relay_keys(&db, &broker, codec, &keys, &["--kafka-property", &prop], padded).await;
         let mut got: Vec<(String, serde_json::Value)> = msgs
             .iter()
             .map(|m| {
@@ -250,7 +263,7 @@ async fn zstd_and_lz4_batches_arrive_intact() {
         let want: Vec<_> = keys
             .iter()
             .enumerate()
-            .map(|(i, k)| (k.clone(), json!({ "n": i })))
+            .map(|(i, k)| (k.clone(), padded(i)))
             .collect();
         assert_eq!(got, want, "{codec}: every event, key and value intact");
         let codecs = codecs_on_disk(&broker, codec);
@@ -312,6 +325,7 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         "orders",
         &keys,
         &["--kafka-property", "statistics.interval.ms=500"],
+        numbered,
     )
     .await;
 
