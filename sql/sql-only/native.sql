@@ -184,7 +184,7 @@ $$;
 CREATE FUNCTION @extschema@.outbox_notify_enabled() RETURNS boolean
 LANGUAGE sql STRICT STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT @extschema@.outbox_setting_bool('outbox.notify', true) $$;
+AS $$ SELECT @extschema@.outbox_setting_bool('outbox.notify', false) $$;
 
 -- The current settings in one typed row (the native build's outbox_config()), each checked.
 CREATE FUNCTION @extschema@.outbox_config()
@@ -308,32 +308,47 @@ BEGIN
 END
 $$;
 
--- Waits until events may be claimable (an unordered WAIT row or a key that is due) or the timeout
--- ends: true as soon as there may be work, false on timeout. The native build wakes on a commit
--- through shared memory when preloaded; this build polls every 10 ms, each look a fresh snapshot.
-CREATE FUNCTION @extschema@.outbox_wait(timeout interval DEFAULT '1 s') RETURNS boolean
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+-- The SQL half of outbox_enqueue in one call (wake.rs): the topic's checks, and whether the event
+-- keeps its key's order. Nothing to note for the wake-up: this build has no shared memory, its
+-- outbox_wait always polls.
+CREATE FUNCTION @extschema@.outbox_enqueue_begin(topic text, key text) RETURNS boolean
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM @extschema@.outbox_check_topic(topic);
+    RETURN key IS NOT NULL AND @extschema@.outbox_topic_ordered(topic);
+END
+$$;
+
+-- How outbox_wait is woken: always 'polling' here (the native build says 'commit' when preloaded).
+CREATE FUNCTION @extschema@.outbox_wake_mode() RETURNS text
+LANGUAGE sql STRICT STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'polling'::text $$;
+
+-- The engine of outbox_wait (functions.sql checks the arguments and the isolation level): true as
+-- soon as work_due (a function returning whether a claim may find something) says so, false after
+-- timeout_ms. Looks every outbox.wait_poll_interval (10 ms), each look with a fresh snapshot;
+-- statement_timeout and pg_cancel_backend end the sleep between looks.
+CREATE FUNCTION @extschema@.outbox_wait_for(timeout_ms bigint, work_due oid) RETURNS boolean
+LANGUAGE plpgsql STRICT VOLATILE PARALLEL UNSAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    deadline timestamptz;
+    deadline timestamptz := clock_timestamp() + make_interval(secs => greatest(timeout_ms, 0) / 1000.0);
+    poll_s double precision := @extschema@.outbox_setting_int('outbox.wait_poll_interval',
+        @extschema@.outbox_setting_raw('outbox.wait_poll_interval'), 10, 'ms', 1, 60000) / 1000.0;
+    look constant text := format('SELECT %s', work_due::regprocedure);
+    due boolean;
 BEGIN
-    IF timeout IS NULL OR timeout < interval '0' OR timeout > interval '100 years' THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'outbox_wait: timeout must be an interval from zero to 100 years',
-            DETAIL = format('timeout = %s', coalesce(timeout::text, 'NULL'));
-    END IF;
-    -- At REPEATABLE READ the snapshot never changes: the loop would never see a commit.
-    PERFORM @extschema@.outbox_check_isolation('outbox_wait');
-    deadline := clock_timestamp() + timeout;
     LOOP
-        IF EXISTS (SELECT 1 FROM @extschema@.outbox_event e
-                    WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= clock_timestamp())
-           OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k WHERE k.due_at <= clock_timestamp()) THEN
+        EXECUTE look INTO due;
+        IF due THEN
             RETURN true;
         END IF;
         EXIT WHEN clock_timestamp() >= deadline;
-        PERFORM pg_sleep(least(0.01, extract(epoch FROM deadline - clock_timestamp())));
+        PERFORM pg_sleep(least(poll_s, extract(epoch FROM deadline - clock_timestamp())));
     END LOOP;
     RETURN false;
 END
@@ -349,6 +364,5 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_setting_int(text, text, bigint, text, bigint, bigint),
     @extschema@.outbox_setting_error(text, text),
     @extschema@.outbox_setting_bool(text, boolean),
-    @extschema@.outbox_topic_list_match(text, text, text),
-    @extschema@.outbox_wait(interval)
+    @extschema@.outbox_topic_list_match(text, text, text)
 FROM PUBLIC;
