@@ -677,9 +677,22 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_key_lock_id", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
+        ("outbox_enqueue_begin", "'orders', 'k-1'"),
+        (
+            "outbox_enqueue_many",
+            "'orders', ARRAY['{}'::jsonb], ARRAY['k-1']",
+        ),
+        ("outbox_wait", "'0 s'"),
+        ("outbox_wake_mode", ""),
+        ("outbox_work_due", ""),
     ] {
         api.call(func, args, &[]).await;
     }
+    let work_due = format!(
+        "0, '{}.outbox_work_due()'::pg_catalog.regprocedure",
+        api.schema
+    );
+    api.call("outbox_wait_for", &work_due, &[]).await;
     if build::sql_only() {
         sql_only_functions(api).await;
     }
@@ -690,7 +703,6 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
 async fn sql_only_functions(api: &mut Api<'_>) {
     for (func, args) in [
         ("outbox_sql_only_version", ""),
-        ("outbox_wait", "'0 s'"),
         ("outbox_setting_raw", "'outbox.lease'"),
         ("outbox_setting_database", "'outbox.lease'"),
         ("outbox_setting_trusted", ""),
