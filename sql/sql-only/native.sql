@@ -168,10 +168,18 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     name constant text := 'outbox.max_payload_bytes';
-    raw text := @extschema@.outbox_setting_raw(name);
-    db_raw text := @extschema@.outbox_setting_database(name);
-    v bigint := @extschema@.outbox_setting_int(name, coalesce(raw, db_raw), 1000000, 'B', 1, 2147483647);
+    raw text;
+    db_raw text;
+    v bigint;
 BEGIN
+    -- Never set in this session, its role or its database (the placeholder does not exist): the
+    -- default, without looking at the catalog (the producer's hot path).
+    IF current_setting(name, true) IS NULL THEN
+        RETURN 1000000;
+    END IF;
+    raw := @extschema@.outbox_setting_raw(name);
+    db_raw := @extschema@.outbox_setting_database(name);
+    v := @extschema@.outbox_setting_int(name, coalesce(raw, db_raw), 1000000, 'B', 1, 2147483647);
     IF raw IS NOT NULL AND raw IS DISTINCT FROM db_raw
        AND v > @extschema@.outbox_setting_int(name, db_raw, 1000000, 'B', 1, 2147483647)
        AND NOT @extschema@.outbox_setting_trusted() THEN
@@ -266,14 +274,20 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     name constant text := 'outbox.allowed_topics';
-    raw text := @extschema@.outbox_setting_raw(name);
-    db_raw text := @extschema@.outbox_setting_database(name);
+    raw text;
+    db_raw text;
 BEGIN
     IF topic IS NULL OR topic !~ '^[A-Za-z0-9._-]{1,249}$' OR topic IN ('.', '..') THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
             MESSAGE = 'outbox_enqueue: topic must be 1 to 249 characters from [A-Za-z0-9._-] (not "." or "..")',
             DETAIL = format('topic = %s', coalesce(quote_literal(left(topic, 80)), 'NULL'));
     END IF;
+    -- Never set anywhere (no placeholder, so no database value either): any topic.
+    IF current_setting(name, true) IS NULL THEN
+        RETURN;
+    END IF;
+    raw := @extschema@.outbox_setting_raw(name);
+    db_raw := @extschema@.outbox_setting_database(name);
     -- The session's list (or the database's), and the database's too unless the caller may set it.
     IF NOT coalesce(@extschema@.outbox_topic_list_match(name, coalesce(raw, db_raw), topic), true) THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
@@ -298,9 +312,15 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     name constant text := 'outbox.unordered_topics';
-    raw text := @extschema@.outbox_setting_raw(name);
-    db_raw text := @extschema@.outbox_setting_database(name);
+    raw text;
+    db_raw text;
 BEGIN
+    -- Never set anywhere: every keyed event keeps its key's order.
+    IF current_setting(name, true) IS NULL THEN
+        RETURN true;
+    END IF;
+    raw := @extschema@.outbox_setting_raw(name);
+    db_raw := @extschema@.outbox_setting_database(name);
     IF raw IS NOT NULL AND raw IS DISTINCT FROM db_raw AND NOT @extschema@.outbox_setting_trusted() THEN
         PERFORM @extschema@.outbox_setting_denied(name, raw, db_raw);
     END IF;
