@@ -372,7 +372,8 @@ BEGIN
     END IF;
     token := nextval('@extschema@.outbox_claim_token_seq');
     lease := make_interval(secs => cfg.lease_ms / 1000.0);
-    skip_dead := current_setting('outbox.head_of_line') = 'skip';
+    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
+    skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
 
     -- Ordered keys due for a look, locked until this call's transaction ends: one caller at a
     -- time decides a key's run. SKIP LOCKED: concurrent claimers split the keys. At most 1,000

@@ -6,6 +6,7 @@
 --   transactions commit one at a time. Relays before 0.5.0 fall back to their poll interval.
 -- * outbox_enqueue_many: many events of a topic in one call, all or nothing.
 -- * outbox_enqueue: one Rust call for its topic checks, one statement for an ordered event.
+-- * outbox_claim reads outbox.head_of_line with missing_ok (the same body serves the SQL-only build).
 -- Events in flight are untouched: no table changes.
 \echo Use "ALTER EXTENSION outbox UPDATE TO '0.5.0'" to load this file. \quit
 
@@ -311,6 +312,148 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_wait_for(bigint, oid),
     @extschema@.outbox_wake_mode()
 FROM PUBLIC;
+
+-- outbox_claim reads outbox.head_of_line with missing_ok, so the SQL-only build (scripts/sql-only),
+-- which registers no settings, runs the same body.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    token bigint;
+    -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
+    stamp timestamptz := clock_timestamp();
+    lease interval;
+    skip_dead boolean;
+    key_rows tid[];
+    key_topics text[];
+    key_names text[];
+    key_due timestamptz[];
+    share int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', cfg.max_claim),
+            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
+    END IF;
+    token := nextval('@extschema@.outbox_claim_token_seq');
+    lease := make_interval(secs => cfg.lease_ms / 1000.0);
+    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
+    skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
+
+    -- Ordered keys due for a look, locked until this call's transaction ends: one caller at a
+    -- time decides a key's run. SKIP LOCKED: concurrent claimers split the keys. At most 1,000
+    -- keys, as an idle one costs an advisory lock below.
+    SELECT array_agg(d.ctid ORDER BY d.due_at), array_agg(d.topic ORDER BY d.due_at),
+           array_agg(d.event_key ORDER BY d.due_at), array_agg(d.due_at ORDER BY d.due_at)
+      INTO key_rows, key_topics, key_names, key_due
+      FROM (SELECT k.ctid, k.topic, k.event_key, k.due_at FROM @extschema@.outbox_key k
+             WHERE k.due_at <= stamp
+             ORDER BY k.due_at
+             LIMIT least(max_events, 1000)
+             FOR UPDATE SKIP LOCKED) d;
+    -- Each key may fill an equal share of the batch (a single hot key: all of it).
+    share := ceil(max_events::numeric / greatest(coalesce(cardinality(key_topics), 0), 1));
+
+    -- The one statement that decides ownership. A key's run is the prefix of its unfinished
+    -- events (in commit = id order, from its head) that are WAIT and due: nothing after a held,
+    -- backing-off or dead event. Unordered events are claimed as before, SKIP LOCKED. The batch
+    -- is cut by due time with a key's run ranked as one block, so a cut keeps a prefix.
+    RETURN QUERY
+    WITH keys AS (
+        SELECT t.row_id, t.topic, t.event_key, t.due_at, t.rank
+          FROM unnest(key_rows, key_topics, key_names, key_due)
+               WITH ORDINALITY AS t(row_id, topic, event_key, due_at, rank)
+    ), pending AS MATERIALIZED (
+        SELECT k.rank, k.due_at AS key_due, p.id, p.status, p.next_retry_time, p.claimed_at, p.pos,
+               bool_and(p.status = 'WAIT' AND p.next_retry_time <= stamp)
+                   OVER (PARTITION BY k.rank ORDER BY p.pos) AS runnable
+          FROM keys k
+          CROSS JOIN LATERAL (
+              SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                     row_number() OVER (ORDER BY e.id) AS pos
+                FROM @extschema@.outbox_event e
+               WHERE e.topic = k.topic AND e.event_key = k.event_key
+                 AND e.ordered AND e.status <> 'SUCCESS'
+                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+               ORDER BY e.id
+               LIMIT share
+          ) p
+    ), unordered AS MATERIALIZED (
+        SELECT c.id, c.next_retry_time
+          FROM @extschema@.outbox_event c
+         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
+         ORDER BY c.next_retry_time, c.id
+         LIMIT max_events
+         FOR UPDATE SKIP LOCKED
+    ), chosen AS MATERIALIZED (
+        SELECT x.id FROM (
+            SELECT p.id, p.key_due AS due, p.rank AS grp, p.pos FROM pending p WHERE p.runnable
+            UNION ALL
+            SELECT u.id, u.next_retry_time, 0, 1 FROM unordered u
+        ) x
+        ORDER BY x.due, x.grp, x.pos
+        LIMIT max_events
+    ), claimed AS (
+        UPDATE @extschema@.outbox_event e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
+        RETURNING e.*
+    ), heads AS (
+        -- Per visited key: whether this call claims some of it, and its head's state.
+        SELECT p.rank, bool_or(c.id IS NOT NULL) AS holding,
+               min(p.status) FILTER (WHERE p.pos = 1) AS status,
+               min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
+               min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
+          FROM pending p LEFT JOIN chosen c ON c.id = p.id
+         GROUP BY p.rank
+    ), verdict AS (
+        -- When each visited key needs a look next: after its run (the lease, unless settled
+        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle.
+        SELECT k.row_id,
+               CASE WHEN h.holding THEN stamp + lease
+                    WHEN h.rank IS NULL THEN '-infinity'::timestamptz
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN k.due_at
+                    WHEN h.status = 'WAIT' THEN h.next_retry_time
+                    WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
+                    ELSE 'infinity'::timestamptz
+               END AS next_due
+          FROM keys k LEFT JOIN heads h ON h.rank = k.rank
+    ), looked AS (
+        -- The key rows by their tuple ids: locked above, so they cannot have moved.
+        UPDATE @extschema@.outbox_key k SET due_at = v.next_due
+          FROM verdict v
+         WHERE k.ctid = ANY (key_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
+    )
+    -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
+    SELECT * FROM claimed c ORDER BY c.id;
+
+    -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
+    -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
+    -- every event they committed, and none can add one before this transaction ends.
+    SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
+      FROM @extschema@.outbox_key k
+     WHERE k.due_at = '-infinity'
+       AND (k.topic, k.event_key) IN (SELECT * FROM unnest(key_topics, key_names))
+       AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
+    IF key_topics IS NOT NULL THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(key_topics, key_names) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_event e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+END
+$$;
 
 -- Grants carried over: bulk enqueue to whoever may enqueue, the wake-up to whoever may claim.
 DO $$

@@ -77,7 +77,18 @@ CREATE TABLE @extschema@.outbox_key (
 CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
 
 -- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
-SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event', '');
-SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
-SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');
-SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_claim_token_seq', '');
+-- Only tables of an extension are configuration tables, and only while CREATE EXTENSION runs: the
+-- SQL-only build (scripts/sql-only) runs this file as a plain script, where its tables are
+-- ordinary tables that pg_dump dumps anyway, and the call would fail.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_depend d
+                WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
+                  AND d.objid = '@extschema@.outbox_event'::pg_catalog.regclass AND d.deptype = 'e') THEN
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event', '');
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_claim_token_seq', '');
+    END IF;
+END
+$$;

@@ -95,9 +95,7 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
         .await?;
     // A relay would be listening: NOTIFY costs more with a listener to signal.
     let listener = db.client().await?;
-    listener
-        .batch_execute("LISTEN outbox")
-        .await?;
+    listener.batch_execute("LISTEN outbox").await?;
 
     let mut results: Vec<EnqueueResult> = VARIANTS
         .iter()

@@ -186,13 +186,16 @@ pub async fn connect_once(target: &Target) -> Result<tokio_postgres::Client, Fat
 /// column and `outbox_stats().blocked_keys` (0.4.0), `outbox_wait` (0.5.0).
 pub const MIN_EXTENSION_VERSION: &str = "0.5.0";
 
-/// The installed `outbox` extension.
+/// The installed `outbox`: the extension, or the SQL-only build (`scripts/sql-only`, no
+/// `pg_extension` row: found by its `outbox_sql_only_version()`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Extension {
     /// Its schema, quoted for SQL.
     pub schema: String,
-    /// `pg_extension.extversion`, e.g. `0.3.0`.
+    /// `pg_extension.extversion` (or `outbox_sql_only_version()`), e.g. `0.3.0`.
     pub version: String,
+    /// Installed from the SQL-only build's script instead of `CREATE EXTENSION`.
+    pub sql_only: bool,
 }
 
 impl Extension {
@@ -202,10 +205,16 @@ impl Extension {
         match version_at_least(&self.version, MIN_EXTENSION_VERSION) {
             Some(true) => Ok(()),
             _ => Err(Fatal::usage(format!(
-                "the database has outbox extension version {} ({desc}) but this relay ({}) needs {MIN_EXTENSION_VERSION} or later \
-                 (per-key order, outbox_nack_returning, outbox_reclaim_returning): run ALTER EXTENSION outbox UPDATE",
+                "the database has outbox {} version {} ({desc}) but this relay ({}) needs {MIN_EXTENSION_VERSION} or later \
+                 (per-key order, outbox_nack_returning, outbox_reclaim_returning): {}",
+                if self.sql_only { "SQL-only build" } else { "extension" },
                 self.version,
-                env!("CARGO_PKG_VERSION")
+                env!("CARGO_PKG_VERSION"),
+                if self.sql_only {
+                    "apply the SQL-only upgrade steps (scripts/sql-only)"
+                } else {
+                    "run ALTER EXTENSION outbox UPDATE"
+                }
             ))),
         }
     }
@@ -233,9 +242,17 @@ pub fn version_at_least(v: &str, min: &str) -> Option<bool> {
     Some(a >= b)
 }
 
-/// The installed extension (schema and version), or a one-line error saying it is missing (a
-/// configuration error: wrong database, or the extension was never created there).
+/// The installed outbox (schema and version), or a one-line error saying it is missing (a
+/// configuration error: wrong database, or the outbox was never installed there). The extension
+/// when there is one; else the SQL-only build's marker function, which must be unique: a role that
+/// may create a schema must not make the relay pick its copy.
 pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Extension, Fatal> {
+    let cannot = |e: tokio_postgres::Error| {
+        Fatal::runtime(format!(
+            "cannot query the database ({desc}): {}",
+            one_line(&e)
+        ))
+    };
     let row = client
         .query_opt(
             "SELECT quote_ident(n.nspname), e.extversion FROM pg_catalog.pg_extension e \
@@ -243,19 +260,50 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
             &[],
         )
         .await
-        .map_err(|e| {
-            Fatal::runtime(format!(
-                "cannot query the database ({desc}): {}",
-                one_line(&e)
-            ))
-        })?;
-    match row {
-        Some(r) => Ok(Extension {
+        .map_err(cannot)?;
+    if let Some(r) = row {
+        return Ok(Extension {
             schema: r.get(0),
             version: r.get(1),
-        }),
-        None => Err(Fatal::usage(format!(
-            "the outbox extension is not installed in the database ({desc}): run CREATE EXTENSION outbox"
+            sql_only: false,
+        });
+    }
+    let schemas: Vec<String> = client
+        .query(
+            "SELECT quote_ident(n.nspname) FROM pg_catalog.pg_proc p \
+             JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+             WHERE p.proname = 'outbox_sql_only_version' AND p.pronargs = 0 ORDER BY 1",
+            &[],
+        )
+        .await
+        .map_err(cannot)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    match schemas.as_slice() {
+        [] => Err(Fatal::usage(format!(
+            "the outbox extension is not installed in the database ({desc}): run CREATE EXTENSION outbox \
+             (or, where no extension can be installed, apply the SQL-only build: scripts/sql-only)"
+        ))),
+        [schema] => {
+            let version: String = client
+                .query_one(
+                    &format!("SELECT {schema}.outbox_sql_only_version()"),
+                    &[],
+                )
+                .await
+                .map_err(cannot)?
+                .get(0);
+            Ok(Extension {
+                schema: schema.clone(),
+                version,
+                sql_only: true,
+            })
+        }
+        many => Err(Fatal::usage(format!(
+            "the database ({desc}) has more than one SQL-only outbox (outbox_sql_only_version() in schemas {}): \
+             drop the ones that are not the outbox",
+            many.join(", ")
         ))),
     }
 }
@@ -326,6 +374,7 @@ mod tests {
         let old = Extension {
             schema: "public".into(),
             version: "0.2.0".into(),
+            sql_only: false,
         };
         let e = old.check_version("host=h").expect_err("refused");
         assert_eq!(e.code, 2);

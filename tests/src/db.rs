@@ -50,6 +50,12 @@ fn run_psql(conninfo: &str, sql: &str) {
     );
 }
 
+/// The prefix of the tests' scratch databases: `outbox_test`, or `sqlonly_test` for the SQL-only
+/// build.
+pub fn test_prefix() -> String {
+    format!("{}_test", crate::build::name_prefix())
+}
+
 /// Runs one SQL command on the server's `postgres` database.
 pub fn psql_admin(sql: &str) {
     run_psql(&format!("{} dbname=postgres", server_params()), sql);
@@ -64,14 +70,18 @@ pub struct TestDb {
 
 impl TestDb {
     /// `OUTBOX_TEST_EXT_VERSION` installs that version instead of the default one (to show a
-    /// test failing on an earlier release).
+    /// test failing on an earlier release). `OUTBOX_TEST_BUILD=sql-only` applies the SQL-only
+    /// build's script instead of `CREATE EXTENSION` (see [`crate::build`]).
     pub fn create() -> TestDb {
-        TestDb::create_on(&server_params(), "outbox_test")
+        TestDb::create_on(&server_params(), &test_prefix())
     }
 
-    /// A database named `<prefix>_<pid>_<n>_<nanos>` with the extension on the server `server`
+    /// A database named `<prefix>_<pid>_<n>_<nanos>` with the outbox on the server `server`
     /// (libpq parameters without a database name); outbox-bench uses its own prefix.
     pub fn create_on(server: &str, prefix: &str) -> TestDb {
+        if crate::build::sql_only() {
+            return TestDb::sql_only_on(server, prefix);
+        }
         let db = TestDb::empty_on(server, prefix);
         match std::env::var("OUTBOX_TEST_EXT_VERSION") {
             Ok(v) => db.psql(&format!("CREATE EXTENSION outbox VERSION '{v}'")),
@@ -82,7 +92,75 @@ impl TestDb {
 
     /// A database without the extension (for installing a given version).
     pub fn empty() -> TestDb {
-        TestDb::empty_on(&server_params(), "outbox_test")
+        TestDb::empty_on(&server_params(), &test_prefix())
+    }
+
+    /// A database with the SQL-only build whatever `OUTBOX_TEST_BUILD` says (tests of the build
+    /// itself): see [`TestDb::sql_only_on`].
+    pub fn create_sql_only() -> TestDb {
+        TestDb::sql_only_on(&server_params(), "sqlonly_test")
+    }
+
+    /// The SQL-only build as a managed service has it: a database owned by a role that is not a
+    /// superuser ([`TestDb::owner`]), which applies the script. The tests still connect as the
+    /// server's user; the outbox's functions run as that owner.
+    fn sql_only_on(server: &str, prefix: &str) -> TestDb {
+        let db = TestDb::empty_on(server, &prefix.replacen("outbox_", "sqlonly_", 1));
+        let owner = db.owner();
+        run_psql(
+            &db.admin_url(),
+            &format!(
+                "CREATE ROLE {owner} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE; \
+                 ALTER DATABASE {} OWNER TO {owner}",
+                db.name
+            ),
+        );
+        db.psql_file_as(&owner, &crate::build::sql_only_script());
+        db
+    }
+
+    /// The SQL-only build's owner of this database and of the outbox in it: `<name>_owner`, a
+    /// login role without superuser rights (dropped with the database).
+    pub fn owner(&self) -> String {
+        format!("{}_owner", self.name)
+    }
+
+    /// Runs a script file through `psql -v ON_ERROR_STOP=1 -f` as `user`; panics with psql's
+    /// output.
+    pub fn psql_file_as(&self, user: &str, file: &std::path::Path) {
+        let out = self.try_psql_file_as(user, file);
+        assert!(
+            out.status.success(),
+            "psql -f {} failed: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// [`TestDb::psql_file_as`], returning psql's output instead of panicking.
+    pub fn try_psql_file_as(&self, user: &str, file: &std::path::Path) -> std::process::Output {
+        Command::new("psql")
+            .arg(format!("{} user={}", self.url(), conninfo_value(user)))
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+            .arg(file)
+            .output()
+            .expect("psql must be installed")
+    }
+
+    /// Runs a script file through `psql -v ON_ERROR_STOP=1 -f`; panics with psql's output.
+    pub fn psql_file(&self, file: &std::path::Path) {
+        let out = Command::new("psql")
+            .arg(self.url())
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+            .arg(file)
+            .output()
+            .expect("psql must be installed");
+        assert!(
+            out.status.success(),
+            "psql -f {} failed: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     fn empty_on(server: &str, prefix: &str) -> TestDb {
@@ -137,6 +215,13 @@ impl Drop for TestDb {
                 self.name
             ))
             .output();
+        if self.name.starts_with("sqlonly_") {
+            let _ = Command::new("psql")
+                .arg(self.admin_url())
+                .args(["-X", "-q", "-c"])
+                .arg(format!("DROP ROLE IF EXISTS {}", self.owner()))
+                .output();
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! relay binary.
 
 pub mod broker;
+pub mod build;
 pub mod certs;
 pub mod db;
 pub mod events;

@@ -18,7 +18,10 @@ impl Roles {
         let mut kinds = vec!["producer", "relay", "admin"];
         kinds.extend_from_slice(extra);
         let roles = Roles {
-            suffix: db.name.trim_start_matches("outbox_test_").to_string(),
+            suffix: db
+                .name
+                .trim_start_matches(&format!("{}_", crate::db::test_prefix()))
+                .to_string(),
             kinds,
         };
         for r in roles.all() {
@@ -50,7 +53,7 @@ impl Roles {
 
     /// The server-wide name of the role of this kind ("producer", "relay", "admin" or an extra).
     pub fn name(&self, kind: &str) -> String {
-        format!("outbox_{kind}_{}", self.suffix)
+        format!("{}_{kind}_{}", crate::build::name_prefix(), self.suffix)
     }
 
     fn all(&self) -> Vec<String> {

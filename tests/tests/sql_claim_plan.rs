@@ -17,6 +17,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use outbox_tests::build;
 use outbox_tests::db::{connect_with_notices, scalar, TestDb};
 use serde_json::Value;
 use tokio_postgres::Client;
@@ -189,11 +190,17 @@ fn rows_read(node: &Value) -> i64 {
 
 /// Which outbox_claim the test runs: extension version and the function's SET options.
 async fn claim_function(c: &Client) -> String {
+    let version = if build::sql_only() {
+        "(SELECT outbox_sql_only_version() || ' (SQL-only build)')"
+    } else {
+        "(SELECT extversion FROM pg_extension WHERE extname = 'outbox')"
+    };
     scalar(
         c,
-        "SELECT format('outbox %s, outbox_claim SET %s', e.extversion, p.proconfig) \
-         FROM pg_extension e, pg_proc p \
-         WHERE e.extname = 'outbox' AND p.oid = 'outbox_claim(text, int)'::regprocedure",
+        &format!(
+            "SELECT format('outbox %s, outbox_claim SET %s', {version}, p.proconfig) \
+             FROM pg_proc p WHERE p.oid = 'outbox_claim(text, int)'::regprocedure"
+        ),
         &[],
     )
     .await

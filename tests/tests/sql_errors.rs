@@ -1,7 +1,8 @@
 //! Every row of the error table (docs/reference.md, "Errors"): bad input gets its SQLSTATE, a message naming the argument,
 //! and changes nothing.
 
-use outbox_tests::db::{rejects, row_count, scalar, sqlstate, TestDb};
+use outbox_tests::build;
+use outbox_tests::db::{db_error, rejects, row_count, scalar, sqlstate, TestDb};
 use outbox_worker::RESERVED_HEADERS;
 
 #[tokio::test]
@@ -244,6 +245,9 @@ async fn reclaim_purge_and_id_lists_reject_nonsense() {
 async fn settings_reject_nonsense_values() {
     let db = TestDb::create();
     let c = db.connect().await;
+    if build::sql_only() {
+        return sql_only_settings_reject_nonsense_values_at_use(&c).await;
+    }
     // Settings are validated once the library is loaded: by the first outbox call of the session,
     // by LOAD, or at connection start with session_preload_libraries = 'outbox' (see README).
     c.batch_execute("LOAD 'outbox'").await.unwrap();
@@ -280,5 +284,70 @@ async fn settings_reject_nonsense_values() {
     assert_eq!(
         (r.get::<_, String>(0), r.get::<_, String>(1)),
         ("30s".into(), "2h".into())
+    );
+}
+
+/// The SQL-only build registers no settings: every SET succeeds (a placeholder) and the value is
+/// checked when a call reads it, with the native build's SQLSTATE (22023) and a message naming
+/// the setting. A misspelt name is not detected (docs/sql-only.md).
+async fn sql_only_settings_reject_nonsense_values_at_use(c: &tokio_postgres::Client) {
+    for (set, setting) in [
+        ("SET outbox.max_retry = 'many'", "outbox.max_retry"),
+        ("SET outbox.max_retry = -1", "outbox.max_retry"),
+        (
+            "SET outbox.backoff_base = '5 parsecs'",
+            "outbox.backoff_base",
+        ),
+        ("SET outbox.backoff_base = 0", "outbox.backoff_base"),
+        ("SET outbox.backoff_jitter = 1.5", "outbox.backoff_jitter"),
+        ("SET outbox.lease = '-10min'", "outbox.lease"),
+        ("SET outbox.max_claim = 0", "outbox.max_claim"),
+        (
+            "SET outbox.max_payload_bytes = '1kB per day'",
+            "outbox.max_payload_bytes",
+        ),
+        ("SET outbox.notify = 'sometimes'", "outbox.notify"),
+        (
+            "SET outbox.head_of_line = 'sometimes'",
+            "outbox.head_of_line",
+        ),
+    ] {
+        c.batch_execute(&format!("RESET ALL; {set}"))
+            .await
+            .unwrap_or_else(|e| panic!("{set}: {e}"));
+        for call in [
+            "SELECT * FROM outbox_config()",
+            "SELECT * FROM outbox_claim('r', 1)",
+        ] {
+            let (code, message) = db_error(c.query(call, &[]).await);
+            assert_eq!(code, "22023", "{set}; {call}: {message}");
+            assert!(message.contains(setting), "{set}; {call}: {message}");
+        }
+    }
+    c.batch_execute("RESET ALL; SET outbox.max_retries = 3")
+        .await
+        .unwrap();
+    c.query("SELECT * FROM outbox_config()", &[])
+        .await
+        .expect("a misspelt name is not detected in the SQL-only build");
+    c.batch_execute("RESET ALL; SET outbox.lease = '30s'; SET outbox.backoff_max = '2h'")
+        .await
+        .unwrap();
+    let r = c
+        .query_one(
+            "SELECT current_setting('outbox.lease'), current_setting('outbox.backoff_max'), \
+                    lease_ms, backoff_max_ms FROM outbox_config()",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r.get::<_, String>(0),
+            r.get::<_, String>(1),
+            r.get::<_, i64>(2),
+            r.get::<_, i64>(3)
+        ),
+        ("30s".into(), "2h".into(), 30_000, 7_200_000)
     );
 }

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use outbox_tests::build;
 use outbox_tests::db::{db_error, rejects, row_count, scalar, sqlstate, TestDb};
 use outbox_tests::roles::Roles;
 use tokio_postgres::Client;
@@ -21,6 +22,9 @@ async fn producers_cannot_lift_the_producer_guards() {
     c.batch_execute(&format!("SET ROLE {producer}"))
         .await
         .unwrap();
+    if build::sql_only() {
+        return sql_only_producers_cannot_lift_the_producer_guards(&db, &producer).await;
+    }
     for set in [
         "SET outbox.max_payload_bytes = '100MB'",
         "SET outbox.allowed_topics = ''",
@@ -45,6 +49,85 @@ async fn producers_cannot_lift_the_producer_guards() {
     assert_eq!(code, "54000", "{message}");
     assert!(message.contains("allows at most 1000000"), "{message}");
     assert_eq!(row_count(&db.connect().await).await, 1, "nothing written");
+}
+
+/// The SQL-only build's guards are placeholders anyone may SET: a producer's value counts only
+/// where it narrows the database's (ALTER DATABASE ... SET); a wider one fails the call with
+/// 42501 at use instead of at SET (docs/sql-only.md).
+async fn sql_only_producers_cannot_lift_the_producer_guards(db: &TestDb, producer: &str) {
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.allowed_topics = 'orders, payments.*'; \
+         ALTER DATABASE {} SET outbox.unordered_topics = 'metrics'",
+        db.name, db.name
+    ));
+    let c = db.connect().await;
+    c.batch_execute(&format!("SET ROLE {producer}"))
+        .await
+        .unwrap();
+    let big = format!("{{\"blob\": \"{}\"}}", "x".repeat(2_000_000));
+    let enqueue = "SELECT outbox_enqueue('orders', $1::text::jsonb, key => 'k')";
+    // Wider than the database's: refused whatever the call's input.
+    for set in [
+        "SET outbox.max_payload_bytes = '100MB'",
+        "SET outbox.max_payload_bytes = 100000000",
+        "SET outbox.unordered_topics = '*'",
+        "SET outbox.unordered_topics = 'orders'",
+    ] {
+        c.batch_execute(&format!("RESET ALL; {set}")).await.unwrap();
+        let (code, message) = db_error(c.query(enqueue, &[&"{}"]).await);
+        assert_eq!(code, "42501", "{set}: {message}");
+        assert!(
+            message.contains("permission denied to set parameter"),
+            "{set}: {message}"
+        );
+    }
+    // An allow-list of its own applies on top of the database's.
+    c.batch_execute("RESET ALL; SET outbox.allowed_topics = '*'")
+        .await
+        .unwrap();
+    let (code, message) = db_error(
+        c.query("SELECT outbox_enqueue('internal', '{}')", &[])
+            .await,
+    );
+    assert_eq!(code, "22023", "{message}");
+    assert!(
+        message.contains("not in outbox.allowed_topics"),
+        "{message}"
+    );
+    c.batch_execute("RESET ALL; SET outbox.allowed_topics = 'payments.*'")
+        .await
+        .unwrap();
+    let (code, message) = db_error(c.query(enqueue, &[&"{}"]).await);
+    assert_eq!(code, "22023", "narrowed to payments.*: {message}");
+    c.execute("SELECT outbox_enqueue('payments.eu', '{}')", &[])
+        .await
+        .unwrap();
+    // Lower is allowed, and the default still holds without a SET.
+    c.batch_execute("RESET ALL; SET outbox.max_payload_bytes = 10")
+        .await
+        .unwrap();
+    let (code, message) = db_error(c.query(enqueue, &[&"{\"n\": 12345}"]).await);
+    assert_eq!(code, "54000", "{message}");
+    c.batch_execute("RESET ALL").await.unwrap();
+    let (code, message) = db_error(c.query(enqueue, &[&big]).await);
+    assert_eq!(code, "54000", "{message}");
+    assert!(message.contains("allows at most 1000000"), "{message}");
+    // The owner (here the superuser who applied the script) may set them in its session.
+    let admin = db.connect().await;
+    admin
+        .batch_execute("SET outbox.allowed_topics = '*'; SET outbox.max_payload_bytes = '4MB'")
+        .await
+        .unwrap();
+    admin.query(enqueue, &[&big]).await.unwrap();
+    admin
+        .query("SELECT outbox_enqueue('internal', '{}')", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        row_count(&admin).await,
+        4,
+        "the owner's two, payments.eu and the first"
+    );
 }
 
 #[tokio::test]
@@ -370,10 +453,11 @@ async fn no_extension_function_that_raises_is_immutable() {
     let c = db.connect().await;
     let immutable: Vec<String> = c
         .query(
-            "SELECT p.oid::regprocedure::text FROM pg_proc p \
-             JOIN pg_depend d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e' \
-             JOIN pg_extension x ON x.oid = d.refobjid AND x.extname = 'outbox' \
-             WHERE p.provolatile = 'i' AND p.prosrc ~* 'RAISE'",
+            &format!(
+                "SELECT p.oid::regprocedure::text FROM pg_proc p WHERE p.oid IN ({}) \
+                 AND p.provolatile = 'i' AND p.prosrc ~* 'RAISE'",
+                build::objects("pg_proc")
+            ),
             &[],
         )
         .await

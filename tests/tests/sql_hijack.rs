@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use outbox_tests::build;
 use outbox_tests::db::{connect_with_notices, scalar, TestDb};
 use outbox_tests::roles::Roles;
 use tokio_postgres::types::ToSql;
@@ -31,26 +32,23 @@ const TYPES: &[&str] = &[
     "jsonb",
 ];
 
-/// The oids of the extension's functions.
-const EXTENSION_FUNCTIONS: &str = "SELECT d.objid FROM pg_depend d \
-    WHERE d.classid = 'pg_proc'::regclass AND d.refclassid = 'pg_extension'::regclass \
-    AND d.deptype = 'e' AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'outbox')";
-
 /// [`TYPES`] and the types the extension itself declares or handles: its own types, its tables'
 /// columns, its functions' arguments and results (arrays, rows and pseudo-types aside).
 async fn planted_types(c: &Client) -> Vec<String> {
+    let (types, classes, functions) = (
+        build::objects("pg_type"),
+        build::objects("pg_class"),
+        build::objects("pg_proc"),
+    );
     let sql = format!(
-        "WITH ext AS (SELECT oid FROM pg_extension WHERE extname = 'outbox'),
-              used AS (
-                  SELECT d.objid AS t FROM pg_depend d, ext
-                   WHERE d.classid = 'pg_type'::regclass AND d.refobjid = ext.oid AND d.deptype = 'e'
+        "WITH used AS (
+                  SELECT t.oid AS t FROM pg_type t WHERE t.oid IN ({types})
                   UNION
-                  SELECT a.atttypid FROM pg_depend d, ext, pg_attribute a
-                   WHERE d.classid = 'pg_class'::regclass AND d.refobjid = ext.oid AND d.deptype = 'e'
-                     AND a.attrelid = d.objid AND a.attnum > 0
+                  SELECT a.atttypid FROM pg_attribute a
+                   WHERE a.attrelid IN ({classes}) AND a.attnum > 0
                   UNION
                   SELECT unnest(p.prorettype || coalesce(p.proallargtypes, p.proargtypes::oid[]))
-                    FROM pg_proc p WHERE p.oid IN ({EXTENSION_FUNCTIONS}))
+                    FROM pg_proc p WHERE p.oid IN ({functions}))
          SELECT format_type(t.oid, NULL) FROM used JOIN pg_type t ON t.oid = used.t
           WHERE t.typtype IN ('b', 'd', 'e', 'r') AND t.typcategory <> 'A'"
     );
@@ -73,10 +71,11 @@ struct Calls {
 }
 
 async fn enumerate_calls(c: &Client) -> Calls {
+    let functions = build::objects("pg_proc");
     let sql = format!(
         r"WITH src AS (
               SELECT p.prosrc FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
-               WHERE p.oid IN ({EXTENSION_FUNCTIONS}) AND l.lanname IN ('sql', 'plpgsql')),
+               WHERE p.oid IN ({functions}) AND l.lanname IN ('sql', 'plpgsql')),
           idents AS (SELECT DISTINCT lower(m[1]) AS name FROM src,
                        regexp_matches(src.prosrc, '([A-Za-z_][A-Za-z0-9_$]*)\s*\(', 'g') m),
           ops AS (SELECT DISTINCT m[1] AS name FROM src,
@@ -678,9 +677,85 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_key_lock_id", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
+        ("outbox_enqueue_begin", "'orders', 'k-1'"),
+        (
+            "outbox_enqueue_many",
+            "'orders', ARRAY['{}'::jsonb], ARRAY['k-1']",
+        ),
+        ("outbox_wait", "'0 s'"),
+        ("outbox_wake_mode", ""),
+        ("outbox_work_due", ""),
     ] {
         api.call(func, args, &[]).await;
     }
+    let work_due = format!(
+        "0, '{}.outbox_work_due()'::pg_catalog.regprocedure",
+        api.schema
+    );
+    api.call("outbox_wait_for", &work_due, &[]).await;
+    if build::sql_only() {
+        sql_only_functions(api).await;
+    }
+}
+
+/// What only the SQL-only build has: the version, outbox_wait, and the helpers that read and
+/// check the settings, each through its paths (a value, the default, a bad value).
+async fn sql_only_functions(api: &mut Api<'_>) {
+    for (func, args) in [
+        ("outbox_sql_only_version", ""),
+        ("outbox_setting_raw", "'outbox.lease'"),
+        ("outbox_setting_database", "'outbox.lease'"),
+        ("outbox_setting_trusted", ""),
+        (
+            "outbox_setting_int",
+            "'outbox.lease', '1.5min', 1, 'ms', 1, 2147483647",
+        ),
+        (
+            "outbox_setting_int",
+            "'outbox.x', '3 kB', 1, 'B', 1, 2147483647",
+        ),
+        ("outbox_setting_int", "'outbox.x', NULL, 1, NULL, 0, 10"),
+        ("outbox_setting_bool", "'outbox.notify', true"),
+        ("outbox_topic_list_match", "'outbox.x', 'a, b.*, *', 'b.c'"),
+    ] {
+        api.call(func, args, &[]).await;
+    }
+    for (func, args) in [
+        ("outbox_wait", "'-1 s'"),
+        ("outbox_setting_int", "'outbox.x', 'many', 1, 'ms', 1, 2"),
+        ("outbox_setting_int", "'outbox.x', '5', 1, NULL, 1, 2"),
+        ("outbox_setting_error", "'m', NULL"),
+        ("outbox_setting_error", "'m', 'h'"),
+        ("outbox_setting_denied", "'outbox.x', 'a', NULL"),
+        ("outbox_topic_list_match", "'outbox.x', 'or*ders', 'orders'"),
+    ] {
+        api.reject(func, args).await;
+    }
+    // The settings through their checks: bad values, guards wider than the database's (a
+    // superuser may set them: the check runs, the call succeeds).
+    let reset = "RESET outbox.notify; RESET outbox.backoff_jitter; RESET outbox.head_of_line; \
+                 RESET outbox.max_payload_bytes; RESET outbox.unordered_topics; RESET outbox.allowed_topics";
+    for set in [
+        "SET outbox.notify = 'sometimes'",
+        "SET outbox.backoff_jitter = 'x'",
+        "SET outbox.backoff_jitter = 2",
+        "SET outbox.head_of_line = 'x'",
+    ] {
+        api.c.batch_execute(set).await.unwrap();
+        api.reject("outbox_config", "").await;
+        api.c.batch_execute(reset).await.unwrap();
+    }
+    api.c
+        .batch_execute(
+            "SET outbox.max_payload_bytes = '1GB'; SET outbox.unordered_topics = '*'; \
+             SET outbox.allowed_topics = 'x'",
+        )
+        .await
+        .unwrap();
+    api.reject("outbox_max_payload_bytes", "").await;
+    api.reject("outbox_topic_ordered", "'orders'").await;
+    api.reject("outbox_check_topic", "'orders'").await;
+    api.c.batch_execute(reset).await.unwrap();
 }
 
 #[tokio::test]
@@ -695,16 +770,22 @@ async fn planted_catalog_lookalikes_never_run_as_the_definer() {
     c.batch_execute("SET search_path = pg_catalog, pg_temp")
         .await
         .unwrap();
-    let schema: String = scalar(
-        &c,
-        "SELECT extnamespace::regnamespace::text FROM pg_extension WHERE extname = 'outbox'",
-        &[],
-    )
-    .await;
+    // The SQL-only build's schema is fixed (scripts/sql-only): public, like the extension's here.
+    let schema: String = if build::sql_only() {
+        "public".into()
+    } else {
+        scalar(
+            &c,
+            "SELECT extnamespace::regnamespace::text FROM pg_extension WHERE extname = 'outbox'",
+            &[],
+        )
+        .await
+    };
     let functions: Vec<String> = c
         .query(
             &format!(
-                "SELECT oid::regprocedure::text FROM pg_proc WHERE oid IN ({EXTENSION_FUNCTIONS})"
+                "SELECT oid::regprocedure::text FROM pg_proc WHERE oid IN ({})",
+                build::objects("pg_proc")
             ),
             &[],
         )
@@ -801,7 +882,8 @@ async fn planted_catalog_lookalikes_never_run_as_the_definer() {
     let uncalled: Vec<String> = c
         .query(
             &format!(
-                "SELECT DISTINCT proname::text FROM pg_proc WHERE oid IN ({EXTENSION_FUNCTIONS})"
+                "SELECT DISTINCT proname::text FROM pg_proc WHERE oid IN ({})",
+                build::objects("pg_proc")
             ),
             &[],
         )
