@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use outbox_tests::build;
 use outbox_tests::db::{db_error, rejects, row_count, scalar, sqlstate, TestDb};
+use outbox_tests::pg_cluster::PgCluster;
 use outbox_tests::roles::Roles;
 use tokio_postgres::Client;
 
@@ -32,11 +33,20 @@ async fn producers_cannot_lift_the_producer_guards() {
         assert_eq!(sqlstate(c.batch_execute(set).await), "42501", "{set}");
     }
 
-    // Set before the library is loaded (a placeholder): the value must not survive the load.
-    let fresh = db.connect().await;
+    // Set before the library is loaded (a placeholder): the value must not survive the load. A
+    // server that preloads the library (this one, after scripts/setup) has no placeholders, so
+    // this part runs on a throwaway cluster that loads it on first use.
+    let pg = PgCluster::start("", &[]);
+    let lazy = TestDb::create_on(
+        &format!("host=127.0.0.1 port={} user=postgres", pg.port),
+        "outbox_guard",
+    );
+    let lazy_roles = Roles::create(&lazy, &[]);
+    let fresh = lazy.connect().await;
     fresh
         .batch_execute(&format!(
-            "SET ROLE {producer}; SET outbox.max_payload_bytes = 100000000"
+            "SET ROLE {}; SET outbox.max_payload_bytes = 100000000",
+            lazy_roles.name("producer")
         ))
         .await
         .unwrap();
@@ -48,7 +58,7 @@ async fn producers_cannot_lift_the_producer_guards() {
     );
     assert_eq!(code, "54000", "{message}");
     assert!(message.contains("allows at most 1000000"), "{message}");
-    assert_eq!(row_count(&db.connect().await).await, 1, "nothing written");
+    assert_eq!(row_count(&lazy.connect().await).await, 0, "nothing written");
 }
 
 /// The SQL-only build's guards are placeholders anyone may SET: a producer's value counts only
