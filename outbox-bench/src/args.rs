@@ -73,6 +73,8 @@ pub enum Section {
     Latency,
     /// Per-key order: ordered vs unordered drain to the broker, claim cost at a hot key.
     Ordering,
+    /// Idle relay's CPU on the database server, both wake-up modes (issue 10).
+    Idle,
     /// Partial vs the seed's composite indexes (docs/INDEXES.md).
     Indexes,
 }

@@ -11,8 +11,8 @@ use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
-    broker_drain, contention, enqueue, goals, health, hot_key, indexes, latency, null_sink,
-    ordering, report, seed, sys,
+    broker_drain, contention, enqueue, goals, health, hot_key, idle, indexes, latency, null_sink,
+    ordering, polling, report, seed, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -24,7 +24,7 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let mut r = Results::default();
 
     if want(Section::Enqueue) {
-        progress!("==> 1. enqueue cost");
+        progress!("==> 1. enqueue cost: producer throughput, CPU per row, bulk");
         r.enqueue = Some(enqueue::run(db, p).await?);
     }
     if want(Section::Drain) {
@@ -46,7 +46,10 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
 
     let mut broker_version = "not used".to_string();
     let mut relay_version = "not used".to_string();
-    let broker_wanted = want(Section::Broker) || want(Section::Latency) || want(Section::Ordering);
+    let broker_wanted = want(Section::Broker)
+        || want(Section::Latency)
+        || want(Section::Idle)
+        || want(Section::Ordering);
     if !args.no_broker && broker_wanted {
         let relay_bin = outbox_tests::relay::find_relay_bin();
         if let Ok(bin) = &relay_bin {
@@ -137,10 +140,46 @@ async fn broker_sections(
         progress!("==> 2. drain to the broker through the relay");
         broker_drain::run(p, &env, r).await?;
     }
+    // The throwaway server without shared_preload_libraries, for the polling-mode rows.
+    let polling = if want(Section::Latency) || want(Section::Idle) {
+        progress!("==> starting a server without shared_preload_libraries (polling mode)");
+        match polling::PollingServer::start().await {
+            Ok(s) => Some(s),
+            Err(e) => {
+                let msg = format!("polling-mode rows skipped: {e:#}");
+                eprintln!("outbox-bench: {msg}");
+                r.failures.push(msg);
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let polling_env = polling.as_ref().map(|s| RelayEnv {
+        db: &s.db,
+        monitor: &s.monitor,
+        broker: &broker,
+        relay_bin,
+        workdir,
+    });
     if want(Section::Latency) {
         progress!("==> 3. commit-to-broker latency");
         latency::run(p, &env, r).await?;
+        if let Some(pe) = &polling_env {
+            progress!("==> 3. commit-to-broker latency, server without the preload");
+            latency::run_polling(p, pe, r).await?;
+        }
     }
+    if want(Section::Idle) {
+        progress!("==> 8. idle relay cost");
+        let mut envs = vec![(latency::MAIN_SERVER, &env)];
+        if let Some(pe) = &polling_env {
+            envs.push((latency::POLLING_SERVER, pe));
+        }
+        idle::run(p, &envs, r).await?;
+    }
+    drop(polling_env);
+    drop(polling);
     if want(Section::Ordering) {
         progress!("==> 7. per-key order: ordered vs unordered drain to the broker");
         ordering::run_drains(p, &env, r).await?;
