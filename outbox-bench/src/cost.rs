@@ -243,7 +243,7 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
         "### Enqueue CPU per row\n\n**Per statement, as an application issues it:** one session, \
          {} prepared single-row statements in one transaction (rolled back; commit costs the same \
          either way), after 200 not counted; backend CPU is the server process's utime + stime \
-         from `/proc/<pid>/stat` around the statements (10 ms ticks; ≥ 0.3 s of CPU per run), \
+         from `/proc/<pid>/stat` around the statements (10 ms ticks), \
          median of {} interleaved rounds. Both write the same row, keyed, into `outbox_event`.\n\n{}\n\
          **Set-based:** one statement of {} rows (what `sql/bench/enqueue-cost.sh` measures), \
          timed by the client in a transaction rolled back after, median of {} rounds. A \
