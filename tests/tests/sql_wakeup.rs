@@ -88,7 +88,7 @@ async fn assert_woken(
     what: &str,
 ) {
     let (r, at) = task.await.unwrap();
-    assert_eq!(r.unwrap(), true, "{what}: the waiter timed out instead");
+    assert!(r.unwrap(), "{what}: the waiter timed out instead");
     let took = at.saturating_duration_since(committed);
     assert!(
         took <= WAKE_BOUND,
@@ -101,7 +101,7 @@ async fn assert_not_woken(
     what: &str,
 ) {
     let (r, _) = task.await.unwrap();
-    assert_eq!(r.unwrap(), false, "{what}: the waiter was woken");
+    assert!(!r.unwrap(), "{what}: the waiter was woken");
 }
 
 /// Delivers everything due; the second claim deletes the rows of keys left with nothing to do
