@@ -178,7 +178,7 @@ async fn broker_sections(
         }
         idle::run(p, &envs, r).await?;
     }
-    drop(polling_env);
+    // The throwaway server stops here, before the ordering section's drains.
     drop(polling);
     if want(Section::Ordering) {
         progress!("==> 7. per-key order: ordered vs unordered drain to the broker");
