@@ -365,6 +365,15 @@ async fn one(
         ));
     }
     r.latency.push(run);
+    // A run the relay could not keep up with leaves a backlog: let it drain before the next run
+    // measures anything.
+    if !crate::db::wait_drained(env.monitor, Duration::from_secs(60)).await? {
+        r.failures.push(format!(
+            "latency at {} ev/s ({server}): the backlog had not drained 60 s after the run; \
+             the next run started behind it",
+            num(rate)
+        ));
+    }
     Ok(())
 }
 
