@@ -89,7 +89,7 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let md = if args.index_report() {
         report::render_indexes(p, &r, &env, took)
     } else {
-        report::render(p, &r, &goals, &env, took)
+        report::render(p, &r, &goals, &env, took, &args.flags())
     };
     println!("{md}");
     if let Some(out) = &args.output {
