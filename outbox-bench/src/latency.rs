@@ -66,6 +66,7 @@ impl LatencyRun {
 
 pub const MAIN_SERVER: &str = "main server";
 pub const POLLING_SERVER: &str = "throwaway server, no preload";
+pub const PRELOADED_SERVER: &str = "throwaway server, preloaded";
 
 /// Offers `rate` single-event transactions per second for `secs` to `topic` (the relay must be
 /// running) and measures commit (client sees COMMIT done) to arrival at a consumer.
@@ -342,14 +343,7 @@ async fn one(
     );
     let run = latency(
         env,
-        &format!(
-            "bench.lat.{}.{n}",
-            if server == MAIN_SERVER {
-                "main"
-            } else {
-                "poll"
-            }
-        ),
+        &format!("bench.lat.{}.{n}", server.replace([' ', ','], "")),
         rate,
         p.latency_time.as_secs_f64(),
         producer_notify,
@@ -417,12 +411,18 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
     Ok(())
 }
 
-/// The throwaway server without `shared_preload_libraries`: the relay's `outbox_wait` polls.
-pub async fn run_polling(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
-    let relay = env.start_relay(&[], "latency-polling")?;
+/// A throwaway server (`POLLING_SERVER`: the relay's `outbox_wait` polls; `PRELOADED_SERVER`:
+/// commits wake it, the control) at the goals' rates, relay defaults.
+pub async fn run_throwaway(
+    p: &Profile,
+    env: &RelayEnv<'_>,
+    r: &mut Results,
+    server: &'static str,
+) -> Result<()> {
+    let relay = env.start_relay(&[], &format!("latency-{}", server.replace([' ', ','], "")))?;
     let mut n = 0;
     for &rate in &p.polling_rates {
-        one(p, env, r, &mut n, rate, false, "defaults", POLLING_SERVER).await?;
+        one(p, env, r, &mut n, rate, false, "defaults", server).await?;
     }
     relay.stop()?;
     Ok(())
@@ -464,7 +464,10 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
              server** (`shared_preload_libraries = 'outbox'`: a commit that enqueued wakes the \
              relay at once, mode `commit`) and a **throwaway server without the preload** started \
              by the bench (`PgCluster`, default settings but `fsync = on`; `outbox_wait` looks at \
-             the queue every `outbox.wait_poll_interval`, 10 ms; mode `polling`). \
+             the queue every `outbox.wait_poll_interval`, 10 ms; mode `polling`), and as a \
+             control a **throwaway server with the preload** (same settings plus \
+             `shared_preload_libraries = 'outbox'`, mode `commit`): the two throwaway servers \
+             differ only in the wake-up, while the main server is shared with other work. \
              **statement→consumer** (the goals' figure): from the moment the producer issued its \
              statement to the arrival at a Kafka consumer (assigned partitions, \
              `fetch.wait.max.ms={FETCH_WAIT_MAX_MS}`), matched by a sequence number in the \

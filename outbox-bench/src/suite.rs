@@ -140,46 +140,58 @@ async fn broker_sections(
         progress!("==> 2. drain to the broker through the relay");
         broker_drain::run(p, &env, r).await?;
     }
-    // The throwaway server without shared_preload_libraries, for the polling-mode rows.
-    let polling = if want(Section::Latency) || want(Section::Idle) {
-        progress!("==> starting a server without shared_preload_libraries (polling mode)");
-        match polling::PollingServer::start().await {
-            Ok(s) => Some(s),
-            Err(e) => {
-                let msg = format!("polling-mode rows skipped: {e:#}");
-                eprintln!("outbox-bench: {msg}");
-                r.failures.push(msg);
-                None
+    // Throwaway servers without and with shared_preload_libraries: the polling-mode rows and
+    // their control.
+    let mut throwaway = Vec::new();
+    if want(Section::Latency) || want(Section::Idle) {
+        for (server, preload) in [
+            (latency::POLLING_SERVER, false),
+            (latency::PRELOADED_SERVER, true),
+        ] {
+            progress!("==> starting a {server}");
+            match polling::PollingServer::start(preload).await {
+                Ok(s) => throwaway.push((server, s)),
+                Err(e) => {
+                    let msg = format!("rows of the {server} skipped: {e:#}");
+                    eprintln!("outbox-bench: {msg}");
+                    r.failures.push(msg);
+                }
             }
         }
-    } else {
-        None
-    };
-    let polling_env = polling.as_ref().map(|s| RelayEnv {
-        db: &s.db,
-        monitor: &s.monitor,
-        broker: &broker,
-        relay_bin,
-        workdir,
-    });
-    if want(Section::Latency) {
-        progress!("==> 3. commit-to-broker latency");
-        latency::run(p, &env, r).await?;
-        if let Some(pe) = &polling_env {
-            progress!("==> 3. commit-to-broker latency, server without the preload");
-            latency::run_polling(p, pe, r).await?;
+    }
+    {
+        let throwaway_envs: Vec<(&'static str, RelayEnv)> = throwaway
+            .iter()
+            .map(|(server, s)| {
+                (
+                    *server,
+                    RelayEnv {
+                        db: &s.db,
+                        monitor: &s.monitor,
+                        broker: &broker,
+                        relay_bin,
+                        workdir,
+                    },
+                )
+            })
+            .collect();
+        if want(Section::Latency) {
+            progress!("==> 3. commit-to-broker latency");
+            latency::run(p, &env, r).await?;
+            for (server, te) in &throwaway_envs {
+                progress!("==> 3. commit-to-broker latency, {server}");
+                latency::run_throwaway(p, te, r, server).await?;
+            }
+        }
+        if want(Section::Idle) {
+            progress!("==> 8. idle relay cost");
+            let mut envs = vec![(latency::MAIN_SERVER, &env)];
+            envs.extend(throwaway_envs.iter().map(|(s, e)| (*s, e)));
+            idle::run(p, &envs, r).await?;
         }
     }
-    if want(Section::Idle) {
-        progress!("==> 8. idle relay cost");
-        let mut envs = vec![(latency::MAIN_SERVER, &env)];
-        if let Some(pe) = &polling_env {
-            envs.push((latency::POLLING_SERVER, pe));
-        }
-        idle::run(p, &envs, r).await?;
-    }
-    // The throwaway server stops here, before the ordering section's drains.
-    drop(polling);
+    // The throwaway servers stop here, before the ordering section's drains.
+    drop(throwaway);
     if want(Section::Ordering) {
         progress!("==> 7. per-key order: ordered vs unordered drain to the broker");
         ordering::run_drains(p, &env, r).await?;
