@@ -55,6 +55,23 @@ impl Args {
         self.only == [Section::Indexes]
     }
 
+    /// The selection flags of this run as `scripts/bench` takes them (for the report's header).
+    pub fn flags(&self) -> String {
+        let mut s = String::new();
+        if self.no_broker {
+            s += " --no-broker";
+        }
+        if !self.only.is_empty() {
+            let names: Vec<String> = self
+                .only
+                .iter()
+                .filter_map(|x| x.to_possible_value().map(|v| v.get_name().to_string()))
+                .collect();
+            s += &format!(" --only {}", names.join(","));
+        }
+        s
+    }
+
     pub fn json_path(&self) -> Option<PathBuf> {
         self.json
             .clone()
@@ -73,6 +90,8 @@ pub enum Section {
     Latency,
     /// Per-key order: ordered vs unordered drain to the broker, claim cost at a hot key.
     Ordering,
+    /// Idle relay's CPU on the database server, both wake-up modes (issue 10).
+    Idle,
     /// Partial vs the seed's composite indexes (docs/INDEXES.md).
     Indexes,
 }

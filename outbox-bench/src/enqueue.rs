@@ -1,32 +1,53 @@
-//! Enqueue cost (report section 1): business transactions per second with and without the outbox.
+//! Enqueue cost (report section 1): producer throughput of the order transaction with the outbox
+//! against the same transaction writing its event row with a plain INSERT (issue 10), then the
+//! server-side cost per row and the bulk form (`cost.rs`).
 
 use anyhow::Result;
 use hdrhistogram::Histogram;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use outbox_tests::db::TestDb;
 
+use crate::cost::{self, BulkResult, CostResult};
 use crate::db::{BenchDb, DbCpu};
-use crate::report::{ms, num, pct, Table};
+use crate::report::{median, ms, num, pct, Table};
 use crate::Profile;
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// Topic of the bench's order events (ordered: keyed events take the per-key path).
+pub const TOPIC: &str = "bench.orders";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Variant {
     OrderOnly,
+    /// The event row written with a plain INSERT into `bench_event` (same shape and indexes).
+    PlainInsert,
+    /// `outbox_enqueue` with the shipped defaults, a session waiting in `outbox_wait`.
     Outbox,
-    OutboxNoNotify,
-    OutboxOneStatement,
+    /// `outbox_enqueue` with `outbox.notify = on` and a LISTENing session: the contrast.
+    OutboxNotify,
 }
 
 impl Variant {
     pub fn label(self) -> &'static str {
         match self {
-            Variant::OrderOnly => "insert order row",
-            Variant::Outbox => "order row + `outbox_enqueue` (notify on)",
-            Variant::OutboxNoNotify => "order row + `outbox_enqueue`, `outbox.notify = off`",
-            Variant::OutboxOneStatement => {
-                "order row + `outbox_enqueue` in one statement (notify on)"
+            Variant::OrderOnly => "order row only",
+            Variant::PlainInsert => {
+                "order row + plain INSERT of the event row (`bench_event`, same shape and indexes)"
             }
+            Variant::Outbox => "order row + `outbox_enqueue` (defaults, a waiter in `outbox_wait`)",
+            Variant::OutboxNotify => {
+                "order row + `outbox_enqueue`, `outbox.notify = on`, a session LISTENs (contrast)"
+            }
+        }
+    }
+    pub fn key(self) -> &'static str {
+        match self {
+            Variant::OrderOnly => "order_only",
+            Variant::PlainInsert => "plain_insert",
+            Variant::Outbox => "outbox_defaults",
+            Variant::OutboxNotify => "outbox_notify_on",
         }
     }
 }
@@ -44,21 +65,20 @@ pub struct EnqueueResult {
 impl EnqueueResult {
     /// Median over the rounds (the machine is shared: one disturbed round must not decide).
     pub fn tps(&self) -> f64 {
-        let mut v = self.rounds.clone();
-        v.sort_by(f64::total_cmp);
-        match v.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => v[n / 2],
-            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-        }
+        median(&self.rounds)
     }
 }
 
 pub struct EnqueueSummary {
     pub results: Vec<EnqueueResult>,
+    pub clients: usize,
     pub markdown: String,
-    /// Server-side µs per row: order insert, plain outbox insert, outbox_enqueue notify off, on.
-    pub per_row_us: Vec<f64>,
+    /// The waiter's `outbox_wait` calls that returned true during the default variant, and the
+    /// wake-up mode of the server (`outbox_wake_mode()`).
+    pub waiter_wakes: u64,
+    pub wake_mode: String,
+    pub cost: CostResult,
+    pub bulk: BulkResult,
 }
 
 impl EnqueueSummary {
@@ -73,14 +93,79 @@ impl EnqueueSummary {
     pub fn overhead_pct(&self, v: Variant) -> f64 {
         100.0 * (1.0 - self.tps(v) / self.tps(Variant::OrderOnly))
     }
+    /// Median tx/s of the default outbox transaction ÷ that of the plain-INSERT one (issue 10).
+    pub fn producer_ratio(&self) -> f64 {
+        self.tps(Variant::Outbox) / self.tps(Variant::PlainInsert)
+    }
 }
 
 const VARIANTS: [Variant; 4] = [
     Variant::OrderOnly,
+    Variant::PlainInsert,
     Variant::Outbox,
-    Variant::OutboxNoNotify,
-    Variant::OutboxOneStatement,
+    Variant::OutboxNotify,
 ];
+
+const TRUNCATE: &str = "TRUNCATE bench_order, bench_event, outbox_event, outbox_key";
+
+/// A relay's wake-up session: `outbox_wait('1 s')` in a loop, in a database of its own on the
+/// same server whose outbox stays empty. Every commit that enqueued in the bench database sets
+/// its latch (the whole of a commit's work for its waiters) and it waits again at once, never
+/// finding work; a waiter in the bench database would find the undrained events due and return
+/// at once without waiting.
+struct Waiter {
+    stop: Arc<AtomicBool>,
+    wakes: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+    _db: TestDb,
+}
+
+impl Waiter {
+    async fn start(server: &str) -> Result<(Waiter, String)> {
+        let server = server.to_string();
+        let wdb =
+            tokio::task::spawn_blocking(move || TestDb::create_on(&server, "outbox_bench_waiter"))
+                .await
+                .map_err(|e| anyhow::anyhow!("creating the waiter's database: {e}"))?;
+        let c = wdb.client().await?;
+        let mode: String = c.query_one("SELECT outbox_wake_mode()", &[]).await?.get(0);
+        let stop = Arc::new(AtomicBool::new(false));
+        let wakes = Arc::new(AtomicU64::new(0));
+        let (s, w) = (stop.clone(), wakes.clone());
+        let task = tokio::spawn(async move {
+            let Ok(stmt) = c.prepare("SELECT outbox_wait('1 second')").await else {
+                return;
+            };
+            while !s.load(Ordering::Relaxed) {
+                match c.query_one(&stmt, &[]).await {
+                    Ok(r) if r.get::<_, bool>(0) => {
+                        w.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
+        });
+        Ok((
+            Waiter {
+                stop,
+                wakes,
+                task,
+                _db: wdb,
+            },
+            mode,
+        ))
+    }
+
+    fn wakes(&self) -> u64 {
+        self.wakes.load(Ordering::Relaxed)
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = tokio::time::timeout(Duration::from_secs(3), self.task).await;
+    }
+}
 
 pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
     let admin = db.client().await?;
@@ -90,10 +175,13 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
                  id bigserial PRIMARY KEY,
                  customer text NOT NULL,
                  amount numeric(12,2) NOT NULL,
-                 created_at timestamptz NOT NULL DEFAULT now())",
+                 created_at timestamptz NOT NULL DEFAULT now());
+             CREATE TABLE bench_event (LIKE outbox_event INCLUDING ALL);",
         )
         .await?;
-    // A relay would be listening: NOTIFY costs more with a listener to signal.
+    // A relay waits in outbox_wait throughout; the notify-on contrast also gets a listener, as
+    // NOTIFY costs more with a listener to signal.
+    let (waiter, wake_mode) = Waiter::start(&db.server).await?;
     let listener = db.client().await?;
     listener.batch_execute("LISTEN outbox").await?;
 
@@ -108,20 +196,27 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
             rounds: Vec::new(),
         })
         .collect();
+    let mut waiter_wakes = 0;
     for round in 0..p.enqueue_rounds {
-        for (i, &v) in VARIANTS.iter().enumerate() {
-            admin
-                .batch_execute("TRUNCATE bench_order, outbox_event")
-                .await?;
+        // Interleaved, and each round starts with another variant, so a slow spell of the
+        // machine does not always hit the same one.
+        for k in 0..VARIANTS.len() {
+            let i = (round + k) % VARIANTS.len();
+            let v = VARIANTS[i];
+            admin.batch_execute(TRUNCATE).await?;
             progress!(
-                "  enqueue round {}/{}: {} x{} for {:?}",
+                "  producer round {}/{}: {} x{} for {:?}",
                 round + 1,
                 p.enqueue_rounds,
                 v.label(),
                 p.enqueue_clients,
                 p.enqueue_time
             );
+            let wakes0 = waiter.wakes();
             let (tx, secs, hist, cpu) = run_variant(db, &admin, v, p).await?;
+            if v == Variant::Outbox {
+                waiter_wakes += waiter.wakes() - wakes0;
+            }
             let r = &mut results[i];
             r.tx += tx;
             r.secs += secs;
@@ -133,16 +228,17 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
             };
         }
     }
+    waiter.stop().await;
     drop(listener);
-    admin
-        .batch_execute("TRUNCATE bench_order, outbox_event")
-        .await?;
+    admin.batch_execute(TRUNCATE).await?;
 
+    let plain = results[1].tps();
     let base = results[0].tps();
     let mut t = Table::new(&[
         "transaction",
         "tx/s (median)",
         "tx/s per round",
+        "÷ plain INSERT",
         "vs order only",
         "p50 tx ms",
         "p99 tx ms",
@@ -160,6 +256,11 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
             if r.variant == Variant::OrderOnly {
                 "—".into()
             } else {
+                format!("{:.2}", r.tps() / plain)
+            },
+            if r.variant == Variant::OrderOnly {
+                "—".into()
+            } else {
                 format!("{} overhead", pct(100.0 * (1.0 - r.tps() / base)))
             },
             ms(r.hist.value_at_quantile(0.5) as f64),
@@ -169,22 +270,39 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
                 .unwrap_or_else(|| "n/a".into()),
         ]);
     }
+    let outbox_tx = results[2].tx.max(1);
     let markdown = format!(
-        "{} concurrent clients, {} round(s) of {:.1} s per variant (interleaved), one transaction = \
-         BEGIN; INSERT order; [SELECT outbox_enqueue(...)]; COMMIT with a ~80-byte JSON payload built by \
-         the client; one session LISTENs on `outbox` as a relay would. Overhead = 1 − median tx/s ÷ \
-         median tx/s of the order-only transaction.\n\n{}",
+        "### Producer throughput\n\n{} concurrent clients, {} round(s) of {:.1} s per variant \
+         (interleaved, the starting variant rotating; a warm-up per run is not counted); **tx/s is \
+         the median of the rounds** (the machine is shared). One transaction = BEGIN; INSERT the \
+         order row; write its event (~80-byte JSON built by the client, keyed by the order id, \
+         topic `{TOPIC}` — keyed events take the per-key path); COMMIT. The plain-INSERT \
+         variant writes the same event row (`ordered = true`) into `bench_event`, created `LIKE \
+         outbox_event INCLUDING ALL`. Throughout, one session loops on `outbox_wait('1 second')` \
+         as a relay's wake-up session does, in a second database of the server whose outbox stays \
+         empty: every commit that enqueued sets its latch (server wake-up mode `{wake_mode}`; it \
+         was woken {} times during the default variant, {:.2} per outbox transaction) and it waits \
+         again at once. No relay drains meanwhile (its claims are the relay's cost, not the \
+         producer's). The notify-on contrast row sets `outbox.notify = on` in the producers while \
+         a session LISTENs on `outbox`.\n\n{}",
         p.enqueue_clients,
         p.enqueue_rounds,
         p.enqueue_time.as_secs_f64(),
+        num(waiter_wakes as f64),
+        waiter_wakes as f64 / outbox_tx as f64,
         t.render()
     );
-    let (bd, per_row_us) = breakdown(db, p.enqueue_breakdown_rows).await?;
-    let markdown = format!("{markdown}\n{bd}");
+    let cost = cost::per_row(db, p).await?;
+    let bulk = cost::bulk(db, p).await?;
+    let markdown = format!("{markdown}\n{}\n{}", cost.markdown, bulk.markdown);
     Ok(EnqueueSummary {
         results,
+        clients: p.enqueue_clients,
         markdown,
-        per_row_us,
+        waiter_wakes,
+        wake_mode,
+        cost,
+        bulk,
     })
 }
 
@@ -198,14 +316,14 @@ async fn run_variant(
     let mut clients = Vec::new();
     for _ in 0..p.enqueue_clients {
         let c = db.client().await?;
-        if v == Variant::OutboxNoNotify {
-            c.batch_execute("SET outbox.notify = off").await?;
+        if v == Variant::OutboxNotify {
+            c.batch_execute("SET outbox.notify = on").await?;
         }
         clients.push(c);
     }
     // Fresh sessions are slow for their first transactions (catalog caches, plan caches): each
     // client runs a warm-up that is not counted.
-    let warmup = (p.enqueue_time / 10).max(std::time::Duration::from_millis(200));
+    let warmup = (p.enqueue_time / 10).max(Duration::from_millis(200));
     let start = Instant::now();
     let measure_from = start + warmup;
     let deadline = measure_from + p.enqueue_time;
@@ -232,24 +350,27 @@ async fn run_variant(
 }
 
 async fn client_loop(
-    mut c: tokio_postgres::Client,
+    c: tokio_postgres::Client,
     v: Variant,
     measure_from: Instant,
     deadline: Instant,
     client_no: usize,
 ) -> Result<(u64, Histogram<u64>, tokio_postgres::Client)> {
+    let mut c = c;
     let ins = c
         .prepare("INSERT INTO bench_order (customer, amount) VALUES ($1, $2::float8) RETURNING id")
         .await?;
     let enq = c
-        .prepare("SELECT outbox_enqueue('bench.orders', $1::jsonb, $2::text, 'OrderCreated')")
+        .prepare(&format!(
+            "SELECT outbox_enqueue('{TOPIC}', $1::jsonb, $2::text, 'OrderCreated')"
+        ))
         .await?;
-    let one = c
-        .prepare(
-            "WITH o AS (INSERT INTO bench_order (customer, amount) VALUES ($1, $2::float8) RETURNING id)
-             SELECT outbox_enqueue('bench.orders', $3::jsonb || jsonb_build_object('order_id', o.id),
-                                   'order-' || o.id, 'OrderCreated') FROM o",
-        )
+    // The row outbox_enqueue writes for a keyed event of an ordered topic.
+    let plain = c
+        .prepare(&format!(
+            "INSERT INTO bench_event (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+             VALUES ('{TOPIC}', $2::text, 'OrderCreated', $1::jsonb, '{{}}', 'WAIT', now(), true)"
+        ))
         .await?;
     let mut hist = crate::report::hist();
     let mut n: u64 = 0;
@@ -257,99 +378,23 @@ async fn client_loop(
         let customer = format!("customer-{client_no}-{}", n % 1000);
         let amount = 10.0 + (n % 500) as f64;
         let t0 = Instant::now();
-        match v {
-            Variant::OrderOnly => {
-                let tx = c.transaction().await?;
-                tx.query_one(&ins, &[&customer, &amount]).await?;
-                tx.commit().await?;
-            }
-            Variant::Outbox | Variant::OutboxNoNotify => {
-                let tx = c.transaction().await?;
-                let id: i64 = tx.query_one(&ins, &[&customer, &amount]).await?.get(0);
-                let payload =
-                    serde_json::json!({"order_id": id, "customer": customer, "amount": amount});
-                let key = format!("order-{id}");
+        let tx = c.transaction().await?;
+        let id: i64 = tx.query_one(&ins, &[&customer, &amount]).await?.get(0);
+        if v != Variant::OrderOnly {
+            let payload =
+                serde_json::json!({"order_id": id, "customer": customer, "amount": amount});
+            let key = format!("order-{id}");
+            if v == Variant::PlainInsert {
+                tx.execute(&plain, &[&payload, &key]).await?;
+            } else {
                 tx.query_one(&enq, &[&payload, &key]).await?;
-                tx.commit().await?;
-            }
-            Variant::OutboxOneStatement => {
-                let payload = serde_json::json!({"customer": customer, "amount": amount});
-                c.query_one(&one, &[&customer, &amount, &payload]).await?;
             }
         }
+        tx.commit().await?;
         if t0 >= measure_from {
             hist.saturating_record(t0.elapsed().as_micros() as u64);
             n += 1;
         }
     }
     Ok((n, hist, c))
-}
-
-/// Where the enqueue time goes, server side: per-row cost of N rows in one statement (one
-/// transaction, so commit and NOTIFY delivery are excluded).
-pub async fn breakdown(db: &TestDb, n: i64) -> Result<(String, Vec<f64>)> {
-    let c = db.client().await?;
-    let cases: [(&str, &str, bool); 4] = [
-        (
-            "INSERT order row",
-            "INSERT INTO bench_order (customer, amount) SELECT 'customer-' || g, 42.5 FROM generate_series(1, $1::bigint) g",
-            true,
-        ),
-        (
-            "plain INSERT into `outbox_event` (same row, same indexes, no function)",
-            "INSERT INTO outbox_event (topic, event_key, event_type, payload, headers, status, next_retry_time)
-             SELECT 'bench.orders', 'order-' || g, 'OrderCreated',
-                    jsonb_build_object('order_id', g, 'customer', 'customer-' || g, 'amount', 42.5), '{}', 'WAIT', now()
-               FROM generate_series(1, $1::bigint) g",
-            true,
-        ),
-        (
-            "`outbox_enqueue(...)`, `outbox.notify = off`",
-            "SELECT count(outbox_enqueue('bench.orders', jsonb_build_object('order_id', g, 'customer', 'customer-' || g, 'amount', 42.5),
-                                         'order-' || g, 'OrderCreated'))
-               FROM generate_series(1, $1::bigint) g",
-            false,
-        ),
-        (
-            "`outbox_enqueue(...)`, notify on (folded to one NOTIFY per transaction)",
-            "SELECT count(outbox_enqueue('bench.orders', jsonb_build_object('order_id', g, 'customer', 'customer-' || g, 'amount', 42.5),
-                                         'order-' || g, 'OrderCreated'))
-               FROM generate_series(1, $1::bigint) g",
-            true,
-        ),
-    ];
-    let mut t = Table::new(&["statement, per row", "µs/row"]);
-    let mut per_row = Vec::new();
-    for (label, sql, notify) in cases {
-        c.batch_execute("TRUNCATE bench_order, outbox_event")
-            .await?;
-        c.batch_execute("VACUUM ANALYZE outbox_event").await?;
-        c.batch_execute(if notify {
-            "SET outbox.notify = on"
-        } else {
-            "SET outbox.notify = off"
-        })
-        .await?;
-        // Best of three: the machine is shared.
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            c.batch_execute("TRUNCATE bench_order, outbox_event")
-                .await?;
-            let t0 = Instant::now();
-            c.execute(sql, &[&n]).await?;
-            best = best.min(t0.elapsed().as_secs_f64() * 1e6 / n as f64);
-        }
-        t.row(vec![label.into(), format!("{best:.1}")]);
-        per_row.push(best);
-    }
-    c.batch_execute("RESET outbox.notify; TRUNCATE bench_order, outbox_event")
-        .await?;
-    Ok((
-        format!(
-            "Server-side cost per row, {} rows in one statement (best of 3; no commit, no round trips):\n\n{}",
-            num(n as f64),
-            t.render()
-        ),
-        per_row,
-    ))
 }

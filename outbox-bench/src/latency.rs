@@ -1,5 +1,7 @@
 //! Commit-to-broker latency (report section 3): open-loop single-event transactions at fixed rates
-//! while the relay runs, timed to the row's ack and to a consumer's arrival.
+//! while the relay runs with its defaults, timed from the statement to a consumer's arrival and to
+//! the row's ack; on the main server (preloaded: commits wake the relay's `outbox_wait`) and on a
+//! throwaway server without `shared_preload_libraries` (the wait polls the queue).
 
 use anyhow::{anyhow, bail, Result};
 use hdrhistogram::Histogram;
@@ -21,13 +23,22 @@ const MAX_PRODUCERS: usize = 16;
 
 pub struct LatencyRun {
     pub rate: f64,
-    pub notify: bool,
+    /// Which server: `MAIN_SERVER` or `POLLING_SERVER`.
+    pub server: &'static str,
+    /// `outbox_wake_mode()` on that server: "commit" or "polling".
+    pub wake: String,
+    /// The producers set `outbox.notify = on` (a contrast: the relay does not LISTEN).
+    pub producer_notify: bool,
     pub settings: String,
     pub sent: i64,
     pub achieved_rate: f64,
     pub missing: i64,
     pub duplicates: u64,
+    /// Commit (the producer saw its statement complete) to arrival at the consumer, µs.
     pub hist: Histogram<u64>,
+    /// Statement issued (autocommit: one statement = one transaction) to arrival, µs: the goal's
+    /// "statement→consumer".
+    pub stmt_hist: Histogram<u64>,
     /// From the rows' own timestamps (database clock), p50 and p99 in µs: transaction start
     /// (`created_at`, ≈ commit for a one-statement transaction) to claim, and claim to ack.
     pub to_claim: (f64, f64),
@@ -43,7 +54,19 @@ impl LatencyRun {
     pub fn q(&self, q: f64) -> f64 {
         self.hist.value_at_quantile(q) as f64
     }
+    /// Statement→consumer quantile, µs.
+    pub fn sq(&self, q: f64) -> f64 {
+        self.stmt_hist.value_at_quantile(q) as f64
+    }
+    /// Relay defaults, producers with the shipped settings: the runs the goals judge.
+    pub fn is_default(&self) -> bool {
+        self.settings == "defaults" && !self.producer_notify
+    }
 }
+
+pub const MAIN_SERVER: &str = "main server";
+pub const POLLING_SERVER: &str = "throwaway server, no preload";
+pub const PRELOADED_SERVER: &str = "throwaway server, preloaded";
 
 /// Offers `rate` single-event transactions per second for `secs` to `topic` (the relay must be
 /// running) and measures commit (client sees COMMIT done) to arrival at a consumer.
@@ -53,10 +76,16 @@ pub async fn latency(
     topic: &str,
     rate: f64,
     secs: f64,
-    notify: bool,
+    producer_notify: bool,
     settle: Duration,
     settings: &str,
+    server: &'static str,
 ) -> Result<LatencyRun> {
+    let wake: String = env
+        .monitor
+        .query_one("SELECT outbox_wake_mode()", &[])
+        .await?
+        .get(0);
     env.broker.try_create_topic(topic).map_err(|e| anyhow!(e))?;
     let arrivals = Arrivals::start(&env.broker.addr(), topic)?;
     // Warm-up: one event must make it through before the clock starts.
@@ -78,8 +107,8 @@ pub async fn latency(
     let mut clients = Vec::new();
     for _ in 0..producers {
         let c = env.db.client().await?;
-        if !notify {
-            c.batch_execute("SET outbox.notify = off").await?;
+        if producer_notify {
+            c.batch_execute("SET outbox.notify = on").await?;
         }
         clients.push(c);
     }
@@ -96,12 +125,12 @@ pub async fn latency(
             start,
         )));
     }
-    let mut commits: Vec<Option<Instant>> = vec![None; total as usize];
+    let mut commits: Vec<Option<(Instant, Instant)>> = vec![None; total as usize];
     let mut commit_wall: Vec<(i64, f64)> = Vec::with_capacity(total as usize);
     let mut last_commit = start.into_std();
     for t in tasks {
-        for (seq, at, id, wall) in t.await?? {
-            commits[seq as usize] = Some(at);
+        for (seq, issued, at, id, wall) in t.await?? {
+            commits[seq as usize] = Some((issued, at));
             commit_wall.push((id, wall));
             if at > last_commit {
                 last_commit = at;
@@ -130,10 +159,12 @@ pub async fn latency(
         }
     }
     let mut hist = crate::report::hist();
+    let mut stmt_hist = crate::report::hist();
     let mut received = 0;
     for (c, a) in commits.iter().zip(&first) {
-        if let (Some(c), Some(a)) = (c, a) {
+        if let (Some((issued, c)), Some(a)) = (c, a) {
             hist.saturating_record(a.saturating_duration_since(*c).as_micros() as u64);
+            stmt_hist.saturating_record(a.saturating_duration_since(*issued).as_micros() as u64);
             received += 1;
         }
     }
@@ -187,12 +218,12 @@ pub async fn latency(
         }
     }
     progress!(
-        "    -> commit to ack p50 {:.2} ms p99 {:.2} ms; to consumer p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {} of {total} arrived",
+        "    -> achieved {:.0}/s; statement to consumer p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; commit to ack p50 {:.2} ms; {} of {total} arrived",
+        achieved_rate,
+        stmt_hist.value_at_quantile(0.5) as f64 / 1000.0,
+        stmt_hist.value_at_quantile(0.99) as f64 / 1000.0,
+        stmt_hist.max() as f64 / 1000.0,
         commit_to_ack[0] / 1000.0,
-        commit_to_ack[1] / 1000.0,
-        hist.value_at_quantile(0.5) as f64 / 1000.0,
-        hist.value_at_quantile(0.99) as f64 / 1000.0,
-        hist.max() as f64 / 1000.0,
         received
     );
     Ok(LatencyRun {
@@ -201,18 +232,21 @@ pub async fn latency(
         commit_to_ack,
         ack_source,
         rate,
-        notify,
+        server,
+        wake,
+        producer_notify,
         settings: settings.to_string(),
         sent: total,
         achieved_rate,
         missing: total - received as i64,
         duplicates,
         hist,
+        stmt_hist,
     })
 }
 
-/// (sequence number, commit seen by the client, event id, commit as Unix µs)
-type Commit = (i64, Instant, i64, f64);
+/// (sequence number, statement issued, commit seen by the client, event id, commit as Unix µs)
+type Commit = (i64, Instant, Instant, i64, f64);
 
 fn unix_us() -> f64 {
     std::time::SystemTime::now()
@@ -239,8 +273,9 @@ async fn producer(
         tokio::time::sleep_until(start + Duration::from_secs_f64(seq as f64 / rate)).await;
         let payload = serde_json::json!({"seq": seq, "order_id": seq, "amount": 42.5});
         let key = format!("order-{seq}");
+        let issued = Instant::now();
         let id: i64 = c.query_one(&stmt, &[&topic, &payload, &key]).await?.get(0);
-        out.push((seq, Instant::now(), id, unix_us()));
+        out.push((seq, issued, Instant::now(), id, unix_us()));
         seq += step;
     }
     Ok(out)
@@ -248,34 +283,38 @@ async fn producer(
 
 pub fn latency_table(runs: &[LatencyRun]) -> String {
     let mut t = Table::new(&[
+        "server (wake-up mode)",
         "offered ev/s (achieved)",
-        "wake-up",
+        "producers' `outbox.notify`",
         "relay settings",
         "events",
-        "commit→ack p50 / p99 / p99.9 / max ms",
-        "commit→consumer p50 / p99 / p99.9 / max ms",
+        "statement→consumer p50 / p99 / p99.9 / max ms",
+        "commit→consumer p50 / p99 ms",
+        "commit→ack p50 / p99 ms",
         "start→claim / claim→ack p50 ms",
         "missing / dup",
     ]);
     for r in runs {
         let c = &r.commit_to_ack;
         t.row(vec![
+            format!("{} (`{}`)", r.server, r.wake),
             format!("{} ({})", num(r.rate), num(r.achieved_rate)),
-            if r.notify {
-                "NOTIFY".into()
+            if r.producer_notify {
+                "on (contrast)".into()
             } else {
-                "polling only".into()
+                "off (default)".into()
             },
             r.settings.clone(),
             num(r.sent as f64),
-            format!("{} / {} / {} / {}", ms(c[0]), ms(c[1]), ms(c[2]), ms(c[3])),
             format!(
                 "{} / {} / {} / {}",
-                ms(r.q(0.5)),
-                ms(r.q(0.99)),
-                ms(r.q(0.999)),
-                ms(r.hist.max() as f64)
+                ms(r.sq(0.5)),
+                ms(r.sq(0.99)),
+                ms(r.sq(0.999)),
+                ms(r.stmt_hist.max() as f64)
             ),
+            format!("{} / {}", ms(r.q(0.5)), ms(r.q(0.99))),
+            format!("{} / {}", ms(c[0]), ms(c[1])),
             format!("{} / {}", ms(r.to_claim.0), ms(r.to_ack.0)),
             format!("{} / {}", r.missing, r.duplicates),
         ]);
@@ -283,9 +322,59 @@ pub fn latency_table(runs: &[LatencyRun]) -> String {
     t.render()
 }
 
+/// One latency run, its failure (events lost) recorded.
+#[allow(clippy::too_many_arguments)]
+async fn one(
+    p: &Profile,
+    env: &RelayEnv<'_>,
+    r: &mut Results,
+    n: &mut usize,
+    rate: f64,
+    producer_notify: bool,
+    settings: &str,
+    server: &'static str,
+) -> Result<()> {
+    *n += 1;
+    progress!(
+        "  {} ev/s for {:?} on the {server}, producers' outbox.notify {}, relay {settings}",
+        num(rate),
+        p.latency_time,
+        if producer_notify { "on" } else { "off" }
+    );
+    let run = latency(
+        env,
+        &format!("bench.lat.{}.{n}", server.replace([' ', ','], "")),
+        rate,
+        p.latency_time.as_secs_f64(),
+        producer_notify,
+        Duration::from_secs(15),
+        settings,
+        server,
+    )
+    .await?;
+    if run.missing > 0 {
+        r.failures.push(format!(
+            "latency at {} ev/s ({server}, `{}`): {} of {} events never reached the consumer",
+            run.rate, run.wake, run.missing, run.sent
+        ));
+    }
+    r.latency.push(run);
+    // A run the relay could not keep up with leaves a backlog: let it drain before the next run
+    // measures anything.
+    if !crate::db::wait_drained(env.monitor, Duration::from_secs(60)).await? {
+        r.failures.push(format!(
+            "latency at {} ev/s ({server}): the backlog had not drained 60 s after the run; \
+             the next run started behind it",
+            num(rate)
+        ));
+    }
+    Ok(())
+}
+
+/// The main server: the rates of the profile with the relay's defaults, the same at the highest
+/// rate with `outbox.notify = on` in the producers (contrast), and the linger settings at the
+/// goal's rate.
 pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
-    progress!("==> 3. commit-to-broker latency");
-    let settle = Duration::from_secs(15);
     let mut configs: Vec<Vec<String>> = vec![vec![]];
     for &l in &p.linger_ms {
         configs.push(vec!["--kafka-property".into(), format!("linger.ms={l}")]);
@@ -298,69 +387,66 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
         } else {
             format!("`{}`", extra.join(" "))
         };
-        // Settings variants only at the rate the goal names.
-        let (rates, modes): (Vec<f64>, Vec<bool>) = if extra.is_empty() {
-            (p.latency_rates.clone(), vec![true, false])
-        } else {
-            (vec![LATENCY_GOAL_RATE], vec![true])
-        };
-        for &notify in &modes {
-            for &rate in &rates {
-                n += 1;
-                progress!(
-                    "  {} ev/s for {:?}, {}, relay {settings}",
-                    num(rate),
-                    p.latency_time,
-                    if notify { "NOTIFY" } else { "polling only" }
-                );
-                let run = latency(
-                    env,
-                    &format!("bench.lat.{n}"),
-                    rate,
-                    p.latency_time.as_secs_f64(),
-                    notify,
-                    settle,
-                    &settings,
-                )
-                .await?;
-                if run.missing > 0 {
-                    r.failures.push(format!(
-                        "latency at {} ev/s ({}): {} of {} events never reached the consumer",
-                        run.rate,
-                        if notify { "notify" } else { "polling" },
-                        run.missing,
-                        run.sent
-                    ));
-                }
-                r.latency.push(run);
+        if extra.is_empty() {
+            for &rate in &p.latency_rates {
+                one(p, env, r, &mut n, rate, false, &settings, MAIN_SERVER).await?;
             }
+            let top = p.latency_rates.iter().copied().fold(0.0, f64::max);
+            one(p, env, r, &mut n, top, true, &settings, MAIN_SERVER).await?;
+        } else {
+            one(
+                p,
+                env,
+                r,
+                &mut n,
+                LATENCY_GOAL_RATE,
+                false,
+                &settings,
+                MAIN_SERVER,
+            )
+            .await?;
         }
         relay.stop()?;
     }
     Ok(())
 }
 
-/// Producers offered `rate` with and without NOTIFY: how much of it they achieved. PostgreSQL
-/// holds a database-wide lock from a notifying transaction's pre-commit through its commit record
-/// flush, so notifying commits run one at a time.
-pub fn notify_cap_note(r: &Results, rate: f64) -> Option<String> {
-    let on = r
-        .latency
-        .iter()
-        .find(|l| l.notify && l.rate == rate && l.settings == "defaults")?;
-    let off = r
-        .latency
-        .iter()
-        .find(|l| !l.notify && l.rate == rate && l.settings == "defaults")?;
-    if on.achieved_rate >= 0.95 * rate {
-        return None;
+/// A throwaway server (`POLLING_SERVER`: the relay's `outbox_wait` polls; `PRELOADED_SERVER`:
+/// commits wake it, the control) at the goals' rates, relay defaults.
+pub async fn run_throwaway(
+    p: &Profile,
+    env: &RelayEnv<'_>,
+    r: &mut Results,
+    server: &'static str,
+) -> Result<()> {
+    let relay = env.start_relay(&[], &format!("latency-{}", server.replace([' ', ','], "")))?;
+    let mut n = 0;
+    for &rate in &p.polling_rates {
+        one(p, env, r, &mut n, rate, false, "defaults", server).await?;
     }
+    relay.stop()?;
+    Ok(())
+}
+
+/// The producers at `rate` with `outbox.notify = on` against the defaults: how much of the offered
+/// rate they achieved. PostgreSQL holds a database-wide lock from a notifying transaction's
+/// pre-commit through its commit record flush, so notifying commits run one at a time.
+pub fn notify_cap_note(r: &Results, rate: f64) -> Option<String> {
+    let find = |notify: bool| {
+        r.latency.iter().find(|l| {
+            l.producer_notify == notify
+                && l.rate == rate
+                && l.settings == "defaults"
+                && l.server == MAIN_SERVER
+        })
+    };
+    let (on, off) = (find(true)?, find(false)?);
     Some(format!(
-        "With NOTIFY the producers committed only {} of the {} events/s offered ({} with \
-         `outbox.notify = off`): notifying commits are serialised by PostgreSQL's global notify \
+        "At {} events/s offered, producers with `outbox.notify = on` committed {} events/s, \
+         with the default (off) {}: notifying commits are serialised by PostgreSQL's global notify \
          lock, held through the commit's WAL flush.",
-        num(on.achieved_rate),
         num(rate),
+        num(on.achieved_rate),
         num(off.achieved_rate)
     ))
 }
@@ -371,16 +457,25 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         s += &not_run(r);
     } else {
         s += &format!(
-            "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)`, autocommit) on a \
-             fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s (at most {MAX_PRODUCERS}), {:.0} s per run, relay with default settings \
-             (poll interval {} s) unless noted. **commit→ack** ({}): from the moment the producer saw \
-             its COMMIT complete to the row's ack timestamp; the relay acks right after the broker's \
-             delivery reports, so this is the issue's \"commit to delivery report\" plus one ack \
-             statement. **commit→consumer**: arrival at a Kafka consumer (assigned partitions, \
-             `fetch.wait.max.ms={FETCH_WAIT_MAX_MS}`), matched by a sequence number in the payload; HdrHistogram, µs \
-             resolution. The split columns come from the rows' own timestamps (`created_at` = \
-             transaction start, `claimed_at`, ack). \"Polling only\" sets `outbox.notify = off` in the \
-             producers.\n\n",
+            "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)` keyed, \
+             autocommit) on a fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s \
+             (at most {MAX_PRODUCERS}), {:.0} s per run, relay with default settings (it waits in \
+             `outbox_wait`; poll interval {} s as the safety net) unless noted. Rows: the **main \
+             server** (`shared_preload_libraries = 'outbox'`: a commit that enqueued wakes the \
+             relay at once, mode `commit`) and a **throwaway server without the preload** started \
+             by the bench (`PgCluster`, default settings but `fsync = on`; `outbox_wait` looks at \
+             the queue every `outbox.wait_poll_interval`, 10 ms; mode `polling`), and as a \
+             control a **throwaway server with the preload** (same settings plus \
+             `shared_preload_libraries = 'outbox'`, mode `commit`): the two throwaway servers \
+             differ only in the wake-up, while the main server is shared with other work. \
+             **statement→consumer** (the goals' figure): from the moment the producer issued its \
+             statement to the arrival at a Kafka consumer (assigned partitions, \
+             `fetch.wait.max.ms={FETCH_WAIT_MAX_MS}`), matched by a sequence number in the \
+             payload; HdrHistogram, µs resolution. **commit→consumer** starts when the producer \
+             saw the statement complete; **commit→ack** ({}) ends at the row's ack timestamp. \
+             The split columns come from the rows' own timestamps (`created_at` = transaction \
+             start, `claimed_at`, ack). Achieved = events ÷ time from the first scheduled send to \
+             the last commit.\n\n",
             p.latency_time.as_secs_f64(),
             defaults::POLL_INTERVAL.as_secs(),
             r.latency
@@ -389,16 +484,22 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
                 .unwrap_or("n/a")
         );
         s += &latency_table(&r.latency);
-        let caps: Vec<String> = p
-            .latency_rates
-            .iter()
-            .filter_map(|&rate| notify_cap_note(r, rate))
-            .collect();
-        if !caps.is_empty() {
-            s += &format!("\n**Enqueue rate limited by NOTIFY.** {}\n", caps.join(" "));
+        let top = p.latency_rates.iter().copied().fold(0.0, f64::max);
+        if let Some(note) = notify_cap_note(r, top) {
+            s += &format!(
+                "\n**Contrast, `outbox.notify = on` in the producers** (the relay does not \
+                 LISTEN; nothing needs it). {note}\n"
+            );
         }
         s += "\n\"start→claim\" begins at the enqueueing transaction's start, so it also holds that \
-              transaction's own commit (including any wait for the notify lock); commit→ack does not.\n";
+              transaction's own commit; commit→ack does not.\n";
     }
     s
+}
+
+/// The default runs at the goal's rates (for goals.rs): the main server's and the polling one's.
+pub fn default_run<'a>(r: &'a Results, server: &str, rate: f64) -> Option<&'a LatencyRun> {
+    r.latency
+        .iter()
+        .find(|l| l.is_default() && l.server == server && l.rate == rate)
 }

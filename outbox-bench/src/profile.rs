@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::goals::LATENCY_GOAL_RATE;
+use crate::goals::{LATENCY_GOAL_RATE, LATENCY_HIGH_RATE};
 
 /// Sizes and durations of one profile.
 pub struct Profile {
@@ -11,6 +11,11 @@ pub struct Profile {
     pub enqueue_time: Duration,
     pub enqueue_rounds: usize,
     pub enqueue_breakdown_rows: i64,
+    /// Enqueue CPU: single-row statements per run, rounds (also the bulk section's rounds).
+    pub cost_statements: i64,
+    pub cost_rounds: usize,
+    /// Bulk: events per batch (single calls vs one `outbox_enqueue_many`).
+    pub bulk_rows: i64,
     pub matrix_backlog: i64,
     pub matrix_cap: Duration,
     pub loops: Vec<usize>,
@@ -34,6 +39,10 @@ pub struct Profile {
     pub linger_ms: Vec<u32>,
     pub latency_rates: Vec<f64>,
     pub latency_time: Duration,
+    /// Rates offered to the throwaway server without `shared_preload_libraries` (polling mode).
+    pub polling_rates: Vec<f64>,
+    /// How long an idle relay is watched (issue 10: at least 30 s).
+    pub idle_time: Duration,
     /// Per-key order: a keyed backlog drained ordered and unordered over each number of keys
     /// (capped at the backlog), and a hot key's backlogs for the claim cost, with calls per size.
     pub ordering_backlog: i64,
@@ -52,10 +61,13 @@ impl Profile {
     pub fn quick() -> Profile {
         Profile {
             name: "quick",
-            enqueue_clients: 4,
+            enqueue_clients: 16,
             enqueue_time: Duration::from_secs(3),
-            enqueue_rounds: 3,
+            enqueue_rounds: 5,
             enqueue_breakdown_rows: 20_000,
+            cost_statements: 20_000,
+            cost_rounds: 3,
+            bulk_rows: 10_000,
             matrix_backlog: 100_000,
             matrix_cap: Duration::from_secs(15),
             loops: vec![1, 2, 4],
@@ -77,8 +89,10 @@ impl Profile {
             // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
             // alternatives.
             linger_ms: vec![1, 5, 20],
-            latency_rates: vec![100.0, LATENCY_GOAL_RATE, 5000.0],
+            latency_rates: vec![100.0, LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
             latency_time: Duration::from_secs(5),
+            polling_rates: vec![LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
+            idle_time: Duration::from_secs(30),
             ordering_backlog: 20_000,
             ordering_keys: vec![1, 100, 10_000, 100_000],
             ordering_cap: Duration::from_secs(120),
@@ -95,7 +109,8 @@ impl Profile {
         Profile {
             name: "long",
             enqueue_time: Duration::from_secs(10),
-            enqueue_rounds: 3,
+            enqueue_rounds: 5,
+            idle_time: Duration::from_secs(60),
             matrix_backlog: 1_000_000,
             matrix_cap: Duration::from_secs(60),
             headline_backlog: 1_000_000,
@@ -120,6 +135,9 @@ impl Profile {
             enqueue_time: Duration::from_millis(500),
             enqueue_rounds: 1,
             enqueue_breakdown_rows: 1_000,
+            cost_statements: 300,
+            cost_rounds: 1,
+            bulk_rows: 200,
             matrix_backlog: 2_000,
             matrix_cap: Duration::from_secs(20),
             loops: vec![2],
@@ -141,6 +159,8 @@ impl Profile {
             linger_ms: vec![],
             latency_rates: vec![200.0],
             latency_time: Duration::from_secs(1),
+            polling_rates: vec![200.0],
+            idle_time: Duration::from_secs(2),
             ordering_backlog: 1_000,
             ordering_keys: vec![1, 100, 100_000],
             ordering_cap: Duration::from_secs(20),

@@ -64,6 +64,11 @@ impl BenchRelay {
         self.relay.is_running()
     }
 
+    /// Whether a log line containing every needle appeared within `timeout`.
+    pub fn wait_log(&self, needles: &[&str], timeout: Duration) -> bool {
+        self.relay.wait_log(needles, timeout).is_some()
+    }
+
     pub fn log_tail(&self) -> String {
         format!("log {}:\n{}", self.log.display(), self.relay.log_tail(15))
     }

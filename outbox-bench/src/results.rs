@@ -7,7 +7,7 @@ use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 
 use crate::report::Goal;
-use crate::{broker_drain, enqueue, hot_key, latency, null_sink, ordering, seed, Profile};
+use crate::{broker_drain, enqueue, hot_key, idle, latency, null_sink, ordering, seed, Profile};
 
 /// Everything the report needs, filled in section by section.
 #[derive(Default)]
@@ -23,6 +23,7 @@ pub struct Results {
     pub seed_compare: Option<null_sink::DrainRun>,
     pub broker: Vec<broker_drain::BrokerDrain>,
     pub latency: Vec<latency::LatencyRun>,
+    pub idle: Vec<idle::IdleRun>,
     pub ordering: Vec<ordering::KeyedDrain>,
     pub claim_cost: Option<hot_key::ClaimCosts>,
     pub indexes_md: Option<String>,
@@ -97,22 +98,46 @@ fn latency_run(l: &latency::LatencyRun) -> Value {
     json!({
         "offered_rate": l.rate,
         "achieved_rate": l.achieved_rate,
-        "wake_up": if l.notify { "notify" } else { "polling" },
+        "server": l.server,
+        "wake_up_mode": l.wake,
+        "producers_notify": l.producer_notify,
         "relay_settings": l.settings,
         "sent": l.sent,
         "missing": l.missing,
         "duplicates": l.duplicates,
         "commit_to_ack_us": {"p50": c[0], "p99": c[1], "p999": c[2], "max": c[3], "clock": l.ack_source},
+        "statement_to_consumer_us": quantiles(&l.stmt_hist),
         "commit_to_consumer_us": quantiles(&l.hist),
         "start_to_claim_us": {"p50": l.to_claim.0, "p99": l.to_claim.1},
         "claim_to_ack_us": {"p50": l.to_ack.0, "p99": l.to_ack.1},
     })
 }
 
-fn enqueue_summary(e: &enqueue::EnqueueSummary) -> Value {
+fn idle_run(i: &idle::IdleRun) -> Value {
     json!({
+        "server": i.server,
+        "wake_up_mode": i.wake,
+        "secs": i.secs,
+        "backends_start": i.backends.0,
+        "backends_end": i.backends.1,
+        "db_cpu_secs": i.db_cpu_secs,
+        "db_cpu_pct_of_core": i.pct(),
+        "relay_cpu_secs": i.relay_cpu_secs,
+        "transactions": i.xacts,
+    })
+}
+
+fn enqueue_summary(e: &enqueue::EnqueueSummary) -> Value {
+    let c = &e.cost;
+    let b = &e.bulk;
+    json!({
+        "clients": e.clients,
+        "producer_ratio_vs_plain_insert": e.producer_ratio(),
+        "waiter_wakes": e.waiter_wakes,
+        "wake_up_mode": e.wake_mode,
         "variants": e.results.iter().map(|v| json!({
-            "variant": v.variant.label(),
+            "variant": v.variant.key(),
+            "label": v.variant.label(),
             "tps": v.tps(),
             "tps_rounds": v.rounds,
             "transactions": v.tx,
@@ -120,7 +145,23 @@ fn enqueue_summary(e: &enqueue::EnqueueSummary) -> Value {
             "tx_us": quantiles(&v.hist),
             "db_cpu_secs": v.db_cpu_secs,
         })).collect::<Vec<_>>(),
-        "server_us_per_row": e.per_row_us,
+        "cpu_per_row": {
+            "statements": c.statements,
+            "per_statement_backend_cpu_us": {"insert": c.stmt_insert_us, "outbox_enqueue": c.stmt_enqueue_us, "ratio": c.stmt_ratio()},
+            "per_statement_client_us": {"insert": c.stmt_insert_wall_us, "outbox_enqueue": c.stmt_enqueue_wall_us},
+            "set_rows": c.set_rows,
+            "set_based_us_per_row": {"order_row": c.set_order_us, "insert": c.set_insert_us, "outbox_enqueue": c.set_enqueue_us, "outbox_enqueue_many": c.set_many_us, "ratio": c.set_ratio()},
+        },
+        "bulk": {
+            "events": b.rows,
+            "single_calls_secs": b.single_secs,
+            "enqueue_many_secs": b.many_secs,
+            "single_calls_rounds": b.single_rounds,
+            "enqueue_many_rounds": b.many_rounds,
+            "single_calls_cpu_secs": b.single_cpu_secs,
+            "enqueue_many_cpu_secs": b.many_cpu_secs,
+            "speedup": b.speedup(),
+        },
     })
 }
 
@@ -137,6 +178,7 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
         },
         "broker_drain": r.broker.iter().map(broker_run).collect::<Vec<_>>(),
         "latency": r.latency.iter().map(latency_run).collect::<Vec<_>>(),
+        "idle": r.idle.iter().map(idle_run).collect::<Vec<_>>(),
         "ordering": ordering::json(r),
         "contention": r.contention.iter().map(drain_run).collect::<Vec<_>>(),
         "seed": {

@@ -11,8 +11,8 @@ use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
-    broker_drain, contention, enqueue, goals, health, hot_key, indexes, latency, null_sink,
-    ordering, report, seed, sys,
+    broker_drain, contention, enqueue, goals, health, hot_key, idle, indexes, latency, null_sink,
+    ordering, polling, report, seed, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -24,7 +24,7 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let mut r = Results::default();
 
     if want(Section::Enqueue) {
-        progress!("==> 1. enqueue cost");
+        progress!("==> 1. enqueue cost: producer throughput, CPU per row, bulk");
         r.enqueue = Some(enqueue::run(db, p).await?);
     }
     if want(Section::Drain) {
@@ -46,7 +46,10 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
 
     let mut broker_version = "not used".to_string();
     let mut relay_version = "not used".to_string();
-    let broker_wanted = want(Section::Broker) || want(Section::Latency) || want(Section::Ordering);
+    let broker_wanted = want(Section::Broker)
+        || want(Section::Latency)
+        || want(Section::Idle)
+        || want(Section::Ordering);
     if !args.no_broker && broker_wanted {
         let relay_bin = outbox_tests::relay::find_relay_bin();
         if let Ok(bin) = &relay_bin {
@@ -86,7 +89,7 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let md = if args.index_report() {
         report::render_indexes(p, &r, &env, took)
     } else {
-        report::render(p, &r, &goals, &env, took)
+        report::render(p, &r, &goals, &env, took, &args.flags())
     };
     println!("{md}");
     if let Some(out) = &args.output {
@@ -137,10 +140,58 @@ async fn broker_sections(
         progress!("==> 2. drain to the broker through the relay");
         broker_drain::run(p, &env, r).await?;
     }
-    if want(Section::Latency) {
-        progress!("==> 3. commit-to-broker latency");
-        latency::run(p, &env, r).await?;
+    // Throwaway servers without and with shared_preload_libraries: the polling-mode rows and
+    // their control.
+    let mut throwaway = Vec::new();
+    if want(Section::Latency) || want(Section::Idle) {
+        for (server, preload) in [
+            (latency::POLLING_SERVER, false),
+            (latency::PRELOADED_SERVER, true),
+        ] {
+            progress!("==> starting a {server}");
+            match polling::PollingServer::start(preload).await {
+                Ok(s) => throwaway.push((server, s)),
+                Err(e) => {
+                    let msg = format!("rows of the {server} skipped: {e:#}");
+                    eprintln!("outbox-bench: {msg}");
+                    r.failures.push(msg);
+                }
+            }
+        }
     }
+    {
+        let throwaway_envs: Vec<(&'static str, RelayEnv)> = throwaway
+            .iter()
+            .map(|(server, s)| {
+                (
+                    *server,
+                    RelayEnv {
+                        db: &s.db,
+                        monitor: &s.monitor,
+                        broker: &broker,
+                        relay_bin,
+                        workdir,
+                    },
+                )
+            })
+            .collect();
+        if want(Section::Latency) {
+            progress!("==> 3. commit-to-broker latency");
+            latency::run(p, &env, r).await?;
+            for (server, te) in &throwaway_envs {
+                progress!("==> 3. commit-to-broker latency, {server}");
+                latency::run_throwaway(p, te, r, server).await?;
+            }
+        }
+        if want(Section::Idle) {
+            progress!("==> 8. idle relay cost");
+            let mut envs = vec![(latency::MAIN_SERVER, &env)];
+            envs.extend(throwaway_envs.iter().map(|(s, e)| (*s, e)));
+            idle::run(p, &envs, r).await?;
+        }
+    }
+    // The throwaway servers stop here, before the ordering section's drains.
+    drop(throwaway);
     if want(Section::Ordering) {
         progress!("==> 7. per-key order: ordered vs unordered drain to the broker");
         ordering::run_drains(p, &env, r).await?;
