@@ -13,6 +13,8 @@ const BIN: &str = "/usr/lib/postgresql/15/bin";
 pub struct PgCluster {
     pub dir: PathBuf,
     pub port: u16,
+    /// The PostgreSQL binaries it runs (the system's, or a private installation's).
+    bin: PathBuf,
 }
 
 fn as_postgres(args: &[&str]) -> Output {
@@ -37,6 +39,13 @@ impl PgCluster {
     /// postgresql.conf; `files` are copied into the data directory first (owned by postgres,
     /// mode 0600, as the server wants its key).
     pub fn start(conf: &str, files: &[&Path]) -> PgCluster {
+        PgCluster::start_with(Path::new(BIN), conf, files)
+    }
+
+    /// The same with the binaries of another installation (`bin` = its `pg_config --bindir`), e.g.
+    /// a private copy into which a release package installed the extension.
+    pub fn start_with(bin: &Path, conf: &str, files: &[&Path]) -> PgCluster {
+        let bin_s = bin.to_str().expect("utf-8 path").to_string();
         let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("outbox-test-pg-{port}-{}", std::process::id()));
@@ -55,7 +64,7 @@ impl PgCluster {
         check(
             "initdb",
             as_postgres(&[
-                &format!("{BIN}/initdb"),
+                &format!("{bin_s}/initdb"),
                 "-D",
                 data_s,
                 "-U",
@@ -101,7 +110,7 @@ impl PgCluster {
         check(
             "pg_ctl start",
             as_postgres(&[
-                &format!("{BIN}/pg_ctl"),
+                &format!("{bin_s}/pg_ctl"),
                 "-D",
                 data_s,
                 "-l",
@@ -112,7 +121,11 @@ impl PgCluster {
                 "start",
             ]),
         );
-        PgCluster { dir, port }
+        PgCluster {
+            dir,
+            port,
+            bin: bin.to_path_buf(),
+        }
     }
 
     /// libpq parameters for `dbname` over TCP on localhost, without TLS settings.
@@ -142,7 +155,7 @@ impl Drop for PgCluster {
     fn drop(&mut self) {
         let data = self.dir.join("data");
         let _ = as_postgres(&[
-            &format!("{BIN}/pg_ctl"),
+            &format!("{}/pg_ctl", self.bin.display()),
             "-D",
             data.to_str().unwrap_or(""),
             "-m",
