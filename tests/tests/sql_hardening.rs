@@ -41,13 +41,31 @@ async fn producers_cannot_lift_the_producer_guards() {
         &format!("host=127.0.0.1 port={} user=postgres", pg.port),
         "outbox_guard",
     );
-    let lazy_roles = Roles::create(&lazy, &[]);
+    // The privilege recipe's roles on that cluster (Roles creates them on the main server).
+    pg.psql(
+        "postgres",
+        "CREATE ROLE guard_producer NOLOGIN; CREATE ROLE guard_relay NOLOGIN; \
+         CREATE ROLE guard_admin NOLOGIN",
+    );
+    let recipe = std::process::Command::new("psql")
+        .arg(lazy.url())
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+        .args(["-v", "producer=guard_producer", "-v", "relay=guard_relay"])
+        .args(["-v", "admin=guard_admin", "-f"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../sql/examples/grant-roles.sql"
+        ))
+        .output()
+        .expect("psql");
+    assert!(
+        recipe.status.success(),
+        "{}",
+        String::from_utf8_lossy(&recipe.stderr)
+    );
     let fresh = lazy.connect().await;
     fresh
-        .batch_execute(&format!(
-            "SET ROLE {}; SET outbox.max_payload_bytes = 100000000",
-            lazy_roles.name("producer")
-        ))
+        .batch_execute("SET ROLE guard_producer; SET outbox.max_payload_bytes = 100000000")
         .await
         .unwrap();
     let big = format!("{{\"blob\": \"{}\"}}", "x".repeat(2_000_000));
