@@ -66,16 +66,29 @@ fn env_file(path: &Path) -> BTreeMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_package_installs_into_a_fresh_cluster_and_its_relay_delivers() {
-    let tarball = std::env::var("OUTBOX_PACKAGE")
-        .expect("OUTBOX_PACKAGE must name the tarball scripts/package wrote (scripts/test sets it)");
+    let tarball = std::env::var("OUTBOX_PACKAGE").expect(
+        "OUTBOX_PACKAGE must name the tarball scripts/package wrote (scripts/test sets it)",
+    );
     let work = std::env::temp_dir().join(format!("outbox-package-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).unwrap();
-    run(Command::new("tar").arg("-xzf").arg(&tarball).arg("-C").arg(&work));
-    let pkg = std::fs::read_dir(&work).unwrap().next().unwrap().unwrap().path();
+    run(Command::new("tar")
+        .arg("-xzf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(&work));
+    let pkg = std::fs::read_dir(&work)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     let version = env!("CARGO_PKG_VERSION");
     assert!(
-        pkg.file_name().unwrap().to_string_lossy().starts_with(&format!("outbox-{version}-pg15-")),
+        pkg.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(&format!("outbox-{version}-pg15-")),
         "{}",
         pkg.display()
     );
@@ -88,7 +101,9 @@ async fn the_package_installs_into_a_fresh_cluster_and_its_relay_delivers() {
         "the private installation must use its own share directory: {sharedir}"
     );
     run(Command::new(pkg.join("install-extension")).arg(&pg_config));
-    run(Command::new("chown").args(["-R", "postgres:postgres"]).arg(&work));
+    run(Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(&work));
 
     let pg = PgCluster::start_with(&bin, "shared_preload_libraries = 'outbox'", &[]);
     pg.psql("postgres", "CREATE DATABASE orders");
@@ -133,7 +148,10 @@ async fn the_package_installs_into_a_fresh_cluster_and_its_relay_delivers() {
         format!("127.0.0.1:{}", outbox_tests::broker::free_port()),
     );
     let mut cmd = Command::new(&program);
-    cmd.args(argv).env_clear().envs(&env).env("PATH", "/usr/bin:/bin");
+    cmd.args(argv)
+        .env_clear()
+        .envs(&env)
+        .env("PATH", "/usr/bin:/bin");
     let mut relay = Relay::start(cmd).expect("start the package's relay");
 
     let follower = broker.follow("orders");

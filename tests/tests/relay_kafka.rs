@@ -248,8 +248,15 @@ async fn zstd_and_lz4_batches_arrive_intact() {
         kafka::create_topics(&broker.addr(), &[codec], 1).expect("topic");
         let keys: Vec<String> = (0..50).map(|i| format!("{codec}-{i}")).collect();
         let prop = format!("compression.type={codec}");
-        let (mut worker, msgs) =
-            relay_keys(&db, &broker, codec, &keys, &["--kafka-property", &prop], padded).await;
+        let (mut worker, msgs) = relay_keys(
+            &db,
+            &broker,
+            codec,
+            &keys,
+            &["--kafka-property", &prop],
+            padded,
+        )
+        .await;
         let mut got: Vec<(String, serde_json::Value)> = msgs
             .iter()
             .map(|m| {
