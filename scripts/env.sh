@@ -19,4 +19,6 @@ export PGHOST=${PGHOST:-127.0.0.1} PGPORT=${PGPORT:-5432} PGUSER=${PGUSER:-postg
 # exported: a caller that changes CARGO_TARGET_DIR after sourcing this file still gets its own.
 OUTBOX_RELAY_BIN=${OUTBOX_RELAY_BIN:-$CARGO_TARGET_DIR/release/outbox-worker}
 
-log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+# Seconds since the outermost script started, in every step's line: where a cold run spends its time.
+export OUTBOX_STARTED_AT=${OUTBOX_STARTED_AT:-$(date +%s)}
+log() { printf '\033[1m==> [%4ss] %s\033[0m\n' "$(($(date +%s) - OUTBOX_STARTED_AT))" "$*" >&2; }
