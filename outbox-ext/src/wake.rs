@@ -88,7 +88,8 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     match event {
         // After the commit record is flushed and the transaction is visible to new snapshots.
         pg_sys::XactEvent::XACT_EVENT_COMMIT => {
-            if ENQUEUED_LEVELS.swap(0, Ordering::Relaxed) != 0 {
+            let enqueued = ENQUEUED_LEVELS.swap(0, Ordering::Relaxed) != 0;
+            if enqueued {
                 wake_waiters();
             }
         }
