@@ -206,7 +206,7 @@ impl Extension {
             Some(true) => Ok(()),
             _ => Err(Fatal::usage(format!(
                 "the database has outbox {} version {} ({desc}) but this relay ({}) needs {MIN_EXTENSION_VERSION} or later \
-                 (per-key order, outbox_nack_returning, outbox_reclaim_returning): {}",
+                 (outbox_wait, per-key order, outbox_nack_returning, outbox_reclaim_returning): {}",
                 if self.sql_only { "SQL-only build" } else { "extension" },
                 self.version,
                 env!("CARGO_PKG_VERSION"),
