@@ -27,26 +27,11 @@ impl Roles {
         for r in roles.all() {
             psql_admin(&format!("CREATE ROLE {r} NOLOGIN"));
         }
-        let mut psql = Command::new("psql");
-        psql.arg(db.url())
-            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"]);
-        for kind in ["producer", "relay", "admin"] {
-            psql.arg("-v").arg(format!("{kind}={}", roles.name(kind)));
-        }
-        let out = psql
-            .args([
-                "-f",
-                concat!(
-                    env!("CARGO_MANIFEST_DIR"),
-                    "/../sql/examples/grant-roles.sql"
-                ),
-            ])
-            .output()
-            .expect("psql must be installed");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        grant_recipe(
+            &db.url(),
+            &roles.name("producer"),
+            &roles.name("relay"),
+            &roles.name("admin"),
         );
         roles
     }
@@ -59,6 +44,34 @@ impl Roles {
     fn all(&self) -> Vec<String> {
         self.kinds.iter().map(|k| self.name(k)).collect()
     }
+}
+
+/// Runs the GRANT recipe (sql/examples/grant-roles.sql) in the database at `url` for three
+/// existing roles; panics (failing the test) when psql fails.
+pub fn grant_recipe(url: &str, producer: &str, relay: &str, admin: &str) {
+    let out = Command::new("psql")
+        .arg(url)
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+        .arg("-v")
+        .arg(format!("producer={producer}"))
+        .arg("-v")
+        .arg(format!("relay={relay}"))
+        .arg("-v")
+        .arg(format!("admin={admin}"))
+        .args([
+            "-f",
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../sql/examples/grant-roles.sql"
+            ),
+        ])
+        .output()
+        .expect("psql must be installed");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 impl Drop for Roles {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use outbox_tests::build;
 use outbox_tests::db::{db_error, rejects, row_count, scalar, sqlstate, TestDb};
 use outbox_tests::pg_cluster::PgCluster;
-use outbox_tests::roles::Roles;
+use outbox_tests::roles::{grant_recipe, Roles};
 use tokio_postgres::Client;
 
 #[tokio::test]
@@ -47,22 +47,7 @@ async fn producers_cannot_lift_the_producer_guards() {
         "CREATE ROLE guard_producer NOLOGIN; CREATE ROLE guard_relay NOLOGIN; \
          CREATE ROLE guard_admin NOLOGIN",
     );
-    let recipe = std::process::Command::new("psql")
-        .arg(lazy.url())
-        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
-        .args(["-v", "producer=guard_producer", "-v", "relay=guard_relay"])
-        .args(["-v", "admin=guard_admin", "-f"])
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../sql/examples/grant-roles.sql"
-        ))
-        .output()
-        .expect("psql");
-    assert!(
-        recipe.status.success(),
-        "{}",
-        String::from_utf8_lossy(&recipe.stderr)
-    );
+    grant_recipe(&lazy.url(), "guard_producer", "guard_relay", "guard_admin");
     let fresh = lazy.connect().await;
     fresh
         .batch_execute("SET ROLE guard_producer; SET outbox.max_payload_bytes = 100000000")
