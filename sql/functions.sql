@@ -488,6 +488,9 @@ CREATE FUNCTION @extschema@.outbox_ack(owner text, claim_token bigint, ids bigin
 RETURNS int
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -496,17 +499,14 @@ DECLARE
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
     -- Row locks in id order, the one order of every statement that may wait for a row lock
-    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock.
-    WITH held AS MATERIALIZED (
-        SELECT h.id FROM @extschema@.outbox_event h
-         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
-           AND h.claim_owner = owner AND h.claim_token = claim_token
-         ORDER BY h.id
-         FOR UPDATE
-    ), settled AS (
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
+    -- takes them itself, by a primary-key scan that walks the sorted ids (the SET clauses rule
+    -- out sequential and bitmap scans; sql_claim_plan checks the index): a SELECT ... FOR UPDATE
+    -- first would cost a second WAL record per row (docs/reference.md, "Life-cycle cost").
+    WITH settled AS (
         UPDATE @extschema@.outbox_event e
            SET status = 'SUCCESS', updated_at = stamp
-         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+         WHERE e.id = ANY (ids) AND e.status = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
@@ -537,6 +537,9 @@ CREATE FUNCTION @extschema@.outbox_nack_returning(owner text, claim_token bigint
 RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, next_retry_time timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -547,15 +550,12 @@ BEGIN
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
     -- Row locks in id order, the one order of every statement that may wait for a row lock
-    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock.
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
+    -- takes them itself, by a primary-key scan that walks the sorted ids (the SET clauses rule
+    -- out sequential and bitmap scans; sql_claim_plan checks the index): a SELECT ... FOR UPDATE
+    -- first would cost a second WAL record per row (docs/reference.md, "Life-cycle cost").
     RETURN QUERY
-    WITH held AS MATERIALIZED (
-        SELECT h.id FROM @extschema@.outbox_event h
-         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
-           AND h.claim_owner = owner AND h.claim_token = claim_token
-         ORDER BY h.id
-         FOR UPDATE
-    ), settled AS (
+    WITH settled AS (
         UPDATE @extschema@.outbox_event e
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
@@ -565,7 +565,7 @@ BEGIN
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                -- A nack without a reason keeps the last one instead of erasing it.
                last_error = coalesce(error, e.last_error), updated_at = stamp
-         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+         WHERE e.id = ANY (ids) AND e.status = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
     ), woken AS (
@@ -592,6 +592,9 @@ CREATE FUNCTION @extschema@.outbox_renew(owner text, claim_token bigint, ids big
 RETURNS int
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -600,17 +603,13 @@ DECLARE
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
     -- Row locks in id order, the one order of every statement that may wait for a row lock
-    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock.
-    WITH held AS MATERIALIZED (
-        SELECT h.id FROM @extschema@.outbox_event h
-         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
-           AND h.claim_owner = owner AND h.claim_token = claim_token
-         ORDER BY h.id
-         FOR UPDATE
-    )
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
+    -- takes them itself, by a primary-key scan that walks the sorted ids (the SET clauses rule
+    -- out sequential and bitmap scans; sql_claim_plan checks the index): a SELECT ... FOR UPDATE
+    -- first would cost a second WAL record per row (docs/reference.md, "Life-cycle cost").
     UPDATE @extschema@.outbox_event e
        SET claimed_at = stamp, updated_at = stamp
-     WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+     WHERE e.id = ANY (ids) AND e.status = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
@@ -624,6 +623,9 @@ CREATE FUNCTION @extschema@.outbox_release(owner text, claim_token bigint, ids b
 RETURNS int
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -636,19 +638,13 @@ BEGIN
             MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
             DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
     END IF;
-    -- Row locks in id order, like ack, nack and renew.
-    WITH held AS MATERIALIZED (
-        SELECT h.id FROM @extschema@.outbox_event h
-         WHERE h.id = ANY (ids) AND h.status = 'SENDING'
-           AND h.claim_owner = owner AND h.claim_token = claim_token
-         ORDER BY h.id
-         FOR UPDATE
-    ), settled AS (
+    -- Row locks in id order, taken by the UPDATE itself, like ack, nack and renew.
+    WITH settled AS (
         UPDATE @extschema@.outbox_event e
            SET status = 'WAIT', next_retry_time = stamp + delay,
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                last_error = coalesce(error, e.last_error), updated_at = stamp
-         WHERE e.id = ANY (ARRAY(SELECT held.id FROM held)) AND e.status = 'SENDING'
+         WHERE e.id = ANY (ids) AND e.status = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (

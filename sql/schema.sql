@@ -37,7 +37,11 @@ CREATE TABLE @extschema@.outbox_event (
 ) WITH (
     -- A queue table churns: vacuum and analyze it long before the default 20 % of dead rows.
     autovacuum_vacuum_scale_factor = 0.02,
-    autovacuum_analyze_scale_factor = 0.02
+    autovacuum_analyze_scale_factor = 0.02,
+    -- Half of each page stays free for the versions a claim and an ack write: on the same page
+    -- the WAL logs only their changed bytes, not the payload again, and no extra lock record for
+    -- a version that moves (docs/reference.md, "Life-cycle cost"). Last: 0.5.0 -> 0.6.0 appends it.
+    fillfactor = 50
 );
 ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_event.id;
 
