@@ -26,13 +26,15 @@ BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
     -- Row locks in id order, the one order of every statement that may wait for a row lock
     -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
-    -- takes them itself, by a primary-key scan that walks the sorted ids (the SET clauses rule
-    -- out sequential and bitmap scans; sql_claim_plan checks the index): a SELECT ... FOR UPDATE
-    -- first would cost a second WAL record per row (docs/reference.md, "Life-cycle cost").
+    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
+    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
+    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
+    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
+    -- "Life-cycle cost").
     WITH settled AS (
         UPDATE @extschema@.outbox_event e
            SET status = 'SUCCESS', updated_at = stamp
-         WHERE e.id = ANY (ids) AND e.status = 'SENDING'
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
@@ -67,9 +69,11 @@ BEGIN
     -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
     -- Row locks in id order, the one order of every statement that may wait for a row lock
     -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
-    -- takes them itself, by a primary-key scan that walks the sorted ids (the SET clauses rule
-    -- out sequential and bitmap scans; sql_claim_plan checks the index): a SELECT ... FOR UPDATE
-    -- first would cost a second WAL record per row (docs/reference.md, "Life-cycle cost").
+    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
+    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
+    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
+    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
+    -- "Life-cycle cost").
     RETURN QUERY
     WITH settled AS (
         UPDATE @extschema@.outbox_event e
@@ -81,7 +85,7 @@ BEGIN
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                -- A nack without a reason keeps the last one instead of erasing it.
                last_error = coalesce(error, e.last_error), updated_at = stamp
-         WHERE e.id = ANY (ids) AND e.status = 'SENDING'
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
     ), woken AS (
@@ -111,12 +115,14 @@ BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
     -- Row locks in id order, the one order of every statement that may wait for a row lock
     -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
-    -- takes them itself, by a primary-key scan that walks the sorted ids (the SET clauses rule
-    -- out sequential and bitmap scans; sql_claim_plan checks the index): a SELECT ... FOR UPDATE
-    -- first would cost a second WAL record per row (docs/reference.md, "Life-cycle cost").
+    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
+    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
+    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
+    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
+    -- "Life-cycle cost").
     UPDATE @extschema@.outbox_event e
        SET claimed_at = stamp, updated_at = stamp
-     WHERE e.id = ANY (ids) AND e.status = 'SENDING'
+     WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
@@ -145,13 +151,13 @@ BEGIN
             MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
             DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
     END IF;
-    -- Row locks in id order, taken by the UPDATE itself, like ack, nack and renew.
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see ack).
     WITH settled AS (
         UPDATE @extschema@.outbox_event e
            SET status = 'WAIT', next_retry_time = stamp + delay,
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                last_error = coalesce(error, e.last_error), updated_at = stamp
-         WHERE e.id = ANY (ids) AND e.status = 'SENDING'
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
