@@ -356,11 +356,20 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     lease interval;
     skip_dead boolean;
-    key_rows tid[];
+    -- What the visit of the due keys saw, one element per row: the key row (locked), its key
+    -- and due time, and one of its unfinished events (NULL for a key with none).
+    v_rows tid[];
+    v_topics text[];
+    v_names text[];
+    v_due timestamptz[];
+    v_ids bigint[];
+    v_status @extschema@.outbox_status[];
+    v_retry timestamptz[];
+    v_claimed timestamptz[];
+    v_pos bigint[];
+    v_runnable boolean[];
     key_topics text[];
     key_names text[];
-    key_due timestamptz[];
-    share int;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
     PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
@@ -375,44 +384,51 @@ BEGIN
     -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
     skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
 
-    -- Ordered keys due for a look, locked until this call's transaction ends: one caller at a
-    -- time decides a key's run. SKIP LOCKED: concurrent claimers split the keys. At most 1,000
-    -- keys, as an idle one costs an advisory lock below.
-    SELECT array_agg(d.ctid ORDER BY d.due_at), array_agg(d.topic ORDER BY d.due_at),
-           array_agg(d.event_key ORDER BY d.due_at), array_agg(d.due_at ORDER BY d.due_at)
-      INTO key_rows, key_topics, key_names, key_due
-      FROM (SELECT k.ctid, k.topic, k.event_key, k.due_at FROM @extschema@.outbox_key k
-             WHERE k.due_at <= stamp
-             ORDER BY k.due_at
-             LIMIT least(max_events, 1000)
-             FOR UPDATE SKIP LOCKED) d;
-    -- Each key may fill an equal share of the batch (a single hot key: all of it).
-    share := ceil(max_events::numeric / greatest(coalesce(cardinality(key_topics), 0), 1));
+    -- The due ordered keys, oldest due first, each with its unfinished events from its head in
+    -- commit (= id) order: as far as they are runnable (WAIT and due), and the head in any case.
+    -- Rows are pulled until the batch is full, and a key row is locked (SKIP LOCKED: concurrent
+    -- claimers split the keys) only when it is reached, so a claim visits as few keys as fill it:
+    -- ten keys with runs of 50 rather than 500 keys with one event each, whose key rows would
+    -- all be written twice (here and at the ack). At most 1,000 keys (an idle one costs an
+    -- advisory lock below) and max_events rows per key (so a hot key's backlog is never read
+    -- past what a batch can take).
+    SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
+           array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
+           array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable)
+      INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable
+      FROM (SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at, p.id, p.status,
+                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable
+              FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at FROM @extschema@.outbox_key d
+                     WHERE d.due_at <= stamp
+                     ORDER BY d.due_at
+                     LIMIT least(max_events, 1000)
+                     FOR UPDATE SKIP LOCKED) k
+              LEFT JOIN LATERAL (
+                  SELECT r.* FROM (
+                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp)
+                                      OVER (ORDER BY u.pos) AS runnable
+                        FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                                     row_number() OVER (ORDER BY e.id) AS pos
+                                FROM @extschema@.outbox_event e
+                               WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                 AND e.ordered AND e.status <> 'SUCCESS'
+                                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+                               ORDER BY e.id
+                               LIMIT max_events) u
+                  ) r
+                   WHERE r.runnable OR r.pos = 1
+              ) p ON true
+             LIMIT max_events) c;
 
     -- The one statement that decides ownership. A key's run is the prefix of its unfinished
-    -- events (in commit = id order, from its head) that are WAIT and due: nothing after a held,
-    -- backing-off or dead event. Unordered events are claimed as before, SKIP LOCKED. The batch
-    -- is cut by due time with a key's run ranked as one block, so a cut keeps a prefix.
+    -- events (from its head) that are WAIT and due: nothing after a held, backing-off or dead
+    -- event. Unordered events are claimed as before, SKIP LOCKED. The batch is cut by due time
+    -- with a key's run ranked as one block, so a cut keeps a prefix.
     RETURN QUERY
-    WITH keys AS (
-        SELECT t.row_id, t.topic, t.event_key, t.due_at, t.rank
-          FROM unnest(key_rows, key_topics, key_names, key_due)
-               WITH ORDINALITY AS t(row_id, topic, event_key, due_at, rank)
-    ), pending AS MATERIALIZED (
-        SELECT k.rank, k.due_at AS key_due, p.id, p.status, p.next_retry_time, p.claimed_at, p.pos,
-               bool_and(p.status = 'WAIT' AND p.next_retry_time <= stamp)
-                   OVER (PARTITION BY k.rank ORDER BY p.pos) AS runnable
-          FROM keys k
-          CROSS JOIN LATERAL (
-              SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
-                     row_number() OVER (ORDER BY e.id) AS pos
-                FROM @extschema@.outbox_event e
-               WHERE e.topic = k.topic AND e.event_key = k.event_key
-                 AND e.ordered AND e.status <> 'SUCCESS'
-                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
-               ORDER BY e.id
-               LIMIT share
-          ) p
+    WITH pending AS MATERIALIZED (
+        SELECT t.*
+          FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable)
+               AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable)
     ), unordered AS MATERIALIZED (
         SELECT c.id, c.next_retry_time
           FROM @extschema@.outbox_event c
@@ -422,9 +438,9 @@ BEGIN
          FOR UPDATE SKIP LOCKED
     ), chosen AS MATERIALIZED (
         SELECT x.id FROM (
-            SELECT p.id, p.key_due AS due, p.rank AS grp, p.pos FROM pending p WHERE p.runnable
+            SELECT p.id, p.key_due AS due, p.row_id AS grp, p.pos FROM pending p WHERE p.runnable
             UNION ALL
-            SELECT u.id, u.next_retry_time, 0, 1 FROM unordered u
+            SELECT u.id, u.next_retry_time, NULL::tid, 1 FROM unordered u
         ) x
         ORDER BY x.due, x.grp, x.pos
         LIMIT max_events
@@ -434,31 +450,28 @@ BEGIN
                claimed_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
         RETURNING e.*
-    ), heads AS (
-        -- Per visited key: whether this call claims some of it, and its head's state.
-        SELECT p.rank, bool_or(c.id IS NOT NULL) AS holding,
-               min(p.status) FILTER (WHERE p.pos = 1) AS status,
-               min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
-               min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
-          FROM pending p LEFT JOIN chosen c ON c.id = p.id
-         GROUP BY p.rank
     ), verdict AS (
         -- When each visited key needs a look next: after its run (the lease, unless settled
         -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle.
-        SELECT k.row_id,
+        SELECT h.row_id,
                CASE WHEN h.holding THEN stamp + lease
-                    WHEN h.rank IS NULL THEN '-infinity'::timestamptz
-                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN k.due_at
+                    WHEN h.status IS NULL THEN '-infinity'::timestamptz
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN h.key_due
                     WHEN h.status = 'WAIT' THEN h.next_retry_time
                     WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
                     ELSE 'infinity'::timestamptz
                END AS next_due
-          FROM keys k LEFT JOIN heads h ON h.rank = k.rank
+          FROM (SELECT p.row_id, min(p.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
+                       min(p.status) FILTER (WHERE p.pos = 1) AS status,
+                       min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
+                       min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
+                  FROM pending p LEFT JOIN chosen c ON c.id = p.id
+                 GROUP BY p.row_id) h
     ), looked AS (
         -- The key rows by their tuple ids: locked above, so they cannot have moved.
         UPDATE @extschema@.outbox_key k SET due_at = v.next_due
           FROM verdict v
-         WHERE k.ctid = ANY (key_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
+         WHERE k.ctid = ANY (v_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
     )
     -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
     SELECT * FROM claimed c ORDER BY c.id;
@@ -469,7 +482,9 @@ BEGIN
     SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
       FROM @extschema@.outbox_key k
      WHERE k.due_at = '-infinity'
-       AND (k.topic, k.event_key) IN (SELECT * FROM unnest(key_topics, key_names))
+       AND (k.topic, k.event_key) IN (SELECT t.topic, t.event_key
+                                        FROM unnest(v_topics, v_names, v_ids) t(topic, event_key, id)
+                                       WHERE t.id IS NULL)
        AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
     IF key_topics IS NOT NULL THEN
         DELETE FROM @extschema@.outbox_key k
