@@ -101,10 +101,25 @@ impl TestDb {
         TestDb::sql_only_on(&server_params(), "sqlonly_test")
     }
 
+    /// [`TestDb::create_sql_only`] with another install script (an earlier release's, for
+    /// upgrade tests).
+    pub fn create_sql_only_from(script: &std::path::Path) -> TestDb {
+        let db = TestDb::sql_only_owned_empty(&server_params(), "sqlonly_test");
+        db.psql_file_as(&db.owner(), script);
+        db
+    }
+
     /// The SQL-only build as a managed service has it: a database owned by a role that is not a
     /// superuser ([`TestDb::owner`]), which applies the script. The tests still connect as the
     /// server's user; the outbox's functions run as that owner.
     fn sql_only_on(server: &str, prefix: &str) -> TestDb {
+        let db = TestDb::sql_only_owned_empty(server, prefix);
+        db.psql_file_as(&db.owner(), &crate::build::sql_only_script());
+        db
+    }
+
+    /// An empty database owned by its [`TestDb::owner`], a new role without superuser rights.
+    fn sql_only_owned_empty(server: &str, prefix: &str) -> TestDb {
         let db = TestDb::empty_on(server, &prefix.replacen("outbox_", "sqlonly_", 1));
         let owner = db.owner();
         run_psql(
@@ -115,7 +130,6 @@ impl TestDb {
                 db.name
             ),
         );
-        db.psql_file_as(&owner, &crate::build::sql_only_script());
         db
     }
 

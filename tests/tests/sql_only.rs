@@ -249,3 +249,183 @@ async fn an_upgrade_step_is_the_native_step_reused() {
     );
     let _ = std::fs::remove_dir_all(&repo);
 }
+
+/// `git` in the repository; panics with its error output.
+fn git(root: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(root)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// The outbox's functions (with bodies and settings) and table options in a SQL-only database.
+async fn sql_only_catalog(c: &tokio_postgres::Client) -> Vec<(String, String)> {
+    let rows = c
+        .query(
+            "SELECT 'function ' || p.oid::regprocedure::text, pg_get_functiondef(p.oid) \
+               FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'outbox\\_%' \
+             UNION ALL \
+             SELECT 'table ' || c.relname, coalesce(array_to_string(c.reloptions, ','), '') \
+               FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace AND c.relname LIKE 'outbox\\_%' \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+}
+
+/// The real step to this release: a database on the previous SQL-only release, installed from the
+/// script that release's tree generates (taken out of git history), with a claim in flight, is
+/// updated by this tree's generated step as its owner. The claim still settles, the keys drain in
+/// order, and the functions and table options are those of a fresh SQL-only install.
+#[tokio::test]
+async fn the_previous_release_updates_with_events_in_flight() {
+    let root = repo_root();
+    let previous = std::fs::read_dir(root.join("sql"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            let steps = name
+                .strip_prefix("outbox--")?
+                .strip_suffix(".sql")?
+                .to_string();
+            let (from, to) = steps.split_once("--")?;
+            (to == VERSION).then(|| from.to_string())
+        })
+        .next()
+        .expect("a step sql/outbox--A--VERSION.sql");
+    // The previous release's tree: the parent of the commit that moved Cargo.toml off it.
+    let bump = git(
+        &root,
+        &[
+            "log",
+            "-n1",
+            "--format=%H",
+            &format!("-Sversion = \"{previous}\""),
+            "--",
+            "Cargo.toml",
+        ],
+    );
+    let old_tree =
+        std::env::temp_dir().join(format!("outbox-sql-only-{previous}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&old_tree);
+    std::fs::create_dir_all(&old_tree).unwrap();
+    let archive = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "git -C '{}' archive '{bump}^' Cargo.toml scripts/sql-only outbox-ext/src sql | tar -x -C '{}'",
+            root.display(),
+            old_tree.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        archive.status.success(),
+        "{}",
+        String::from_utf8_lossy(&archive.stderr)
+    );
+    let old_out = generate(&old_tree, &old_tree.join("out"));
+    assert!(
+        old_out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&old_out.stderr)
+    );
+    let new_out = root
+        .join("target")
+        .join(format!("sql-only-step-{}", std::process::id()));
+    let out = generate(&root, &new_out);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let db = TestDb::create_sql_only_from(&old_tree.join(format!("out/outbox--{previous}.sql")));
+    let c = db.connect().await;
+    let version: String = scalar(&c, "SELECT outbox_sql_only_version()", &[]).await;
+    assert_eq!(version, previous);
+    c.batch_execute(
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || (g % 3)) \
+         FROM generate_series(1, 6) g",
+    )
+    .await
+    .unwrap();
+    let token: i64 = scalar(
+        &c,
+        "SELECT max(claim_token) FROM outbox_claim('relay-a', 6)",
+        &[],
+    )
+    .await;
+
+    db.psql_file_as(
+        &db.owner(),
+        &new_out.join(format!("outbox--{previous}--{VERSION}.sql")),
+    );
+    let version: String = scalar(&c, "SELECT outbox_sql_only_version()", &[]).await;
+    assert_eq!(version, VERSION);
+
+    // The claim taken before the update settles: 3 fails, so 6 (its key's next) is released.
+    let settle = |sql: &'static str| {
+        let c = &c;
+        async move { scalar::<i32>(c, sql, &[&token]).await }
+    };
+    assert_eq!(
+        settle("SELECT outbox_ack('relay-a', $1, '{1,2,4,5}')").await,
+        4
+    );
+    assert_eq!(
+        settle("SELECT outbox_nack('relay-a', $1, '{3}', 'x')").await,
+        1
+    );
+    assert_eq!(
+        settle("SELECT outbox_release('relay-a', $1, '{6}')").await,
+        1
+    );
+    let claimed: i64 = scalar(&c, "SELECT count(*) FROM outbox_claim('relay-b', 10)", &[]).await;
+    assert_eq!(
+        claimed, 0,
+        "6 waits for 3, the head of its key, in its backoff"
+    );
+    c.batch_execute(
+        "UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'; \
+         UPDATE outbox_key SET due_at = now()",
+    )
+    .await
+    .unwrap();
+    let rows = c
+        .query(
+            "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(ids, vec![3, 6], "k0's run, in commit order");
+    let acked: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('relay-b', $1, $2)",
+        &[&rows[0].get::<_, i64>(1), &ids],
+    )
+    .await;
+    assert_eq!(acked, 2);
+
+    let fresh = TestDb::create_sql_only();
+    let installed = sql_only_catalog(&fresh.connect().await).await;
+    assert!(installed.len() > 40, "too little to compare: {installed:?}");
+    assert_eq!(
+        sql_only_catalog(&c).await,
+        installed,
+        "updated vs fresh SQL-only install"
+    );
+    let _ = std::fs::remove_dir_all(&old_tree);
+    let _ = std::fs::remove_dir_all(&new_out);
+}
