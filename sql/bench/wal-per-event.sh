@@ -13,8 +13,8 @@ source scripts/env.sh
 n=20000
 db=outbox_wal_bench
 current=$(psql -X -At -d postgres -c "SELECT default_version FROM pg_available_extensions WHERE name = 'outbox'")
-previous=${1:-$(psql -X -At -d postgres -c "SELECT max(version COLLATE \"C\") FROM pg_available_extension_versions
-                                            WHERE name = 'outbox' AND version <> '$current'")}
+previous=${1:-$(psql -X -At -d postgres -c "SELECT version FROM pg_available_extension_versions
+        WHERE name = 'outbox' AND version <> '$current' ORDER BY string_to_array(version, '.')::int[] DESC LIMIT 1")}
 trap 'psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"' EXIT
 
 measure() { # version -> "enqueue claim+ack purge total" bytes per event, then the record types
