@@ -860,6 +860,9 @@ SET search_path = pg_catalog, pg_temp
 -- Planned per call: with the real cutoff the planner walks the SUCCESS index; a generic plan
 -- (unknown cutoff) may scan the whole history instead (test: purge_reads_only_the_rows_it_deletes).
 SET plan_cache_mode = force_custom_plan
+-- The DELETE takes its row locks through the primary key, in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 DECLARE
     done bigint;
@@ -877,16 +880,19 @@ BEGIN
     END IF;
     -- Only SUCCESS rows, re-checked in the DELETE itself; FAIL rows wait for an operator.
     -- The oldest first through the partial index on SUCCESS rows by age, so the cost follows
-    -- the rows deleted; SKIP LOCKED, so two purges split the work instead of waiting.
+    -- the rows deleted. No SELECT ... FOR UPDATE first (a WAL record per row): the DELETE locks
+    -- the rows itself, in id order through the primary key (status::text keeps the planner off
+    -- the SUCCESS index, whose order is the rows' age), and nothing but another purge locks a
+    -- SUCCESS row. Two purges at once: the second waits for the first's rows, finds them gone
+    -- and deletes the rest of its pick.
     WITH old AS MATERIALIZED (
         SELECT s.id FROM @extschema@.outbox_event s
          WHERE s.status = 'SUCCESS' AND s.updated_at < now() - older_than
          ORDER BY s.updated_at
          LIMIT max_rows
-         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM @extschema@.outbox_event e
-     WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status = 'SUCCESS';
+     WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS';
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
 END
