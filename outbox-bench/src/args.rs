@@ -94,4 +94,9 @@ pub enum Section {
     Idle,
     /// Partial vs the seed's composite indexes (docs/INDEXES.md).
     Indexes,
+    /// The life cycle of an event: WAL per phase, drain rate and size, per schema version (issue 9).
+    Lifecycle,
+    /// Long transactions: steady load with a REPEATABLE READ transaction held open (issue 9).
+    #[value(name = "held_snapshot", alias = "held-snapshot")]
+    HeldSnapshot,
 }

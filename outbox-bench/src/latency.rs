@@ -246,7 +246,7 @@ pub async fn latency(
 }
 
 /// (sequence number, statement issued, commit seen by the client, event id, commit as Unix µs)
-type Commit = (i64, Instant, Instant, i64, f64);
+pub type Commit = (i64, Instant, Instant, i64, f64);
 
 fn unix_us() -> f64 {
     std::time::SystemTime::now()
@@ -255,7 +255,10 @@ fn unix_us() -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn producer(
+/// One open-loop producer: events `k`, `k + step`, … below `total`, event `seq` sent at
+/// `start + seq / rate` (at once when behind), each `SELECT outbox_enqueue(…)` keyed `order-<seq>`
+/// in its own transaction (autocommit).
+pub async fn producer(
     c: Client,
     topic: String,
     k: i64,

@@ -44,12 +44,19 @@ impl DrainRun {
     }
 }
 
-struct LoopOut {
-    acked: i64,
-    ids: Vec<i64>,
-    claim: Histogram<u64>,
-    ack: Histogram<u64>,
-    short_acks: i64,
+/// The null sink's claim (the columns a relay reads) and ack, `$1` owner, `$2` batch or token,
+/// `$3` the claimed ids.
+pub const CLAIM_SQL: &str = "SELECT id, claim_token, topic, event_key, event_type, payload::text, headers::text FROM outbox_claim($1::text, $2::int)";
+pub const ACK_SQL: &str = "SELECT outbox_ack($1::text, $2::bigint, $3::bigint[])";
+
+/// What one claim loop did: events acked, every id it claimed, claim and ack times (µs), and
+/// claimed events that `outbox_ack` did not acknowledge.
+pub struct LoopOut {
+    pub acked: i64,
+    pub ids: Vec<i64>,
+    pub claim: Histogram<u64>,
+    pub ack: Histogram<u64>,
+    pub short_acks: i64,
 }
 
 /// Drains a fresh backlog of `backlog` events with `loops` claim loops (claim -> ack, no broker).
@@ -152,18 +159,16 @@ pub async fn drain(
     })
 }
 
-async fn claim_loop(
+/// One claim loop of the null sink: `outbox_claim(owner, batch)` (the columns a relay reads),
+/// then `outbox_ack` of the whole batch, until a claim returns nothing or `deadline`.
+pub async fn claim_loop(
     c: Client,
     owner: String,
     batch: i32,
     deadline: Instant,
 ) -> Result<(LoopOut, Client)> {
-    let claim = c
-        .prepare("SELECT id, claim_token, topic, event_key, event_type, payload::text, headers::text FROM outbox_claim($1::text, $2::int)")
-        .await?;
-    let ack = c
-        .prepare("SELECT outbox_ack($1::text, $2::bigint, $3::bigint[])")
-        .await?;
+    let claim = c.prepare(CLAIM_SQL).await?;
+    let ack = c.prepare(ACK_SQL).await?;
     let mut out = LoopOut {
         acked: 0,
         ids: Vec::new(),

@@ -55,6 +55,14 @@ pub struct Profile {
     pub index_sending: i64,
     pub index_backlog: i64,
     pub index_time: Duration,
+    /// Life cycle (issue 9): events per run, and whether keyed runs follow the unkeyed ones.
+    pub lifecycle_events: i64,
+    pub lifecycle_keyed: bool,
+    /// Long transactions (issue 9): offered events/s, duration of each run (held, control),
+    /// reporting interval.
+    pub held_rate: f64,
+    pub held_time: Duration,
+    pub held_interval: Duration,
 }
 
 impl Profile {
@@ -102,6 +110,11 @@ impl Profile {
             index_sending: 1_000,
             index_backlog: 10_000,
             index_time: Duration::from_secs(10),
+            lifecycle_events: 100_000,
+            lifecycle_keyed: true,
+            held_rate: 2_000.0,
+            held_time: Duration::from_secs(120),
+            held_interval: Duration::from_secs(10),
         }
     }
 
@@ -124,6 +137,8 @@ impl Profile {
             latency_time: Duration::from_secs(20),
             ordering_backlog: 100_000,
             ordering_cap: Duration::from_secs(300),
+            held_time: Duration::from_secs(600),
+            held_interval: Duration::from_secs(30),
             ..Profile::quick()
         }
     }
@@ -170,6 +185,11 @@ impl Profile {
             index_sending: 100,
             index_backlog: 1_000,
             index_time: Duration::from_millis(300),
+            lifecycle_events: 500,
+            lifecycle_keyed: true,
+            held_rate: 200.0,
+            held_time: Duration::from_secs(3),
+            held_interval: Duration::from_secs(1),
         }
     }
 }

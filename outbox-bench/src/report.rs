@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use crate::goals::recommendations;
 use crate::results::Results;
-use crate::{broker_drain, contention, idle, latency, null_sink, ordering, seed, Profile};
+use crate::{
+    broker_drain, contention, held_snapshot, idle, latency, lifecycle, null_sink, ordering, seed,
+    Profile,
+};
 
 pub struct Table {
     head: Vec<String>,
@@ -198,10 +201,10 @@ pub fn render(
     );
     s += "## Machine\n\n";
     s += env;
-    s += "\n## Goals (issues 5 and 10)\n\n";
+    s += "\n## Goals (issues 5, 9 and 10)\n\n";
     s += "Issue 10's goals (`[10]`) are judged with the settings the extension and relay ship \
-          with; issue 5's (`[5]`) as before. Figures from rounds are medians (the machine is \
-          shared).\n\n";
+          with; issue 5's (`[5]`) as before; issue 9's (`[9]`) on the extension's default version. \
+          Figures from rounds are medians (the machine is shared).\n\n";
     s += &goals_table(goals);
     if goals
         .iter()
@@ -235,13 +238,17 @@ pub fn render(
     s += &ordering::markdown(p, r);
     s += "\n## 8. Idle relay cost\n\n";
     s += &idle::markdown(p, r);
+    s += "\n## 9. The life cycle of an event\n\n";
+    s += &lifecycle::markdown(r);
+    s += "\n## 10. Long transactions\n\n";
+    s += &held_snapshot::markdown(r);
     if let Some(md) = &r.indexes_md {
-        s += "\n## 9. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
+        s += "\n## 11. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
         s += md;
     }
     s += &failures(r);
     s += "\n## Reproduce\n\nThe same figures, unrounded, are in `BENCHMARKS.json` next to this file (`--json PATH` \
-          writes them elsewhere; keys in `outbox-bench/src/results.rs`).\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\nscripts/bench --only indexes  # partial vs composite indexes, rewrites docs/INDEXES.md\n```\n";
+          writes them elsewhere; keys in `outbox-bench/src/results.rs`).\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\nscripts/bench --only indexes  # partial vs composite indexes, rewrites docs/INDEXES.md\nscripts/bench --only lifecycle,held_snapshot  # issue 9: WAL per event by schema version, a held snapshot under load\n```\n";
     s
 }
 

@@ -7,7 +7,10 @@ use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 
 use crate::report::Goal;
-use crate::{broker_drain, enqueue, hot_key, idle, latency, null_sink, ordering, seed, Profile};
+use crate::{
+    broker_drain, enqueue, held_snapshot, hot_key, idle, latency, lifecycle, null_sink, ordering,
+    seed, Profile,
+};
 
 /// Everything the report needs, filled in section by section.
 #[derive(Default)]
@@ -28,6 +31,8 @@ pub struct Results {
     pub claim_cost: Option<hot_key::ClaimCosts>,
     pub indexes_md: Option<String>,
     pub indexes: Option<Value>,
+    pub lifecycle: Option<lifecycle::Lifecycle>,
+    pub held: Vec<held_snapshot::HeldRun>,
     pub broker_note: Option<String>,
     pub failures: Vec<String>,
 }
@@ -187,6 +192,8 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
         },
         "table_health": r.health,
         "indexes": r.indexes,
+        "lifecycle": lifecycle::json(r),
+        "held_snapshot": held_snapshot::json(r),
         "goals": goals.iter().map(|g| json!({
             "name": g.name,
             "target": g.target,

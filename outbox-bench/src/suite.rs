@@ -11,8 +11,8 @@ use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
-    broker_drain, contention, enqueue, goals, health, hot_key, idle, indexes, latency, null_sink,
-    ordering, polling, report, seed, sys,
+    broker_drain, contention, enqueue, goals, health, held_snapshot, hot_key, idle, indexes,
+    latency, lifecycle, null_sink, ordering, polling, report, seed, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -42,6 +42,13 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     if want(Section::Seed) {
         progress!("==> 5. seed design baseline");
         seed::run(p, db, &monitor, &mut r).await?;
+    }
+    // Before the broker starts: these two measure the database alone.
+    if want(Section::Lifecycle) {
+        lifecycle::run(p, db, &mut r).await?;
+    }
+    if want(Section::HeldSnapshot) {
+        held_snapshot::run(p, db, &mut r).await?;
     }
 
     let mut broker_version = "not used".to_string();
