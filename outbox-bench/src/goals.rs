@@ -67,7 +67,7 @@ fn latency_goal(r: &Results, server: &str, rate: f64) -> Goal {
         )
     };
     let Some(l) = default_run(r, server, rate) else {
-        return not_measured(&name, target);
+        return Goal::not_measured(&name, target);
     };
     let achieved = l.achieved_rate / l.rate;
     let (p50, p99) = (l.sq(0.5) / 1000.0, l.sq(0.99) / 1000.0);
@@ -153,7 +153,7 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
                 ),
             }
         }
-        None => not_measured("[10] producer throughput", ratio_target),
+        None => Goal::not_measured("[10] producer throughput", ratio_target),
     });
     let cpu_target = format!("≤ {ENQUEUE_CPU_RATIO_GOAL}× a plain INSERT of the same row");
     match &r.enqueue {
@@ -213,8 +213,8 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
             });
         }
         None => {
-            g.push(not_measured("[10] enqueue CPU per row", cpu_target));
-            g.push(not_measured(
+            g.push(Goal::not_measured("[10] enqueue CPU per row", cpu_target));
+            g.push(Goal::not_measured(
                 "[10] bulk: `outbox_enqueue_many`",
                 format!("≥ {BULK_SPEEDUP_GOAL}× faster"),
             ));
@@ -248,7 +248,7 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
                         .unwrap_or_else(|| "n/a".into())
                 ),
             },
-            None => not_measured(&name, target),
+            None => Goal::not_measured(&name, target),
         });
     }
     g
@@ -282,7 +282,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                     .unwrap_or_else(|| "n/a".into())
             ),
         },
-        None => not_measured(
+        None => Goal::not_measured(
             "[5] drain to the null sink",
             rate_target(NULL_SINK_RATE_GOAL),
         ),
@@ -306,7 +306,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 b.broker_cpu_secs * 1e6 / b.drained.max(1) as f64
             ),
         },
-        None => not_measured(
+        None => Goal::not_measured(
             "[5] drain to the broker, relay defaults",
             rate_target(BROKER_RATE_GOAL),
         ),
@@ -339,7 +339,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 ),
             }
         }
-        None => not_measured("[5] enqueue overhead", enqueue_target()),
+        None => Goal::not_measured("[5] enqueue overhead", enqueue_target()),
     });
     // Contention.
     let one = r.contention.iter().find(|c| c.loops == 1);
@@ -357,7 +357,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
             met: Some(b.rate() >= a.rate() && b.duplicates == 0),
             note: format!("ratio {:.2}", b.rate() / a.rate()),
         },
-        _ => not_measured(
+        _ => Goal::not_measured(
             "[5] 8 claimers vs 1",
             "throughput(8) ≥ throughput(1)".into(),
         ),
@@ -368,16 +368,6 @@ pub fn goals(r: &Results) -> Vec<Goal> {
     let mut all = issue10_goals(r);
     all.extend(g);
     all
-}
-
-fn not_measured(name: &str, target: String) -> Goal {
-    Goal {
-        name: name.into(),
-        target,
-        measured: "—".into(),
-        met: None,
-        note: "not run in this profile".into(),
-    }
 }
 
 pub fn recommendations(r: &Results) -> String {

@@ -501,8 +501,8 @@ pub fn goals(r: &Results) -> Vec<Goal> {
     let backlog_target = format!("never above {BACKLOG_GOAL_SECS:.0} s of production");
     let Some(h) = held else {
         return vec![
-            not_measured(p99_name, p99_target),
-            not_measured(backlog_name, backlog_target),
+            Goal::not_measured(p99_name, p99_target),
+            Goal::not_measured(backlog_name, backlog_target),
         ];
     };
     let control_note = |f: &dyn Fn(&HeldRun) -> String| {
@@ -569,16 +569,6 @@ pub fn goals(r: &Results) -> Vec<Goal> {
             ),
         },
     ]
-}
-
-fn not_measured(name: &str, target: String) -> Goal {
-    Goal {
-        name: name.into(),
-        target,
-        measured: "—".into(),
-        met: None,
-        note: "not run in this profile".into(),
-    }
 }
 
 fn quantiles(h: &Histogram<u64>) -> Value {

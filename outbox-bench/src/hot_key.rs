@@ -9,7 +9,7 @@ use tokio_postgres::Client;
 use outbox_tests::db::TestDb;
 
 use crate::db::BenchDb;
-use crate::ordering::{fill, not_measured};
+use crate::ordering::fill;
 use crate::report::{ms, num, Goal, Table};
 use crate::results::Results;
 use crate::Profile;
@@ -209,7 +209,7 @@ pub fn goal(r: &Results) -> Goal {
         .as_ref()
         .and_then(|c| claim_factors(c).map(|f| (c, f)))
     else {
-        return not_measured(name, target);
+        return Goal::not_measured(name, target);
     };
     Goal {
         name,

@@ -640,8 +640,8 @@ pub fn goals(r: &Results) -> Vec<Goal> {
         format!("≥ {DRAIN_RATIO_GOAL} × 0.1.0's events/s (one loop, batch {DRAIN_BATCH})");
     let Some(lc) = &r.lifecycle else {
         return vec![
-            not_measured(wal_name, wal_target),
-            not_measured(drain_name, drain_target),
+            Goal::not_measured(wal_name, wal_target),
+            Goal::not_measured(drain_name, drain_target),
         ];
     };
     let mut g = Vec::new();
@@ -682,7 +682,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 ),
             }
         }
-        None => not_measured(wal_name, wal_target),
+        None => Goal::not_measured(wal_name, wal_target),
     });
     g.push(match (def, base) {
         (Some(d), Some(b)) if d.version != b.version => {
@@ -714,19 +714,9 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 ),
             }
         }
-        _ => not_measured(drain_name, drain_target),
+        _ => Goal::not_measured(drain_name, drain_target),
     });
     g
-}
-
-fn not_measured(name: &str, target: String) -> Goal {
-    Goal {
-        name: name.into(),
-        target,
-        measured: "—".into(),
-        met: None,
-        note: "not run in this profile".into(),
-    }
 }
 
 fn span_json(run: &LifeRun, s: &Span) -> Value {

@@ -141,7 +141,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 num(o.run.drained as f64)
             ),
         },
-        None => not_measured(name, target),
+        None => Goal::not_measured(name, target),
     });
     let one = ps.iter().find(|(o, _)| o.keys == 1);
     let (name, target) = (
@@ -160,20 +160,10 @@ pub fn goals(r: &Results) -> Vec<Goal> {
                 num(u.run.rate())
             ),
         },
-        None => not_measured(name, target),
+        None => Goal::not_measured(name, target),
     });
     g.push(hot_key::goal(r));
     g
-}
-
-pub fn not_measured(name: String, target: String) -> Goal {
-    Goal {
-        name,
-        target,
-        measured: "—".into(),
-        met: None,
-        note: "not run in this profile".into(),
-    }
 }
 
 fn cpu(d: &KeyedDrain) -> String {

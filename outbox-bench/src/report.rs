@@ -124,6 +124,19 @@ pub struct Goal {
     pub note: String,
 }
 
+impl Goal {
+    /// A goal whose section did not run in this profile.
+    pub fn not_measured(name: impl Into<String>, target: String) -> Goal {
+        Goal {
+            name: name.into(),
+            target,
+            measured: "—".into(),
+            met: None,
+            note: "not run in this profile".into(),
+        }
+    }
+}
+
 /// What stops each of issue 10's goals that can miss, and what would lift it (printed under the
 /// goals table when one of them missed; the figures are the table's).
 const ISSUE10_LIMITS: &str = "
