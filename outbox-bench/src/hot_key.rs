@@ -183,32 +183,10 @@ fn claim_factors(c: &ClaimCosts) -> Option<(&ClaimCost, &ClaimCost, f64, f64)> {
     Some((small, large, bf, large.us_median / small.us_median))
 }
 
-/// The large backlog against the smallest one whose claim takes as many events: the backlog's own
-/// effect, apart from the batch's size.
-fn same_batch_note(c: &ClaimCosts, large: &ClaimCost) -> String {
-    match c
-        .runs
-        .iter()
-        .find(|x| x.claimed == large.claimed && x.waiting < large.waiting)
-    {
-        Some(m) => format!(
-            "; against {} waiting, which claims as many: buffers {:.2}×, time {:.2}×",
-            num(m.waiting as f64),
-            large.buffers / m.buffers.max(1.0),
-            large.us_median / m.us_median
-        ),
-        None => String::new(),
-    }
-}
-
 pub fn goal(r: &Results) -> Goal {
     let name = "claim cost at a hot key's backlog".to_string();
     let target = format!("largest backlog ≤ {CLAIM_COST_GOAL_FACTOR}× smallest (buffers and time)");
-    let Some((c, (small, large, bf, tf))) = r
-        .claim_cost
-        .as_ref()
-        .and_then(|c| claim_factors(c).map(|f| (c, f)))
-    else {
+    let Some((small, large, bf, tf)) = r.claim_cost.as_ref().and_then(claim_factors) else {
         return Goal::not_measured(name, target);
     };
     Goal {
@@ -226,12 +204,11 @@ pub fn goal(r: &Results) -> Goal {
         met: Some(bf <= CLAIM_COST_GOAL_FACTOR && tf <= CLAIM_COST_GOAL_FACTOR),
         note: format!(
             "buffers {bf:.2}×, time {tf:.2}×; it claims {} vs {} events (per claimed event: \
-             {:.1} vs {:.1} buffers){}",
+             {:.1} vs {:.1} buffers)",
             large.claimed,
             small.claimed,
             large.buffers / large.claimed.max(1) as f64,
             small.buffers / small.claimed.max(1) as f64,
-            same_batch_note(c, large)
         ),
     }
 }

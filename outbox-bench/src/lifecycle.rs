@@ -1,7 +1,7 @@
 //! The life cycle of an event (issue 9; report section 9): WAL per event for each phase of an
 //! event's life (enqueue, claim + ack, purge), the null-sink drain rate and the tables' size after
 //! the drain, for the extension's default version side by side with the 0.1.0 schema (the A/B
-//! baseline) and 0.5.0, each on a fresh database in the same run.
+//! baseline) and the release before the default, each on a fresh database in the same run.
 
 use anyhow::{Context, Result};
 use futures_util::{StreamExt, TryStreamExt};
@@ -33,7 +33,6 @@ const PURGE_ROWS: i32 = 1_000_000;
 pub const KEYS: i64 = 100;
 /// The A/B baseline the issue asks for, and the release before the redesign.
 pub const BASELINE: &str = "0.1.0";
-pub const PREVIOUS: &str = "0.5.0";
 /// Issue 9's goals: WAL per event over the whole life, drain rate against the baseline.
 pub const WAL_GOAL_BYTES: f64 = 500.0;
 pub const DRAIN_RATIO_GOAL: f64 = 1.5;
@@ -344,7 +343,8 @@ async fn measure(
 }
 
 /// The versions to compare, with their roles, in ascending order: the default, the baseline (the
-/// oldest version that can be created, 0.1.0 if it can) and 0.5.0 when it is neither. Runs the
+/// oldest version that can be created, 0.1.0 if it can) and the release before the default when it
+/// is neither. Runs the
 /// unkeyed life of each (the baseline's attempts create it), then the keyed ones.
 pub async fn run(p: &Profile, db: &TestDb, r: &mut Results) -> Result<()> {
     progress!("==> 9. the life cycle of an event");
@@ -414,11 +414,13 @@ pub async fn run(p: &Profile, db: &TestDb, r: &mut Results) -> Result<()> {
         lc.baseline = Some(v);
     }
     let mut rest = Vec::new();
-    if default_version != PREVIOUS
-        && lc.baseline.as_deref() != Some(PREVIOUS)
-        && available.iter().any(|v| v == PREVIOUS)
-    {
-        rest.push((PREVIOUS.to_string(), "previous release"));
+    // The newest installed version below the default (`available` is sorted).
+    let previous = available
+        .iter()
+        .rfind(|v| version_key(v) < version_key(&default_version))
+        .cloned();
+    if let Some(previous) = previous.filter(|v| lc.baseline.as_ref() != Some(v)) {
+        rest.push((previous, "previous release"));
     }
     rest.push((default_version.clone(), "default"));
     plan.extend(rest.iter().cloned());
