@@ -566,13 +566,7 @@ BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
-    -- Row locks in id order, the one order of every statement that may wait for a row lock
-    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
-    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
-    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
-    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
-    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
-    -- "Life-cycle cost").
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
     RETURN QUERY
     WITH settled AS (
         UPDATE @extschema@.outbox_event e
@@ -621,13 +615,7 @@ DECLARE
     done int;
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
-    -- Row locks in id order, the one order of every statement that may wait for a row lock
-    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
-    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
-    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
-    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
-    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
-    -- "Life-cycle cost").
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
     UPDATE @extschema@.outbox_event e
        SET claimed_at = stamp, updated_at = stamp
      WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
@@ -659,7 +647,7 @@ BEGIN
             MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
             DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
     END IF;
-    -- Row locks in id order, taken by the UPDATE itself (status::text: see ack).
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
     WITH settled AS (
         UPDATE @extschema@.outbox_event e
            SET status = 'WAIT', next_retry_time = stamp + delay,
