@@ -9,6 +9,7 @@ pub mod certs;
 pub mod db;
 pub mod events;
 pub mod fault;
+pub mod in_flight;
 pub mod kafka;
 pub mod model;
 pub mod pg_cluster;

@@ -9,6 +9,7 @@ use std::process::Command;
 
 use outbox_tests::build::{self, repo_root, VERSION};
 use outbox_tests::db::{db_error, scalar, TestDb};
+use outbox_tests::in_flight;
 use outbox_tests::roles::Roles;
 
 #[tokio::test]
@@ -353,18 +354,7 @@ async fn the_previous_release_updates_with_events_in_flight() {
     let c = db.connect().await;
     let version: String = scalar(&c, "SELECT outbox_sql_only_version()", &[]).await;
     assert_eq!(version, previous);
-    c.batch_execute(
-        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || (g % 3)) \
-         FROM generate_series(1, 6) g",
-    )
-    .await
-    .unwrap();
-    let token: i64 = scalar(
-        &c,
-        "SELECT max(claim_token) FROM outbox_claim('relay-a', 6)",
-        &[],
-    )
-    .await;
+    let token = in_flight::enqueue_and_claim(&c, 6).await;
 
     db.psql_file_as(
         &db.owner(),
@@ -373,50 +363,8 @@ async fn the_previous_release_updates_with_events_in_flight() {
     let version: String = scalar(&c, "SELECT outbox_sql_only_version()", &[]).await;
     assert_eq!(version, VERSION);
 
-    // The claim taken before the update settles: 3 fails, so 6 (its key's next) is released.
-    let settle = |sql: &'static str| {
-        let c = &c;
-        async move { scalar::<i32>(c, sql, &[&token]).await }
-    };
-    assert_eq!(
-        settle("SELECT outbox_ack('relay-a', $1, '{1,2,4,5}')").await,
-        4
-    );
-    assert_eq!(
-        settle("SELECT outbox_nack('relay-a', $1, '{3}', 'x')").await,
-        1
-    );
-    assert_eq!(
-        settle("SELECT outbox_release('relay-a', $1, '{6}')").await,
-        1
-    );
-    let claimed: i64 = scalar(&c, "SELECT count(*) FROM outbox_claim('relay-b', 10)", &[]).await;
-    assert_eq!(
-        claimed, 0,
-        "6 waits for 3, the head of its key, in its backoff"
-    );
-    c.batch_execute(
-        "UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'; \
-         UPDATE outbox_key SET due_at = now()",
-    )
-    .await
-    .unwrap();
-    let rows = c
-        .query(
-            "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
-            &[],
-        )
-        .await
-        .unwrap();
-    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-    assert_eq!(ids, vec![3, 6], "k0's run, in commit order");
-    let acked: i32 = scalar(
-        &c,
-        "SELECT outbox_ack('relay-b', $1, $2)",
-        &[&rows[0].get::<_, i64>(1), &ids],
-    )
-    .await;
-    assert_eq!(acked, 2);
+    // The claim taken before the update settles; the rest drains in key order.
+    in_flight::settle_and_drain(&c, token, true).await;
 
     let fresh = TestDb::create_sql_only();
     let installed = sql_only_catalog(&fresh.connect().await).await;

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use outbox_tests::build;
 use outbox_tests::db::{psql_admin, scalar, TestDb};
+use outbox_tests::in_flight;
 use tokio_postgres::Client;
 
 const CURRENT: &str = env!("CARGO_PKG_VERSION");
@@ -122,21 +123,9 @@ async fn update_with_events_in_flight(from: &str) {
     ))
     .await
     .unwrap();
-    c.batch_execute(
-        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || (g % 3)) \
-         FROM generate_series(1, 6) g",
-    )
-    .await
-    .unwrap();
-    // Since 0.4.0 a claim takes whole runs per key (k1: 1 4, k2: 2 5, k0: 3 6): all six.
+    // Since 0.4.0 a claim takes whole runs per key: all six.
     let per_key = !matches!(from, "0.1.0" | "0.2.0" | "0.3.0");
-    let held = if per_key { 6 } else { 4 };
-    let token: i64 = scalar(
-        &c,
-        "SELECT max(claim_token) FROM outbox_claim('relay-a', $1)",
-        &[&held],
-    )
-    .await;
+    let token = in_flight::enqueue_and_claim(&c, if per_key { 6 } else { 4 }).await;
 
     c.batch_execute("ALTER EXTENSION outbox UPDATE")
         .await
@@ -184,77 +173,8 @@ async fn update_with_events_in_flight(from: &str) {
         "rows from before the update get their own event_id"
     );
 
-    // The claim taken before the update is still held: ack, nack and renew it.
-    let settle = |sql: &'static str| {
-        let c = &c;
-        async move { scalar::<i32>(c, sql, &[&token]).await }
-    };
-    assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{1,2}')").await, 2);
-    assert_eq!(
-        settle("SELECT outbox_nack('relay-a', $1, '{3}', 'x')").await,
-        1
-    );
-    assert_eq!(settle("SELECT outbox_renew('relay-a', $1, '{4}')").await, 1);
-    assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{4}')").await, 1);
-    if per_key {
-        // 5 was delivered; 6 comes after the failed 3 in its key, so the relay releases it.
-        assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{5}')").await, 1);
-        assert_eq!(
-            settle("SELECT outbox_release('relay-a', $1, '{6}', '0', 'held back')").await,
-            1
-        );
-    }
-
-    // Drain what is left through the new code, in per-key order. Keys: 1 k1, 2 k2, 3 k0, 4 k1,
-    // 5 k2, 6 k0. Event 3 backs off after its nack, and holds back 6, the next event of k0.
-    let claim = || {
-        let c = &c;
-        async move {
-            let rows = c
-                .query(
-                    "SELECT id, claim_token FROM outbox_claim('relay-b', 10)",
-                    &[],
-                )
-                .await
-                .unwrap();
-            let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-            (ids, rows.first().map(|r| r.get::<_, i64>(1)))
-        }
-    };
-    let ack = |ids: Vec<i64>, token: Option<i64>| {
-        let c = &c;
-        async move {
-            let n: i32 = scalar(c, "SELECT outbox_ack('relay-b', $1, $2)", &[&token, &ids]).await;
-            assert_eq!(n as usize, ids.len());
-        }
-    };
-    if !per_key {
-        let (ids, token) = claim().await;
-        assert_eq!(ids, vec![5], "event 6 waits for 3, the head of its key");
-        ack(ids, token).await;
-    }
-    let (ids, _) = claim().await;
-    assert!(
-        ids.is_empty(),
-        "event 6 waits for 3, the head of its key: {ids:?}"
-    );
-    // The backoff ends now (for the event and for its key's next look).
-    c.batch_execute(
-        "UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'; \
-         UPDATE outbox_key SET due_at = now()",
-    )
-    .await
-    .unwrap();
-    let (ids, token) = claim().await;
-    assert_eq!(ids, vec![3, 6], "k0's run, in commit order");
-    ack(ids, token).await;
-    let success: i64 = scalar(
-        &c,
-        "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
-        &[],
-    )
-    .await;
-    assert_eq!(success, 6);
+    // The claim taken before the update is still held: settle it, then drain in key order.
+    in_flight::settle_and_drain(&c, token, per_key).await;
 
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
