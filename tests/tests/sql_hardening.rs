@@ -284,20 +284,21 @@ async fn row_locking_calls_require_read_committed() {
     assert_eq!(row_count(&c).await, 4);
 }
 
-/// Polls until `pid` waits for a lock (or `done()` says its call returned).
+/// Polls until `pid` waits for a lock (or `done()` says its call returned, or its backend is gone).
 async fn until_blocked_or_done(watch: &Client, pid: i32, done: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         if done() {
             return;
         }
-        let waiting: bool = scalar(
+        // A backend that is gone has returned too: the task dropped its client after the call.
+        let waiting_or_gone: bool = scalar(
             watch,
-            "SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1",
+            "SELECT coalesce((SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1), true)",
             &[&pid],
         )
         .await;
-        if waiting {
+        if waiting_or_gone {
             return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

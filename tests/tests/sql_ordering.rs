@@ -45,7 +45,7 @@ async fn wait_until_blocked(c: &Client, pid: i32) {
     loop {
         let waiting: bool = scalar(
             c,
-            "SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1",
+            "SELECT coalesce((SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1), false)",
             &[&pid],
         )
         .await;
