@@ -91,14 +91,16 @@ async fn sigterm_ends_the_relay_within_the_shutdown_timeout() {
         .is_some());
     let mut locker = db.connect().await;
     let _tx = lock_outbox(&mut locker).await;
-    // Wait until a relay statement is queued behind the lock.
+    // Wait until the claim loop's statement is queued behind the lock: the wake-up session's
+    // outbox_wait queues there too, but a relay whose claim loop sleeps stops cleanly.
     let watcher = db.connect().await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let waiting: i64 = watcher
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND application_name = 'outbox-worker' AND wait_event_type = 'Lock'",
+                 AND application_name = 'outbox-worker' AND wait_event_type = 'Lock' \
+                 AND query LIKE '%outbox_claim%'",
                 &[],
             )
             .await
@@ -109,7 +111,7 @@ async fn sigterm_ends_the_relay_within_the_shutdown_timeout() {
         }
         assert!(
             Instant::now() < deadline,
-            "no relay statement waits on the lock"
+            "no claim of the relay waits on the lock"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
