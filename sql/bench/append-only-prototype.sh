@@ -3,7 +3,8 @@
 # run. Not the extension: an experiment that turns the note's "expected cost" into figures.
 #
 # What it builds (schema `proto` of a scratch database):
-#   event_data  insert-only event rows; txid = pg_current_xact_id(); only the PK and (txid, id) index
+#   event_data  insert-only event rows; txid = pg_current_xact_id(); the PK, a (txid, id) index and
+#               a partial (topic, event_key, id) index on keyed events (the predecessor check below)
 #   cursor      one row: two pg_snapshots (prev, cur) and a position (pos_txid, pos_id)
 #   batch       one row per claim: token, owner, claimed_at, pending bigint[]
 #   claim()     PgQ's batch rule: lock the cursor row (FOR UPDATE SKIP LOCKED), hand out up to max
@@ -19,7 +20,10 @@
 #               after the 4th failure. claim() takes due retry runs in place first (fenced by
 #               owner + token, keys split by a try-lock), then fresh events; a fresh keyed event
 #               whose key is busy (in an unsettled batch: batch.keys, or in retry) is diverted to
-#               retry in the same call.
+#               retry in the same call. So is one whose predecessor (the key's next lower id: id is
+#               commit order within a key, txid is not when the producer drew it before the key
+#               lock) is still ahead in the window; it waits in retry (wait_for) until the
+#               predecessor, diverted in turn, lands before it. Fresh events go out in id order.
 # Left out on purpose: release, renew, requeue, skip (head_of_line = block only), the
 # outbox_event view, real partitions, unordered_topics (a keyed event here is always ordered).
 #
@@ -51,8 +55,10 @@
 #      outbox_enqueue), 2 claimers nacking at random and poison events to death, one abandoned
 #      batch reclaimed: (d) per key, first hand-outs in commit order; (e) no hand-out before every
 #      earlier event of its key is acked (or in the same batch); (f) nothing after a dead head;
-#      (g) none lost; (h) unkeyed events unaffected. (i) shows a limit: a producer whose txid was
-#      drawn before the key lock (LIMIT line, not a check).
+#      (g) none lost; (h) unkeyed events unaffected. (i) producers that draw their txid before the
+#      key lock (txid order against commit order within a key): a forced pair with claims of 1,
+#      then 4 producers over 4 keys drained with claims of 1-3: per key commit order, none lost,
+#      none twice.
 #   6. Keys: buffers and ms of one claim of BATCH, and drain ev/s, over 1, 10,000 and 100,000
 #      keys against today's model; the busy-key check with batches in flight; a hot key drained
 #      with 2 batches in flight (every later event goes through retry); WAL of a life, 10,000 keys.
@@ -120,6 +126,9 @@ CREATE TABLE proto.event_data (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX event_data_txid_id_idx ON proto.event_data (txid, id);
+-- A keyed event's predecessor (the key's next lower id): the claim checks that it is not still
+-- ahead in the window (see part C). Keyed events only; inserted once, never updated either.
+CREATE INDEX event_data_key_idx ON proto.event_data (topic, event_key, id) WHERE event_key IS NOT NULL;
 
 -- The window being handed out is visible(cur_snap) minus visible(prev_snap); (pos_txid, pos_id)
 -- is the last event handed out from it, (0, 0) right after a rotation.
@@ -163,10 +172,14 @@ CREATE TABLE proto.retry (
     claim_owner     text,
     claim_token     bigint,
     claimed_at      timestamptz,
-    last_error      text
+    last_error      text,
+    -- A diverted event whose predecessor (lower id of its key) was still ahead in the cursor's
+    -- window: its id. The row is no head (not due) until that event reaches proto.retry too.
+    wait_for        bigint
 );
 CREATE INDEX retry_key_idx ON proto.retry (topic, event_key, id) WHERE event_key IS NOT NULL;
 CREATE INDEX retry_due_idx ON proto.retry (next_retry_time, id) WHERE status = 'WAIT';
+CREATE INDEX retry_wait_for_idx ON proto.retry (wait_for) WHERE wait_for IS NOT NULL;  -- empty but on an inversion
 
 -- A key's 64-bit hash, as batch.keys stores it (NULL for an unkeyed event).
 CREATE FUNCTION proto.kh(topic text, event_key text) RETURNS bigint
@@ -186,6 +199,12 @@ $$;
 -- infinity, and a first row left at infinity (its predecessor was just acked) is due now. Driven
 -- by the due index (only heads and unkeyed rows are below infinity), never by a key's backlog.
 CREATE FUNCTION proto.fix_heads(p_topics text[], p_keys text[]) RETURNS void LANGUAGE sql AS $$
+    -- The keys' lock (part A's try-lock) first, so the UPDATEs below (new snapshots) see the
+    -- other fix_heads of these keys committed: an ack deleting a key's head while a claim diverts
+    -- the key's next event left that event at infinity, no one's head (check (i) caught it).
+    SELECT pg_advisory_xact_lock(7, h) FROM (SELECT DISTINCT hashtext(t.topic || '/' || t.event_key) AS h
+                                               FROM unnest(p_topics, p_keys) t(topic, event_key)
+                                              WHERE t.event_key IS NOT NULL ORDER BY 1) k;
     WITH k AS (SELECT DISTINCT t.topic, t.event_key FROM unnest(p_topics, p_keys) t(topic, event_key)
                 WHERE t.event_key IS NOT NULL),
          due AS MATERIALIZED (SELECT r.id, r.topic, r.event_key FROM proto.retry r
@@ -198,7 +217,7 @@ CREATE FUNCTION proto.fix_heads(p_topics text[], p_keys text[]) RETURNS void LAN
       FROM (SELECT DISTINCT t.topic, t.event_key FROM unnest(p_topics, p_keys) t(topic, event_key)
              WHERE t.event_key IS NOT NULL) k
      WHERE r.id = (SELECT min(h.id) FROM proto.retry h WHERE h.topic = k.topic AND h.event_key = k.event_key)
-       AND r.status = 'WAIT' AND r.next_retry_time = 'infinity';
+       AND r.status = 'WAIT' AND r.next_retry_time = 'infinity' AND r.wait_for IS NULL;
 $$;
 
 -- Back to an empty outbox with the cursor at "now" (between experiments).
@@ -226,6 +245,7 @@ DECLARE
     out_keys bigint[];
     div_topics text[];
     div_keys text[];
+    div_waits bigint[];
     c proto.cursor%ROWTYPE;
     kept proto.cursor%ROWTYPE;
     c0 text;
@@ -269,9 +289,9 @@ BEGIN
                     WHERE r.id = ANY (heads) AND r.event_key IS NOT NULL),
              runs AS (SELECT v.id, v.head_due, k.topic, k.event_key FROM k, LATERAL (
                         SELECT w.id, first_value(w.next_retry_time) OVER (ORDER BY w.id) AS head_due,
-                               bool_and(w.status = 'WAIT' AND (w.pos > 1 OR w.next_retry_time <= now_))
+                               bool_and(w.status = 'WAIT' AND w.wait_for IS NULL AND (w.pos > 1 OR w.next_retry_time <= now_))
                                  OVER (ORDER BY w.id) AS ok
-                          FROM (SELECT r.id, r.status, r.next_retry_time, row_number() OVER (ORDER BY r.id) AS pos
+                          FROM (SELECT r.id, r.status, r.next_retry_time, r.wait_for, row_number() OVER (ORDER BY r.id) AS pos
                                   FROM proto.retry r WHERE r.topic = k.topic AND r.event_key = k.event_key
                                  ORDER BY r.id LIMIT p_max) w) v
                        WHERE v.ok),
@@ -358,27 +378,44 @@ BEGIN
     -- C. Keys: a fresh keyed event whose key is busy (in an unsettled batch, or with rows in
     -- proto.retry, including the ones part A just took) is not handed out but moved to
     -- proto.retry, behind its key's earlier events. Busy is a property of the key, so a key's
-    -- events in this window go out together or move together. The later events of a key come
-    -- in later windows (commit order within a key; see check (d)), so none can overtake.
+    -- events in this window go out together or move together.
     -- Read after the cursor lock, in one statement: the batches of the previous cursor holder
     -- are visible (reading them before the lock let a key's event overtake: check (e) caught it).
+    -- A key is also busy when an event's predecessor (next lower id of its key, commit order) is
+    -- still ahead in the window: its txid was drawn before the key lock, so (txid, id) puts it
+    -- after (check (i)). The key's events here move to proto.retry, the early one marked
+    -- wait_for: not due until the predecessor, diverted in turn when the cursor reaches it (its key
+    -- is busy), lands before it. One probe of event_data_key_idx per keyed event, skipped when
+    -- this claim used up its window (nothing is ahead): a relay that keeps up pays nothing.
     IF cardinality(ids) > 0 THEN
-        SELECT array_agg(s.id ORDER BY s.txid, s.id) FILTER (WHERE NOT s.busy),
+        SELECT array_agg(s.id ORDER BY s.id) FILTER (WHERE NOT s.busy),
                array_agg(s.id ORDER BY s.id) FILTER (WHERE s.busy),
                array_agg(s.topic ORDER BY s.id) FILTER (WHERE s.busy),
                array_agg(s.event_key ORDER BY s.id) FILTER (WHERE s.busy),
+               array_agg(s.wait_for ORDER BY s.id) FILTER (WHERE s.busy),
                array_agg(DISTINCT s.kh) FILTER (WHERE s.kh IS NOT NULL AND NOT s.busy)
-          INTO out_ids, div_ids, div_topics, div_keys, out_keys
-          FROM (SELECT e.id, e.txid, e.topic, e.event_key, h.kh,
-                       CASE WHEN h.kh IS NULL THEN false
-                            ELSE h.kh IN (SELECT k FROM proto.batch b, unnest(b.keys) k)  -- hashed, built once
-                                 OR EXISTS (SELECT 1 FROM proto.retry r
-                                             WHERE r.topic = e.topic AND r.event_key = e.event_key) END AS busy
-                  FROM proto.event_data e CROSS JOIN LATERAL (SELECT proto.kh(e.topic, e.event_key) AS kh) h
-                 WHERE e.id = ANY (ids)) s;
+          INTO out_ids, div_ids, div_topics, div_keys, div_waits, out_keys
+          FROM (SELECT e.id, e.topic, e.event_key, h.kh, e.wait_for,
+                       e.busy OR bool_or(e.wait_for IS NOT NULL) OVER (PARTITION BY h.kh) AS busy
+                  FROM (SELECT e.id, e.topic, e.event_key,
+                               CASE WHEN e.event_key IS NULL THEN false
+                                    ELSE proto.kh(e.topic, e.event_key) IN (SELECT k FROM proto.batch b, unnest(b.keys) k)  -- hashed, built once
+                                         OR EXISTS (SELECT 1 FROM proto.retry r
+                                                     WHERE r.topic = e.topic AND r.event_key = e.event_key) END AS busy,
+                               CASE WHEN e.event_key IS NOT NULL AND cardinality(ids) >= p_max THEN
+                               (SELECT p.id FROM (SELECT p.id, p.txid FROM proto.event_data p
+                                                   WHERE p.topic = e.topic AND p.event_key = e.event_key AND p.id < e.id
+                                                   ORDER BY p.id DESC LIMIT 1) p
+                                 WHERE pg_visible_in_snapshot(p.txid, c.cur_snap) AND NOT pg_visible_in_snapshot(p.txid, c.prev_snap)
+                                   AND (p.txid, p.id) > (c.pos_txid, c.pos_id)) END AS wait_for
+                          FROM proto.event_data e WHERE e.id = ANY (ids)) e
+                  CROSS JOIN LATERAL (SELECT proto.kh(e.topic, e.event_key) AS kh) h) s;
         IF div_ids IS NOT NULL THEN
-            INSERT INTO proto.retry (id, topic, event_key, status, next_retry_time)
-            SELECT t.id, t.topic, t.event_key, 'WAIT', now_ FROM unnest(div_ids, div_topics, div_keys) t(id, topic, event_key);
+            INSERT INTO proto.retry (id, topic, event_key, status, next_retry_time, wait_for)
+            SELECT t.id, t.topic, t.event_key, 'WAIT', CASE WHEN t.wait_for IS NULL THEN now_ ELSE 'infinity' END, t.wait_for
+              FROM unnest(div_ids, div_topics, div_keys, div_waits) t(id, topic, event_key, wait_for);
+            -- The predecessors that just arrived release the rows waiting for them.
+            UPDATE proto.retry r SET wait_for = NULL WHERE r.wait_for = ANY (div_ids);
             PERFORM proto.fix_heads(div_topics, div_keys);
         END IF;
     END IF;
@@ -386,13 +423,14 @@ BEGIN
     tok := coalesce(tok, nextval('proto.batch_token_seq'));
     INSERT INTO proto.batch (token, owner, claimed_at, pending, retried, keys)
     VALUES (tok, p_owner, now_, coalesce(out_ids, '{}'), r_ids, out_keys);
-    -- Retry rows first (each key's earlier events), then the fresh ones in cursor order.
+    -- Retry rows first (each key's earlier events), then the fresh ones in id order (commit
+    -- order within a key; a key's events of one batch may have their txids the other way round).
     RETURN QUERY SELECT tok, e.id, e.event_id, e.txid, e.topic, e.event_key, e.event_type,
                         e.payload, e.headers, e.created_at, true
                    FROM proto.event_data e WHERE e.id = ANY (r_ids) ORDER BY e.id;
     RETURN QUERY SELECT tok, e.id, e.event_id, e.txid, e.topic, e.event_key, e.event_type,
                         e.payload, e.headers, e.created_at, false
-                   FROM proto.event_data e WHERE e.id = ANY (out_ids) ORDER BY e.txid, e.id;
+                   FROM proto.event_data e WHERE e.id = ANY (out_ids) ORDER BY e.id;
 END
 $$;
 
@@ -1023,7 +1061,7 @@ klog() { # kind ids-expression
   echo "PERFORM pg_advisory_xact_lock(4242); s := nextval('chk.kseq');
         INSERT INTO chk.kset SELECT s, '$1', unnest($2);"
 }
-kclaimer() { # name abandon_at (the n-th claim with keyed events is abandoned; 0: never)
+kclaimer() { # name abandon_at (the n-th claim with keyed events is abandoned; 0: never) [claim size]
   cat <<SQL
 SET statement_timeout = '90s';
 SET proto.backoff_ms = 20;  -- backoffs of 20, 80, 180 ms: dead letters within the run
@@ -1036,7 +1074,7 @@ BEGIN
     INSERT INTO got
     SELECT c.ordinality, c.token, c.id, c.event_key, c.from_retry,
            (c.payload->>'poison')::boolean OR random() < 0.04
-      FROM proto.claim('$1', 20) WITH ORDINALITY c;
+      FROM proto.claim('$1', ${3:-20}) WITH ORDINALITY c;
     PERFORM pg_advisory_xact_lock(4242); s := nextval('chk.kseq');
     INSERT INTO chk.kout SELECT s, '$1', g.token, g.ord, g.id, g.from_retry FROM got g;
     COMMIT;
@@ -1158,11 +1196,11 @@ check "$([ "$lost" = 0 ] && [ "$phantom" = 0 ] && echo 1)" "(g) none lost ($lost
 check "$([ "$unkeyed_bad" = 0 ] && echo 1)" "(h) unkeyed events all acked, and retried only after their own nack or reclaim ($unkeyed_bad)"
 check "$([ "$diverted" -gt 0 ] && [ "$nacked" -gt 0 ] && [ "$reclaimed" -gt 0 ] && [ "$by1" -gt 0 ] && [ "$by2" -gt 0 ] && echo 1)" \
   "(d)-(h) exercised: diversions ($diverted), nacks ($nacked), a reclaim ($reclaimed events), both claimers"
-# (i) A limit of the design, shown rather than checked: the cursor orders by txid, drawn at a
-# transaction's FIRST write, which may come before the key's lock (a producer that writes its
-# order row, then enqueues). T0 draws its txid, then waits for the key's lock held by T1 (higher
-# txid), which commits first; both land in one window, and (txid, id) order hands T0's event out
-# first. The checks above pass because their producers lock before any write.
+# (i) Producers that draw their txid BEFORE the key lock (an application that writes its order
+# row, then enqueues): within a key, id is still commit order but txid is not, and the cursor walks
+# (txid, id). First a forced pair: T0 draws its txid, then waits for the key's lock held by T1
+# (higher txid), which commits first; claims of 1. Then 4 such producers over 4 keys, drained by
+# the two claimers of (d)-(h) with claims of 1 to 3 (cuts inside a window), nacks included.
 q -d proto_ao -c "SELECT proto.reset()" >/dev/null
 lock="SELECT pg_advisory_xact_lock(hashtextextended('lim/k', 0))"
 PGAPPNAME=proto_ao_t0 q -d proto_ao -c "BEGIN" -c "SELECT pg_current_xact_id()" -c "SELECT pg_sleep(1)" -c "$lock" \
@@ -1177,10 +1215,11 @@ handed=$(q -d proto_ao 2>&1 >/dev/null <<'SQL' | sed -nE 's/^NOTICE: +//p'
 DO $$
 DECLARE tok bigint; ids bigint[]; p text; got text[] := '{}';
 BEGIN
-  FOR i IN 1..2 LOOP
+  FOR i IN 1..4 LOOP  -- claims 1-2 divert both (to proto.retry, in id order), claims 3-4 hand them out
     SELECT max(token), array_agg(id), max(payload #>> '{}') INTO tok, ids, p FROM proto.claim('lim', 1);
-    got := got || p;
     COMMIT;
+    CONTINUE WHEN tok IS NULL;
+    got := got || p;
     PERFORM proto.ack('lim', tok, ids);
     COMMIT;
   END LOOP;
@@ -1188,7 +1227,62 @@ BEGIN
 END $$;
 SQL
 )
-echo "LIMIT (i) txid drawn before the key lock: claims of 1 hand out \"$handed\" (commit order: first, second)"
+check "$([ "$handed" = "committed first, committed second" ] && echo 1)" \
+  "(i) txid drawn before the key lock, claims of 1: handed out \"$handed\" (commit order: first, second)"
+q -d proto_ao -c "SELECT proto.reset()" -c "TRUNCATE chk.kout, chk.kset, chk.flag" >/dev/null
+iproducer() {
+  cat <<'SQL'
+SET statement_timeout = '120s';
+DO $$
+DECLARE k text;
+BEGIN
+  FOR t IN 1..150 LOOP
+    k := 'k' || floor(random() * 4)::int;
+    PERFORM pg_current_xact_id();  -- the txid first, then the key's lock
+    PERFORM pg_sleep(random() * 0.004);
+    PERFORM pg_advisory_xact_lock(hashtextextended('ichk/' || k, 0));
+    INSERT INTO proto.event_data (topic, event_key, payload)
+    SELECT 'ichk', k, '{}' FROM generate_series(1, 1 + floor(random() * 2)::int);
+    PERFORM pg_sleep(random() * 0.004);
+    COMMIT;
+  END LOOP;
+END $$;
+SQL
+}
+kclaimer c1 0 "1 + floor(random() * 3)::int" | q -d proto_ao & c1=$!
+kclaimer c2 0 "1 + floor(random() * 3)::int" | q -d proto_ao & c2=$!
+pids=()
+for _ in 1 2 3 4; do iproducer | q -d proto_ao & pids+=($!); done
+bg_pids+=("$c1" "$c2" "${pids[@]}")
+wait "${pids[@]}"
+q -d proto_ao -c "INSERT INTO chk.flag VALUES (true)"
+wait "$c1" "$c2" || fail "(i) a claimer failed (see the errors above)"
+IFS='|' read -r i_n i_inv i_order i_hol i_lost i_twice i_div <<<"$(q -d proto_ao <<'SQL'
+WITH ev AS (SELECT id, txid, event_key FROM proto.event_data),
+     firsts AS (SELECT DISTINCT ON (id) id, seq, ord, from_retry FROM chk.kout ORDER BY id, seq, ord),
+     acked AS (SELECT id, min(seq) AS acked, count(*) AS n FROM chk.kset WHERE kind = 'ack' GROUP BY id)
+SELECT (SELECT count(*) FROM ev),
+       -- pairs of one key whose txid order is not their id (commit) order
+       (SELECT count(*) FROM ev a JOIN ev b ON a.event_key = b.event_key AND a.id < b.id AND a.txid > b.txid),
+       -- as (d): per key, first hand-outs in id order
+       (SELECT count(*) FROM (SELECT f.id, max(f.id) OVER (PARTITION BY e.event_key ORDER BY f.seq, f.ord
+                                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS m
+                                FROM firsts f JOIN ev e USING (id)) s WHERE s.id < s.m),
+       -- as (e): each earlier event of the key acked before, or in the same batch
+       (SELECT count(*) FROM chk.kout o JOIN ev e USING (id)
+         WHERE EXISTS (SELECT 1 FROM ev x WHERE x.event_key = e.event_key AND x.id < e.id
+                          AND NOT EXISTS (SELECT 1 FROM acked a WHERE a.id = x.id AND a.acked < o.seq)
+                          AND NOT EXISTS (SELECT 1 FROM chk.kout y WHERE y.id = x.id AND y.token = o.token))),
+       (SELECT count(*) FROM ev e WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.id = e.id)
+           AND NOT EXISTS (SELECT 1 FROM proto.retry r WHERE r.status = 'FAIL' AND r.event_key = e.event_key AND r.id <= e.id)),
+       (SELECT count(*) FROM acked WHERE n > 1),
+       (SELECT count(*) FROM firsts WHERE from_retry)
+SQL
+)"
+echo "   $i_n events over 4 keys, $i_inv pairs of one key with txid order against commit order, $i_div hand-outs from proto.retry"
+check "$([ "$i_inv" -gt 0 ] && [ "$i_order" = 0 ] && [ "$i_hol" = 0 ] && echo 1)" \
+  "(i) txid drawn before the key lock, claims of 1-3: first hand-outs in commit order ($i_order), none before an earlier event of its key was acked ($i_hol)"
+check "$([ "$i_lost" = 0 ] && [ "$i_twice" = 0 ] && echo 1)" "(i) none lost ($i_lost), none acked twice ($i_twice)"
 fi  # section 5
 
 # ---------------------------------------------------------------------------------------------
