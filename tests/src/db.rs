@@ -306,6 +306,17 @@ pub async fn scalar<T: FromSqlOwned>(
         .get(0)
 }
 
+/// Whether backend `pid` waits for a lock: `None` once the backend is gone (its client closed,
+/// e.g. a task that dropped it after its call returned), so callers never race its exit.
+pub async fn lock_wait(c: &Client, pid: i32) -> Option<bool> {
+    scalar(
+        c,
+        "SELECT (SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1)",
+        &[&pid],
+    )
+    .await
+}
+
 /// Rows in the outbox table.
 pub async fn row_count(c: &Client) -> i64 {
     scalar(c, "SELECT count(*) FROM outbox_event", &[]).await

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use outbox_tests::build;
-use outbox_tests::db::{db_error, rejects, row_count, scalar, sqlstate, TestDb};
+use outbox_tests::db::{db_error, lock_wait, rejects, row_count, scalar, sqlstate, TestDb};
 use outbox_tests::pg_cluster::PgCluster;
 use outbox_tests::roles::{grant_recipe, Roles};
 use tokio_postgres::Client;
@@ -292,13 +292,7 @@ async fn until_blocked_or_done(watch: &Client, pid: i32, done: impl Fn() -> bool
             return;
         }
         // A backend that is gone has returned too: the task dropped its client after the call.
-        let waiting_or_gone: bool = scalar(
-            watch,
-            "SELECT coalesce((SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1), true)",
-            &[&pid],
-        )
-        .await;
-        if waiting_or_gone {
+        if lock_wait(watch, pid).await.unwrap_or(true) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use outbox_tests::build;
-use outbox_tests::db::{scalar, TestDb};
+use outbox_tests::db::{lock_wait, scalar, TestDb};
 use tokio_postgres::Client;
 
 async fn enqueue(c: &Client, key: &str) -> i64 {
@@ -43,13 +43,7 @@ async fn settle(c: &Client, call: &str, owner: &str, token: i64, ids: &[i64]) ->
 async fn wait_until_blocked(c: &Client, pid: i32) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let waiting: bool = scalar(
-            c,
-            "SELECT coalesce((SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1), false)",
-            &[&pid],
-        )
-        .await;
-        if waiting {
+        if lock_wait(c, pid).await == Some(true) {
             return;
         }
         assert!(Instant::now() < deadline, "backend {pid} never waited");
