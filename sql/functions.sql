@@ -152,7 +152,7 @@ BEGIN
         WITH turn AS (
             SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
         ), event AS (
-            INSERT INTO @extschema@.outbox_event
+            INSERT INTO @extschema@.outbox_tracked
                 (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
             SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true
               FROM turn
@@ -163,11 +163,17 @@ BEGIN
             ON CONFLICT DO NOTHING
         )
         SELECT event.id INTO new_id FROM event;
-    ELSE
-        INSERT INTO @extschema@.outbox_event
+    ELSIF deliver_at > now() THEN
+        -- Due later: a tracked row, claimed by its next_retry_time.
+        INSERT INTO @extschema@.outbox_tracked
             (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
         VALUES
-            (topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), false)
+            (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
+        RETURNING id INTO new_id;
+    ELSE
+        -- The common case: one append-only row, never written again (outbox_stream).
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, event_type, payload, headers)
+        VALUES (topic, key, event_type, payload, headers)
         RETURNING id INTO new_id;
     END IF;
 
@@ -199,6 +205,7 @@ DECLARE
     fn constant text := 'outbox_enqueue_many';
     n int := coalesce(cardinality(payloads), 0);
     ordered_topic boolean;
+    due_later boolean := coalesce(deliver_at > now(), false);
     bad record;
     max_bytes int;
 BEGIN
@@ -283,25 +290,199 @@ BEGIN
            FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
                    FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
     END IF;
+    -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
+    -- it: ordered or due later to outbox_tracked, the rest to outbox_stream.
     RETURN QUERY
-    WITH event AS (
-        INSERT INTO @extschema@.outbox_event
-            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
-        SELECT topic, u.k, u.t, u.p, coalesce(u.h, '{}'::jsonb), 'WAIT', greatest(now(), deliver_at),
-               ordered_topic AND u.k IS NOT NULL
+    WITH input AS MATERIALIZED (
+        SELECT nextval('@extschema@.outbox_event_id_seq') AS id, u.p, u.k, u.t,
+               coalesce(u.h, '{}'::jsonb) AS h, ordered_topic AND u.k IS NOT NULL AS ordered
           FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
          ORDER BY u.pos
-        RETURNING id, event_key, ordered
+    ), tracked AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered
+          FROM input i
+         WHERE i.ordered OR due_later
+         ORDER BY i.id
+        RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
+    ), stream AS (
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, event_type, payload, headers)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h
+          FROM input i
+         WHERE NOT (i.ordered OR due_later)
+         ORDER BY i.id
+        RETURNING outbox_stream.id
     ), key_row AS (
         INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
-        SELECT DISTINCT topic, event.event_key, greatest(now(), deliver_at) FROM event WHERE event.ordered
+        SELECT DISTINCT topic, t.event_key, greatest(now(), deliver_at) FROM tracked t WHERE t.ordered
         ON CONFLICT DO NOTHING
     )
-    SELECT event.id FROM event ORDER BY event.id;
+    SELECT e.id FROM (SELECT t.id FROM tracked t UNION ALL SELECT st.id FROM stream st) e ORDER BY e.id;
 
     IF @extschema@.outbox_notify_enabled() AND n > 0 THEN
         PERFORM pg_notify('outbox', '');
     END IF;
+END
+$$;
+
+-- The advisory lock on which claims take turns to read the stream (outbox_stream_take): the one
+-- after the 1,024 key locks of outbox_key_lock_id.
+CREATE FUNCTION @extschema@.outbox_stream_lock_id() RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT 8031453474740765696::pg_catalog.int8
+$$;
+
+-- The stream's part of a claim: up to max_events fresh unordered events, recorded as the batch of
+-- this claim's token, their ids returned in hand-out order. PgQ's batch rule: the cursor hands
+-- out, in (txid, id) order, the events whose transaction its newer snapshot (cur_snap) sees
+-- finished and its older one (prev_snap) does not; once that window is used up, cur_snap becomes
+-- prev_snap and a fresh snapshot cur_snap. An id is drawn before its transaction commits, so no
+-- order by id alone can avoid passing an event that commits later; a snapshot can.
+CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    ver bigint;
+    prev_snap pg_snapshot;
+    cur_snap pg_snapshot;
+    pos_txid xid8;
+    pos_id bigint;
+    was text;
+    -- The cursor before a rotation, kept when the new window turns out empty.
+    kept_prev pg_snapshot;
+    kept_cur pg_snapshot;
+    kept_txid xid8;
+    kept_id bigint;
+    taken_before_rotation int := -1;
+    -- Only ids travel through the loop; the claim reads the rows once, by primary key.
+    ids bigint[] := '{}';
+    part_ids bigint[];
+    part_txids xid8[];
+    x xid8;
+    fresh pg_snapshot;
+    lo_txid xid8;
+    lo_id bigint;
+BEGIN
+    -- Claims take turns until they commit: a position is only visible once its claim commits.
+    -- Waiting (not skipping) keeps "another claim is reading the stream" apart from "nothing to
+    -- do"; an advisory lock writes no WAL, so an idle poll writes nothing at all.
+    PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+    -- A statement after the lock: its snapshot sees the last holder's position.
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id
+      FROM @extschema@.outbox_stream_cursor c
+     ORDER BY c.version DESC
+     LIMIT 1;
+    was := format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id);
+    FOR w IN 1..2 LOOP
+        -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
+        -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
+        -- not a re-read of everything committed since it began.
+        IF pos_txid < pg_snapshot_xmax(prev_snap) THEN
+            FOR x IN SELECT t FROM pg_snapshot_xip(prev_snap) t
+                      WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
+                      ORDER BY t LOOP
+                EXIT WHEN cardinality(ids) >= max_events;
+                SELECT array_agg(e.id ORDER BY e.id) INTO part_ids
+                  FROM (SELECT e.id FROM @extschema@.outbox_stream e
+                         WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
+                         ORDER BY e.id
+                         LIMIT max_events - cardinality(ids)) e;
+                IF part_ids IS NOT NULL THEN
+                    ids := ids || part_ids;
+                    pos_txid := x;
+                    pos_id := part_ids[cardinality(part_ids)];
+                END IF;
+            END LOOP;
+        END IF;
+        -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
+        -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
+        -- at cur_snap are skipped; the next window takes them by equality above.
+        IF cardinality(ids) < max_events THEN
+            lo_txid := pg_snapshot_xmax(prev_snap);
+            lo_id := 0;
+            IF (pos_txid, pos_id) > (lo_txid, lo_id) THEN
+                lo_txid := pos_txid;
+                lo_id := pos_id;
+            END IF;
+            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids
+              FROM (SELECT e.id, e.txid FROM @extschema@.outbox_stream e
+                     WHERE (e.txid, e.id) > (lo_txid, lo_id)
+                       AND e.txid < pg_snapshot_xmax(cur_snap)
+                       AND pg_visible_in_snapshot(e.txid, cur_snap)
+                     ORDER BY e.txid, e.id
+                     LIMIT max_events - cardinality(ids)) e;
+            IF part_ids IS NOT NULL THEN
+                ids := ids || part_ids;
+                pos_txid := part_txids[cardinality(part_txids)];
+                pos_id := part_ids[cardinality(part_ids)];
+            END IF;
+        END IF;
+        EXIT WHEN cardinality(ids) >= max_events OR w = 2;
+        -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
+        -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
+        fresh := pg_current_snapshot();
+        EXIT WHEN fresh::text = cur_snap::text;
+        kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
+        taken_before_rotation := cardinality(ids);
+        prev_snap := cur_snap;
+        cur_snap := fresh;
+        pos_txid := '0';
+        pos_id := 0;
+    END LOOP;
+    -- A rotation into an empty window is not kept: the next claim's window, from the same
+    -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
+    IF cardinality(ids) = taken_before_rotation THEN
+        prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
+    END IF;
+    IF format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id);
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version <= ver;
+    END IF;
+    IF cardinality(ids) > 0 THEN
+        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending)
+        VALUES (token, owner, stamp, ids);
+    END IF;
+    RETURN ids;
+END
+$$;
+
+-- Settles the ids of a batch its owner still holds (ack, nack, release): returns those it held,
+-- in id order, and takes them out of the batch (deleting it once nothing is left). A batch that
+-- reclaim took back, or another owner's, settles nothing: a late call is a no-op.
+CREATE FUNCTION @extschema@.outbox_stream_settle(owner text, claim_token bigint, ids bigint[])
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    pending bigint[];
+    held bigint[];
+BEGIN
+    SELECT b.pending INTO pending FROM @extschema@.outbox_stream_batch b
+     WHERE b.claim_token = claim_token AND b.claim_owner = owner
+       FOR UPDATE;
+    IF pending IS NULL OR NOT pending && ids THEN
+        RETURN '{}';
+    END IF;
+    held := ARRAY(SELECT p FROM unnest(pending) p WHERE p = ANY (ids) ORDER BY p);
+    IF cardinality(held) = cardinality(pending) THEN
+        -- The usual case, the whole claim settled at once: no new version of the row.
+        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = claim_token;
+    ELSE
+        UPDATE @extschema@.outbox_stream_batch b
+           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE NOT p = ANY (ids) ORDER BY p)
+         WHERE b.claim_token = claim_token;
+    END IF;
+    RETURN held;
 END
 $$;
 
@@ -312,12 +493,25 @@ CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT EXISTS (SELECT 1 FROM @extschema@.outbox_event e
+    -- The stream: a committed event past the cursor (a plain read sees only committed rows), in
+    -- the range from xmax(prev_snap) or of a transaction prev_snap saw in progress.
+    SELECT EXISTS (SELECT 1 FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v
+                                   ORDER BY v.version DESC LIMIT 1) c
+                    WHERE EXISTS (SELECT 1 FROM @extschema@.outbox_stream e
+                                   WHERE (e.txid, e.id) >
+                                         (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                                               THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
+                                          CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                                               THEN c.pos_id ELSE 0 END))
+                       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.prev_snap) x
+                                    JOIN @extschema@.outbox_stream e ON e.txid = x
+                                   WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)))
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
                     WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= clock_timestamp())
         OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
                     WHERE k.due_at <= clock_timestamp()
                       AND (k.due_at > '-infinity'
-                           OR EXISTS (SELECT 1 FROM @extschema@.outbox_event e
+                           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
                                        WHERE e.topic = k.topic AND e.event_key = k.event_key
                                          AND e.ordered AND e.status = 'WAIT')))
 $$;
@@ -370,6 +564,8 @@ DECLARE
     v_runnable boolean[];
     key_topics text[];
     key_names text[];
+    tracked_rows int;
+    stream_ids bigint[];
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
     PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
@@ -409,7 +605,7 @@ BEGIN
                                       OVER (ORDER BY u.pos) AS runnable
                         FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
                                      row_number() OVER (ORDER BY e.id) AS pos
-                                FROM @extschema@.outbox_event e
+                                FROM @extschema@.outbox_tracked e
                                WHERE e.topic = k.topic AND e.event_key = k.event_key
                                  AND e.ordered AND e.status <> 'SUCCESS'
                                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
@@ -431,7 +627,7 @@ BEGIN
                AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable)
     ), unordered AS MATERIALIZED (
         SELECT c.id, c.next_retry_time
-          FROM @extschema@.outbox_event c
+          FROM @extschema@.outbox_tracked c
          WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
          ORDER BY c.next_retry_time, c.id
          LIMIT max_events
@@ -445,7 +641,7 @@ BEGIN
         ORDER BY x.due, x.grp, x.pos
         LIMIT max_events
     ), claimed AS (
-        UPDATE @extschema@.outbox_event e
+        UPDATE @extschema@.outbox_tracked e
            SET status = 'SENDING', claim_owner = owner, claim_token = token,
                claimed_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
@@ -475,6 +671,7 @@ BEGIN
     )
     -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
     SELECT * FROM claimed c ORDER BY c.id;
+    GET DIAGNOSTICS tracked_rows = ROW_COUNT;
 
     -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
     -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
@@ -491,10 +688,23 @@ BEGIN
          USING unnest(key_topics, key_names) AS t(topic, event_key)
          WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
            AND NOT EXISTS (
-               SELECT 1 FROM @extschema@.outbox_event e
+               SELECT 1 FROM @extschema@.outbox_tracked e
                 WHERE e.topic = k.topic AND e.event_key = k.event_key
                   AND e.ordered AND e.status <> 'SUCCESS'
                   AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+
+    -- The rest of the batch from the stream (fresh unordered events), after the retries and
+    -- keys above, which are older. The claim's token names the stream batch too.
+    IF tracked_rows < max_events THEN
+        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp, max_events - tracked_rows);
+        RETURN QUERY
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
+               NULL::text, s.created_at, stamp, s.event_id, false, NULL::timestamptz
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (stream_ids)
+         ORDER BY s.id;
     END IF;
 END
 $$;
@@ -521,7 +731,7 @@ BEGIN
     -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
     -- "Life-cycle cost").
     WITH settled AS (
-        UPDATE @extschema@.outbox_event e
+        UPDATE @extschema@.outbox_tracked e
            SET status = 'SUCCESS', updated_at = stamp
          WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
@@ -534,7 +744,8 @@ BEGIN
          WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT count(*) INTO done FROM settled;
-    RETURN done;
+    -- Stream events of this claim: out of its batch, nothing else to write (they are SUCCESS).
+    RETURN done + cardinality(@extschema@.outbox_stream_settle(owner, claim_token, ids));
 END
 $$;
 
@@ -562,6 +773,7 @@ AS $$
 DECLARE
     cfg record;
     stamp timestamptz := clock_timestamp();
+    held bigint[];
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
@@ -569,7 +781,7 @@ BEGIN
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
     RETURN QUERY
     WITH settled AS (
-        UPDATE @extschema@.outbox_event e
+        UPDATE @extschema@.outbox_tracked e
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
                next_retry_time = stamp + make_interval(secs =>
@@ -589,6 +801,28 @@ BEGIN
          WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
+    -- Stream events of this claim fail their first attempt: from here on their state lives in
+    -- a tracked copy (same id and event_id), as any retried event's does.
+    held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
+    IF cardinality(held) > 0 THEN
+        RETURN QUERY
+        WITH moved AS (
+            INSERT INTO @extschema@.outbox_tracked AS m
+                (id, topic, event_key, event_type, payload, headers, status, retry_count,
+                 next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+                   @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1,
+                   stamp + make_interval(secs =>
+                       least(cfg.backoff_base_ms, cfg.backoff_max_ms)
+                       * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+                   error, s.created_at, stamp, s.event_id, false
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (held)
+             ORDER BY s.id
+            RETURNING m.id, m.topic, m.status, m.retry_count, m.next_retry_time
+        )
+        SELECT mv.id, mv.topic, mv.status, mv.retry_count, mv.next_retry_time FROM moved mv ORDER BY mv.id;
+    END IF;
 END
 $$;
 
@@ -616,11 +850,19 @@ DECLARE
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
-    UPDATE @extschema@.outbox_event e
+    UPDATE @extschema@.outbox_tracked e
        SET claimed_at = stamp, updated_at = stamp
      WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
     GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream events: their claim's batch carries the lease.
+    WITH renewed AS (
+        UPDATE @extschema@.outbox_stream_batch b SET claimed_at = stamp
+         WHERE b.claim_token = claim_token AND b.claim_owner = owner AND b.pending && ids
+        RETURNING b.pending
+    )
+    SELECT done + coalesce(sum((SELECT count(*) FROM unnest(r.pending) p WHERE p = ANY (ids))), 0)
+      INTO done FROM renewed r;
     RETURN done;
 END
 $$;
@@ -640,6 +882,7 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
+    held bigint[];
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_release', owner, claim_token, ids);
     IF delay IS NULL OR delay < interval '0' OR delay > interval '100 years' THEN
@@ -649,7 +892,7 @@ BEGIN
     END IF;
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
     WITH settled AS (
-        UPDATE @extschema@.outbox_event e
+        UPDATE @extschema@.outbox_tracked e
            SET status = 'WAIT', next_retry_time = stamp + delay,
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                last_error = coalesce(error, e.last_error), updated_at = stamp
@@ -664,6 +907,19 @@ BEGIN
          WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
     SELECT count(*) INTO done FROM settled;
+    -- Stream events go back as tracked copies (same id and event_id), due after the delay.
+    held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
+    IF cardinality(held) > 0 THEN
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+               stamp + delay, error, s.created_at, stamp, s.event_id, false
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (held)
+         ORDER BY s.id;
+        done := done + cardinality(held);
+    END IF;
     RETURN done;
 END
 $$;
@@ -679,6 +935,7 @@ DECLARE
     cfg record;
     stamp timestamptz := clock_timestamp();
     done int;
+    moved_rows int;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
     SELECT * INTO cfg FROM @extschema@.outbox_config();
@@ -696,12 +953,12 @@ BEGIN
     -- (waiting in claimed_at order against acks in id order could deadlock).
     RETURN QUERY
     WITH expired AS MATERIALIZED (
-        SELECT x.id, x.claim_owner FROM @extschema@.outbox_event x
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
          WHERE x.status = 'SENDING' AND x.claimed_at < stamp - lease
          ORDER BY x.id
          FOR UPDATE SKIP LOCKED
     ), reclaimed AS (
-        UPDATE @extschema@.outbox_event e
+        UPDATE @extschema@.outbox_tracked e
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
                next_retry_time = stamp,
@@ -721,6 +978,40 @@ BEGIN
       FROM reclaimed r JOIN expired x ON x.id = r.id
      ORDER BY r.id;
     GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream batches past their lease: their events become tracked copies (same id and
+    -- event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending
+          FROM @extschema@.outbox_stream_batch b
+         WHERE b.claimed_at < stamp - lease
+         ORDER BY b.claim_token
+         FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM @extschema@.outbox_stream_batch b
+         USING expired x
+         WHERE b.claim_token = x.claim_token
+    ), held AS (
+        SELECT p.id, x.claim_owner, x.claimed_at
+          FROM expired x CROSS JOIN LATERAL unnest(x.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked AS m
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp,
+               format('lease expired: claimed by %s at %s, not settled within %s',
+                      h.claim_owner, h.claimed_at, lease),
+               s.created_at, stamp, s.event_id, false
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         ORDER BY s.id
+        RETURNING m.id, m.topic, m.status, m.retry_count
+    )
+    SELECT mv.id, mv.topic, mv.status, mv.retry_count, h.claim_owner
+      FROM moved mv JOIN held h ON h.id = mv.id
+     ORDER BY mv.id;
+    GET DIAGNOSTICS moved_rows = ROW_COUNT;
+    done := done + moved_rows;
     IF done > 0 AND cfg.notify THEN
         PERFORM pg_notify('outbox', '');
     END IF;
@@ -751,12 +1042,12 @@ BEGIN
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- last_error is kept: it is the operator's record of why the event had failed.
     WITH dead AS MATERIALIZED (
-        SELECT d.id FROM @extschema@.outbox_event d
+        SELECT d.id FROM @extschema@.outbox_tracked d
          WHERE d.id = ANY (ids) AND d.status = 'FAIL'
          ORDER BY d.id
          FOR UPDATE
     ), revived AS (
-        UPDATE @extschema@.outbox_event e
+        UPDATE @extschema@.outbox_tracked e
            SET status = 'WAIT', retry_count = 0, next_retry_time = stamp, skipped_at = NULL,
                updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
@@ -792,12 +1083,12 @@ BEGIN
     -- A claim marks a key blocked ('infinity') when it finds its head dead.
     RETURN QUERY
     SELECT k.topic, k.event_key, h.id, h.updated_at, h.last_error,
-           (SELECT count(*) FROM @extschema@.outbox_event w
+           (SELECT count(*) FROM @extschema@.outbox_tracked w
              WHERE w.topic = k.topic AND w.event_key = k.event_key AND w.ordered
                AND w.status <> 'SUCCESS' AND w.status = 'WAIT' AND w.id > h.id)
       FROM @extschema@.outbox_key k
       CROSS JOIN LATERAL (
-          SELECT e.id, e.updated_at, e.last_error FROM @extschema@.outbox_event e
+          SELECT e.id, e.updated_at, e.last_error FROM @extschema@.outbox_tracked e
            WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
              AND e.status <> 'SUCCESS'
            ORDER BY e.id
@@ -823,12 +1114,12 @@ BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_skip');
     PERFORM @extschema@.outbox_check_ids('outbox_skip', ids);
     WITH dead AS MATERIALIZED (
-        SELECT d.id FROM @extschema@.outbox_event d
+        SELECT d.id FROM @extschema@.outbox_tracked d
          WHERE d.id = ANY (ids) AND d.status = 'FAIL' AND d.skipped_at IS NULL
          ORDER BY d.id
          FOR UPDATE
     ), settled AS (
-        UPDATE @extschema@.outbox_event e SET skipped_at = stamp, updated_at = stamp
+        UPDATE @extschema@.outbox_tracked e SET skipped_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
@@ -854,6 +1145,7 @@ SET enable_bitmapscan = off
 AS $$
 DECLARE
     done bigint;
+    stream_done bigint;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_purge');
     IF older_than IS NULL OR older_than < interval '0' OR older_than > interval '100 years' THEN
@@ -874,14 +1166,34 @@ BEGIN
     -- SUCCESS row. Two purges at once: the second waits for the first's rows, finds them gone
     -- and deletes the rest of its pick.
     WITH old AS MATERIALIZED (
-        SELECT s.id FROM @extschema@.outbox_event s
+        SELECT s.id FROM @extschema@.outbox_tracked s
          WHERE s.status = 'SUCCESS' AND s.updated_at < now() - older_than
          ORDER BY s.updated_at
          LIMIT max_rows
     )
-    DELETE FROM @extschema@.outbox_event e
+    DELETE FROM @extschema@.outbox_tracked e
      WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS';
     GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
+    -- older than the cutoff. Among the oldest max_rows ids only, so a purge never walks a backlog
+    -- to find nothing: ids follow time closely enough for retention.
+    IF done < max_rows THEN
+        WITH c AS (
+            SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
+              FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
+        ), old AS MATERIALIZED (
+            SELECT h.id
+              FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
+                     ORDER BY e.id LIMIT max_rows - done) h, c
+             WHERE h.created_at < now() - older_than
+               AND (pg_visible_in_snapshot(h.txid, c.prev_snap)
+                    OR (pg_visible_in_snapshot(h.txid, c.cur_snap) AND (h.txid, h.id) <= (c.pos_txid, c.pos_id)))
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE h.id = ANY (b.pending))
+        )
+        DELETE FROM @extschema@.outbox_stream e WHERE e.id = ANY (ARRAY(SELECT old.id FROM old));
+        GET DIAGNOSTICS stream_done = ROW_COUNT;
+        done := done + stream_done;
+    END IF;
     RETURN done;
 END
 $$;
@@ -898,7 +1210,7 @@ BEGIN
             DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
     END IF;
     RETURN QUERY
-    SELECT * FROM @extschema@.outbox_event e
+    SELECT * FROM @extschema@.outbox_tracked e
      WHERE e.status = 'FAIL' AND e.id > coalesce(after_id, 0)
      ORDER BY e.id
      LIMIT max_rows;
@@ -922,6 +1234,9 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
     est real;
+    est_min real;
+    stream_wait bigint;
+    stream_oldest timestamptz;
 BEGIN
     -- Loads the library (and so the outbox.* settings) for relays that read them after this call.
     PERFORM @extschema@.outbox_config();
@@ -931,21 +1246,43 @@ BEGIN
            count(*) FILTER (WHERE w.next_retry_time > stamp),
            stamp - min(w.next_retry_time) FILTER (WHERE w.next_retry_time <= stamp)
       INTO due_wait, delayed_wait, oldest_due_age
-      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_event e
+      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
              WHERE e.status = 'WAIT' AND NOT e.ordered
             UNION ALL
-            SELECT e.next_retry_time FROM @extschema@.outbox_event e
+            SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
              WHERE e.ordered AND e.status <> 'SUCCESS' AND e.status = 'WAIT') w;
+    -- Stream events past the cursor (committed ones: a plain read sees no other), read as
+    -- outbox_stream_take reads them, so the cost follows the backlog.
+    SELECT count(*), min(w.created_at) INTO stream_wait, stream_oldest
+      FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
+      CROSS JOIN LATERAL (
+          SELECT e.created_at FROM @extschema@.outbox_stream e
+           WHERE (e.txid, e.id) >
+                 (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                       THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
+                  CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap) THEN c.pos_id ELSE 0 END)
+          UNION ALL
+          SELECT e.created_at FROM pg_snapshot_xip(c.prev_snap) x
+            JOIN @extschema@.outbox_stream e ON e.txid = x
+           WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)
+      ) w;
+    due_wait := due_wait + stream_wait;
+    oldest_due_age := CASE WHEN stream_oldest IS NULL THEN oldest_due_age
+                           ELSE greatest(oldest_due_age, stamp - stream_oldest) END;
     SELECT count(*), stamp - min(e.claimed_at)
       INTO sending, oldest_lease_age
-      FROM @extschema@.outbox_event e WHERE e.status = 'SENDING';
-    SELECT count(*) INTO failed FROM @extschema@.outbox_event e WHERE e.status = 'FAIL';
+      FROM @extschema@.outbox_tracked e WHERE e.status = 'SENDING';
+    SELECT sending + coalesce(sum(cardinality(b.pending)), 0),
+           greatest(oldest_lease_age, stamp - min(b.claimed_at))
+      INTO sending, oldest_lease_age
+      FROM @extschema@.outbox_stream_batch b;
+    SELECT count(*) INTO failed FROM @extschema@.outbox_tracked e WHERE e.status = 'FAIL';
     -- Keys held back by a dead head, and since when that head has been dead.
     SELECT count(*), stamp - min(h.updated_at)
       INTO blocked_keys, oldest_blocked_age
       FROM @extschema@.outbox_key k
       CROSS JOIN LATERAL (
-          SELECT e.updated_at FROM @extschema@.outbox_event e
+          SELECT e.updated_at FROM @extschema@.outbox_tracked e
            WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
              AND e.status <> 'SUCCESS'
            ORDER BY e.id
@@ -954,9 +1291,11 @@ BEGIN
      WHERE k.due_at = 'infinity';
     -- SUCCESS rows are the history: count them exactly while the table is small (< 8 MB),
     -- estimate from the planner's statistics beyond that.
-    SELECT c.reltuples INTO est
-      FROM pg_class c WHERE c.oid = '@extschema@.outbox_event'::regclass;
-    IF pg_relation_size('@extschema@.outbox_event'::regclass) < 8 * 1024 * 1024 OR est < 0 THEN
+    SELECT sum(greatest(c.reltuples, 0)), min(c.reltuples) INTO est, est_min
+      FROM pg_class c
+     WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass, '@extschema@.outbox_stream'::regclass);
+    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
+       + pg_relation_size('@extschema@.outbox_stream'::regclass) < 8 * 1024 * 1024 OR est_min < 0 THEN
         SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
     ELSE
         succeeded := greatest(est::bigint - due_wait - delayed_wait - sending - failed, 0);

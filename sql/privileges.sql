@@ -1,7 +1,8 @@
 -- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): PostgreSQL grants EXECUTE on new
 -- functions to PUBLIC by default, so take it back from every function of the extension.
 -- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
-REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_key FROM PUBLIC;
+REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
+    @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch, @extschema@.outbox_key FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_config(),
@@ -10,6 +11,10 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_check_topic(text),
     @extschema@.outbox_topic_ordered(text),
     @extschema@.outbox_key_lock_id(text, text),
+    @extschema@.outbox_stream_lock_id(),
+    @extschema@.outbox_stream_take(text, bigint, timestamptz, int),
+    @extschema@.outbox_stream_settle(text, bigint, bigint[]),
+    @extschema@.outbox_stream_restamp(),
     @extschema@.outbox_uuidv7(),
     @extschema@.outbox_check_isolation(text),
     @extschema@.outbox_check_owner(text, text),

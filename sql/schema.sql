@@ -8,7 +8,11 @@ CREATE TYPE @extschema@.outbox_status AS ENUM ('WAIT', 'SENDING', 'SUCCESS', 'FA
 CREATE SEQUENCE @extschema@.outbox_event_id_seq AS bigint;
 CREATE SEQUENCE @extschema@.outbox_claim_token_seq AS bigint;
 
-CREATE TABLE @extschema@.outbox_event (
+-- Events whose state lives in their row: ordered events (a key, on an ordered topic), events due
+-- later (deliver_at), and stream events after their first failed attempt (nack, release, lease
+-- expired). Fresh unordered events go to outbox_stream below instead. outbox_event, the view at
+-- the end of functions.sql, shows both with one set of columns and statuses.
+CREATE TABLE @extschema@.outbox_tracked (
     id              bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     topic           text NOT NULL,
     event_key       text,
@@ -43,26 +47,26 @@ CREATE TABLE @extschema@.outbox_event (
     -- a version that moves (docs/reference.md, "Life-cycle cost"). Last: 0.5.0 -> 0.6.0 appends it.
     fillfactor = 50
 );
-ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_event.id;
+ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_tracked.id;
 
 -- Hot path 1: due unordered WAIT rows, oldest next_retry_time first (outbox_claim). Partial, so
 -- its size follows the backlog, not the history of SUCCESS rows. See docs/INDEXES.md.
-CREATE INDEX outbox_event_wait_due_idx
-    ON @extschema@.outbox_event (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
+CREATE INDEX outbox_tracked_wait_due_idx
+    ON @extschema@.outbox_tracked (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
 -- Hot path 1, ordered: a key's unfinished events in commit (= id) order; its first entry is the
 -- key's head. Claim cost follows the keys it visits, not a hot key's backlog.
-CREATE INDEX outbox_event_key_pending_idx
-    ON @extschema@.outbox_event (topic, event_key, id) WHERE ordered AND status <> 'SUCCESS';
+CREATE INDEX outbox_tracked_key_pending_idx
+    ON @extschema@.outbox_tracked (topic, event_key, id) WHERE ordered AND status <> 'SUCCESS';
 -- Hot path 2: leases by age (outbox_reclaim, outbox_stats).
-CREATE INDEX outbox_event_sending_claimed_idx
-    ON @extschema@.outbox_event (claimed_at) WHERE status = 'SENDING';
+CREATE INDEX outbox_tracked_sending_claimed_idx
+    ON @extschema@.outbox_tracked (claimed_at) WHERE status = 'SENDING';
 -- Dead letters for operators (outbox_dead_letters, outbox_stats); FAIL rows are few.
-CREATE INDEX outbox_event_fail_idx
-    ON @extschema@.outbox_event (id) WHERE status = 'FAIL';
+CREATE INDEX outbox_tracked_fail_idx
+    ON @extschema@.outbox_tracked (id) WHERE status = 'FAIL';
 
 -- Purge: delivered rows by age, so a purge reads the rows it deletes, not the whole history.
-CREATE INDEX outbox_event_success_updated_idx
-    ON @extschema@.outbox_event (updated_at) WHERE status = 'SUCCESS';
+CREATE INDEX outbox_tracked_success_updated_idx
+    ON @extschema@.outbox_tracked (updated_at) WHERE status = 'SUCCESS';
 
 -- One row per key that may have work for a claim (docs/reference.md, "Per-key order"): created by
 -- the first enqueue of an idle key, deleted by a claim once the key has nothing unfinished. due_at
@@ -80,6 +84,108 @@ CREATE TABLE @extschema@.outbox_key (
 );
 CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
 
+-- Fresh unordered events, append-only (docs/reference.md, "Data model"): inserted once by
+-- outbox_enqueue, never updated, deleted by outbox_purge. A claim hands them out window by window
+-- through outbox_stream_cursor and records what it handed out as one outbox_stream_batch row, so
+-- an event's row is written once in its life, and a claim never walks entries that earlier
+-- claims left behind, however old the oldest snapshot is.
+CREATE TABLE @extschema@.outbox_stream (
+    id          bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
+    -- The inserting top-level transaction (not xmin: an insert in a savepoint has a
+    -- subtransaction's xmin, which no snapshot lists as in progress).
+    txid        xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    topic       text NOT NULL,
+    event_key   text,
+    event_type  text,
+    payload     jsonb NOT NULL,
+    headers     jsonb NOT NULL DEFAULT '{}',
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7()
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
+-- The cursor's walk: commit windows in (txid, id) order.
+CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
+
+-- The stream's read position, one version per claim that moved it (the newest counts): events
+-- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
+-- finished up to (pos_txid, pos_id); the rest are waiting. Versions are appended, not updated, so
+-- a long snapshot never makes the newest one expensive to find. Claims take turns on it with an
+-- advisory lock (outbox_stream_lock_id), which writes no WAL.
+CREATE TABLE @extschema@.outbox_stream_cursor (
+    version   bigint PRIMARY KEY,
+    prev_snap pg_snapshot NOT NULL,
+    cur_snap  pg_snapshot NOT NULL,
+    pos_txid  xid8 NOT NULL,
+    pos_id    bigint NOT NULL
+);
+-- The first window is empty and starts here: every transaction still running (this one
+-- included) counts as unfinished, so an event it inserts later is still handed out.
+INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
+SELECT 1, n.snap, n.snap, '0', 0
+  FROM (SELECT CASE WHEN c.me < pg_catalog.pg_snapshot_xmax(c.snap)
+                    THEN pg_catalog.format('%s:%s:%s',
+                             least(pg_catalog.pg_snapshot_xmin(c.snap), c.me),
+                             pg_catalog.pg_snapshot_xmax(c.snap),
+                             pg_catalog.array_to_string(ARRAY(
+                                 SELECT x FROM pg_catalog.pg_snapshot_xip(c.snap) x
+                                 UNION SELECT c.me ORDER BY 1), ','))::pg_catalog.pg_snapshot
+                    ELSE c.snap END AS snap
+          FROM (SELECT pg_catalog.pg_current_snapshot() AS snap,
+                       pg_catalog.pg_current_xact_id() AS me) c) n;
+
+-- One row per claim that handed out stream events: the claim's owner, token and lease, and the
+-- ids not yet settled. Acking the whole claim deletes the row.
+CREATE TABLE @extschema@.outbox_stream_batch (
+    claim_token bigint PRIMARY KEY,
+    claim_owner text NOT NULL,
+    claimed_at  timestamptz NOT NULL,
+    pending     bigint[] NOT NULL
+);
+
+-- What operators, dashboards and runbooks read: every event with the columns and statuses of a
+-- single table. A stream event is WAIT until a claim hands it out, SENDING while its claim holds
+-- it, SUCCESS once settled (then updated_at is its creation time: a stream row is never
+-- rewritten); after a failed attempt its tracked copy stands for it. Read-only: state changes go
+-- through the functions.
+CREATE VIEW @extschema@.outbox_event AS
+SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
+       t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
+       t.updated_at, t.event_id, t.ordered, t.skipped_at
+  FROM @extschema@.outbox_tracked t
+UNION ALL
+SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+       (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
+             WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
+               OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
+                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id)) THEN 'SUCCESS'
+             ELSE 'WAIT' END)::@extschema@.outbox_status,
+       0, s.created_at, b.claim_owner, b.claim_token, b.claimed_at, NULL::text, s.created_at,
+       coalesce(b.claimed_at, s.created_at), s.event_id, false, NULL::timestamptz
+  FROM @extschema@.outbox_stream s
+ CROSS JOIN (SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
+               FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
+  LEFT JOIN (SELECT pg_catalog.unnest(p.pending) AS id, p.claim_owner, p.claim_token, p.claimed_at
+               FROM @extschema@.outbox_stream_batch p) b ON b.id = s.id
+ WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked r WHERE r.id = s.id);
+
+-- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
+-- means nothing to this cursor (and would count as long handed out): it takes the restoring
+-- transaction's instead. outbox_enqueue's rows never fire it.
+CREATE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.txid := pg_current_xact_id();
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER outbox_stream_restamp BEFORE INSERT ON @extschema@.outbox_stream
+    FOR EACH ROW WHEN (NEW.txid IS DISTINCT FROM pg_catalog.pg_current_xact_id())
+    EXECUTE FUNCTION @extschema@.outbox_stream_restamp();
+
 -- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
 -- Only tables of an extension are configuration tables, and only while CREATE EXTENSION runs: the
 -- SQL-only build (scripts/sql-only) runs this file as a plain script, where its tables are
@@ -88,8 +194,16 @@ DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_depend d
                 WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
-                  AND d.objid = '@extschema@.outbox_event'::pg_catalog.regclass AND d.deptype = 'e') THEN
-        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event', '');
+                  AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');
+        -- Stream events still owed (not yet handed out, or in an unsettled claim); the cursor and
+        -- the claims are not dumped: a restored outbox starts a fresh cursor that hands them out.
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
+            'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'
+            ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'
+            ' AND (pg_catalog.pg_visible_in_snapshot(txid, c.prev_snap)'
+            ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND (txid, id) <= (c.pos_txid, c.pos_id))))'
+            ' OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE id = ANY (b.pending))');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_claim_token_seq', '');

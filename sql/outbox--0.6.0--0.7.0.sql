@@ -1,0 +1,1327 @@
+-- outbox 0.6.0 -> 0.7.0 (docs/reference.md, "Data model" and "Upgrades").
+-- * Fresh unordered events (no key, or a topic in outbox.unordered_topics, due now) go to the
+--   append-only outbox_stream: inserted once, handed out by a cursor over commit windows
+--   (outbox_stream_cursor), held by one outbox_stream_batch row per claim, deleted by purge. An
+--   event's row is never rewritten, and a claim never walks what earlier claims left behind.
+-- * The table outbox_event becomes outbox_tracked (ordered events, events due later, and stream
+--   events after a failed attempt), and outbox_event a read-only view of both, with the same
+--   columns and statuses.
+-- * Every function that named the table reads the new shape; the SQL API is unchanged.
+-- Events in flight stay where they are: every row of the old table is a tracked row, with its
+-- claim, token and lease. Only events enqueued after the update go to the stream; the cursor
+-- starts at the update's snapshot, which lists the transactions still running (this one
+-- included), so an event they insert after the update is handed out too.
+\echo Use "ALTER EXTENSION outbox UPDATE TO '0.7.0'" to load this file. \quit
+
+ALTER TABLE @extschema@.outbox_event RENAME TO outbox_tracked;
+ALTER INDEX @extschema@.outbox_event_pkey RENAME TO outbox_tracked_pkey;
+ALTER INDEX @extschema@.outbox_event_wait_due_idx RENAME TO outbox_tracked_wait_due_idx;
+ALTER INDEX @extschema@.outbox_event_key_pending_idx RENAME TO outbox_tracked_key_pending_idx;
+ALTER INDEX @extschema@.outbox_event_sending_claimed_idx RENAME TO outbox_tracked_sending_claimed_idx;
+ALTER INDEX @extschema@.outbox_event_fail_idx RENAME TO outbox_tracked_fail_idx;
+ALTER INDEX @extschema@.outbox_event_success_updated_idx RENAME TO outbox_tracked_success_updated_idx;
+
+-- outbox_claim and outbox_dead_letters returned the table's row type, which went with the rename:
+-- they are created anew below, returning the view's. Their grants are kept for the new ones.
+SELECT pg_catalog.set_config('outbox_upgrade.claim_acl',
+           coalesce((SELECT p.proacl::text FROM pg_catalog.pg_proc p
+                      WHERE p.oid = '@extschema@.outbox_claim(text, int)'::pg_catalog.regprocedure), ''), true),
+       pg_catalog.set_config('outbox_upgrade.dead_letters_acl',
+           coalesce((SELECT p.proacl::text FROM pg_catalog.pg_proc p
+                      WHERE p.oid = '@extschema@.outbox_dead_letters(int, bigint)'::pg_catalog.regprocedure), ''), true);
+DROP FUNCTION @extschema@.outbox_claim(text, int);
+DROP FUNCTION @extschema@.outbox_dead_letters(int, bigint);
+
+-- Fresh unordered events, append-only (docs/reference.md, "Data model"): inserted once by
+-- outbox_enqueue, never updated, deleted by outbox_purge. A claim hands them out window by window
+-- through outbox_stream_cursor and records what it handed out as one outbox_stream_batch row, so
+-- an event's row is written once in its life, and a claim never walks entries that earlier
+-- claims left behind, however old the oldest snapshot is.
+CREATE TABLE @extschema@.outbox_stream (
+    id          bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
+    -- The inserting top-level transaction (not xmin: an insert in a savepoint has a
+    -- subtransaction's xmin, which no snapshot lists as in progress).
+    txid        xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    topic       text NOT NULL,
+    event_key   text,
+    event_type  text,
+    payload     jsonb NOT NULL,
+    headers     jsonb NOT NULL DEFAULT '{}',
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7()
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
+-- The cursor's walk: commit windows in (txid, id) order.
+CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
+
+-- The stream's read position, one version per claim that moved it (the newest counts): events
+-- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
+-- finished up to (pos_txid, pos_id); the rest are waiting. Versions are appended, not updated, so
+-- a long snapshot never makes the newest one expensive to find. Claims take turns on it with an
+-- advisory lock (outbox_stream_lock_id), which writes no WAL.
+CREATE TABLE @extschema@.outbox_stream_cursor (
+    version   bigint PRIMARY KEY,
+    prev_snap pg_snapshot NOT NULL,
+    cur_snap  pg_snapshot NOT NULL,
+    pos_txid  xid8 NOT NULL,
+    pos_id    bigint NOT NULL
+);
+-- The first window is empty and starts here: every transaction still running (this one
+-- included) counts as unfinished, so an event it inserts later is still handed out.
+INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
+SELECT 1, n.snap, n.snap, '0', 0
+  FROM (SELECT CASE WHEN c.me < pg_catalog.pg_snapshot_xmax(c.snap)
+                    THEN pg_catalog.format('%s:%s:%s',
+                             least(pg_catalog.pg_snapshot_xmin(c.snap), c.me),
+                             pg_catalog.pg_snapshot_xmax(c.snap),
+                             pg_catalog.array_to_string(ARRAY(
+                                 SELECT x FROM pg_catalog.pg_snapshot_xip(c.snap) x
+                                 UNION SELECT c.me ORDER BY 1), ','))::pg_catalog.pg_snapshot
+                    ELSE c.snap END AS snap
+          FROM (SELECT pg_catalog.pg_current_snapshot() AS snap,
+                       pg_catalog.pg_current_xact_id() AS me) c) n;
+
+-- One row per claim that handed out stream events: the claim's owner, token and lease, and the
+-- ids not yet settled. Acking the whole claim deletes the row.
+CREATE TABLE @extschema@.outbox_stream_batch (
+    claim_token bigint PRIMARY KEY,
+    claim_owner text NOT NULL,
+    claimed_at  timestamptz NOT NULL,
+    pending     bigint[] NOT NULL
+);
+
+-- What operators, dashboards and runbooks read: every event with the columns and statuses of a
+-- single table. A stream event is WAIT until a claim hands it out, SENDING while its claim holds
+-- it, SUCCESS once settled (then updated_at is its creation time: a stream row is never
+-- rewritten); after a failed attempt its tracked copy stands for it. Read-only: state changes go
+-- through the functions.
+CREATE VIEW @extschema@.outbox_event AS
+SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
+       t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
+       t.updated_at, t.event_id, t.ordered, t.skipped_at
+  FROM @extschema@.outbox_tracked t
+UNION ALL
+SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+       (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
+             WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
+               OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
+                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id)) THEN 'SUCCESS'
+             ELSE 'WAIT' END)::@extschema@.outbox_status,
+       0, s.created_at, b.claim_owner, b.claim_token, b.claimed_at, NULL::text, s.created_at,
+       coalesce(b.claimed_at, s.created_at), s.event_id, false, NULL::timestamptz
+  FROM @extschema@.outbox_stream s
+ CROSS JOIN (SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
+               FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
+  LEFT JOIN (SELECT pg_catalog.unnest(p.pending) AS id, p.claim_owner, p.claim_token, p.claimed_at
+               FROM @extschema@.outbox_stream_batch p) b ON b.id = s.id
+ WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked r WHERE r.id = s.id);
+
+-- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
+-- means nothing to this cursor (and would count as long handed out): it takes the restoring
+-- transaction's instead. outbox_enqueue's rows never fire it.
+CREATE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.txid := pg_current_xact_id();
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER outbox_stream_restamp BEFORE INSERT ON @extschema@.outbox_stream
+    FOR EACH ROW WHEN (NEW.txid IS DISTINCT FROM pg_catalog.pg_current_xact_id())
+    EXECUTE FUNCTION @extschema@.outbox_stream_restamp();
+
+-- The stream's owed events are carried by pg_dump (see sql/schema.sql).
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_depend d
+                WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
+                  AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
+            'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'
+            ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'
+            ' AND (pg_catalog.pg_visible_in_snapshot(txid, c.prev_snap)'
+            ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND (txid, id) <= (c.pos_txid, c.pos_id))))'
+            ' OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE id = ANY (b.pending))');
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    topic text,
+    payload jsonb,
+    key text DEFAULT NULL,
+    event_type text DEFAULT NULL,
+    headers jsonb DEFAULT '{}',
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    header record;
+    payload_bytes int;
+    message_bytes bigint;
+    max_bytes int;
+    new_id bigint;
+    ordered boolean;
+BEGIN
+    -- In Rust, one call: the topic's format and the operator's allow-list (outbox.allowed_topics),
+    -- the note that wakes outbox_wait at commit, and whether the key keeps its order.
+    ordered := @extschema@.outbox_enqueue_begin(topic, key);
+    IF payload IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = 'outbox_enqueue: payload must not be NULL (use ''null''::jsonb for a JSON null)';
+    END IF;
+    headers := coalesce(headers, '{}'::jsonb);
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+            DETAIL = format('headers is a JSON %s', jsonb_typeof(headers));
+    END IF;
+    IF headers <> '{}'::jsonb THEN
+        FOR header IN SELECT h.key, jsonb_typeof(h.value) AS kind FROM jsonb_each(headers) h LOOP
+            IF header.kind <> 'string' THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+                    DETAIL = format('header %L is a JSON %s', header.key, header.kind);
+            END IF;
+            IF header.key IN ('event_id', 'event_type', 'event_key', 'outbox_id') THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = format('outbox_enqueue: header %L is set by the relay and cannot be given in headers', header.key);
+            END IF;
+        END LOOP;
+    END IF;
+    -- 'infinity' would be stored and never become due.
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: deliver_at must be a finite timestamp (or NULL for now)',
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+    -- The limit guards the whole message the relay will send: payload, key and headers.
+    payload_bytes := octet_length(payload::text);
+    message_bytes := payload_bytes::bigint + coalesce(octet_length(key), 0)
+                     + CASE WHEN headers = '{}'::jsonb THEN 0 ELSE octet_length(headers::text) END;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    IF message_bytes > max_bytes THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('outbox_enqueue: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             message_bytes, payload_bytes, coalesce(octet_length(key), 0),
+                             message_bytes - payload_bytes - coalesce(octet_length(key), 0), max_bytes);
+    END IF;
+
+    IF ordered THEN
+        -- One statement (each costs an executor start): first the key's turn, an advisory lock
+        -- producers of this key hold until they commit, so the id drawn after it follows commit
+        -- order within the key (a sequence alone does not: docs/reference.md); then the event; then
+        -- the key's row if the key was idle (an active key has one, and its head decides when it
+        -- is due).
+        WITH turn AS (
+            SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
+        ), event AS (
+            INSERT INTO @extschema@.outbox_tracked
+                (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+            SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true
+              FROM turn
+            RETURNING id
+        ), key_row AS (
+            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+            SELECT topic, key, greatest(now(), deliver_at) FROM event
+            ON CONFLICT DO NOTHING
+        )
+        SELECT event.id INTO new_id FROM event;
+    ELSIF deliver_at > now() THEN
+        -- Due later: a tracked row, claimed by its next_retry_time.
+        INSERT INTO @extschema@.outbox_tracked
+            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        VALUES
+            (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
+        RETURNING id INTO new_id;
+    ELSE
+        -- The common case: one append-only row, never written again (outbox_stream).
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, event_type, payload, headers)
+        VALUES (topic, key, event_type, payload, headers)
+        RETURNING id INTO new_id;
+    END IF;
+
+    -- Off by default: relays wait with outbox_wait. NOTIFY is for a listener of the application's
+    -- own, and makes notifying transactions commit one at a time (docs/reference.md, "Wake-up").
+    IF @extschema@.outbox_notify_enabled() THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN new_id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue_many(
+    topic text,
+    payloads jsonb[],
+    keys text[] DEFAULT NULL,
+    event_types text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    fn constant text := 'outbox_enqueue_many';
+    n int := coalesce(cardinality(payloads), 0);
+    ordered_topic boolean;
+    due_later boolean := coalesce(deliver_at > now(), false);
+    bad record;
+    max_bytes int;
+BEGIN
+    -- The topic's checks and the wake-up note, once for the whole batch.
+    PERFORM @extschema@.outbox_enqueue_begin(topic, NULL);
+    ordered_topic := @extschema@.outbox_topic_ordered(topic);
+    IF payloads IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads must be an array of JSON values, not NULL', fn);
+    END IF;
+    IF array_ndims(payloads) > 1 OR array_ndims(keys) > 1 OR array_ndims(event_types) > 1
+       OR array_ndims(headers) > 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: the arrays must be one-dimensional', fn);
+    END IF;
+    SELECT a.name, a.len INTO bad
+      FROM (VALUES ('keys', cardinality(keys)), ('event_types', cardinality(event_types)),
+                   ('headers', cardinality(headers))) a(name, len)
+     WHERE a.len IS NOT NULL AND a.len <> n
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s has %s elements, payloads %s (give one per payload, or NULL)',
+                             fn, bad.name, bad.len, n);
+    END IF;
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: deliver_at must be a finite timestamp (or NULL for now)', fn),
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+
+    -- Every element is checked before anything is written; the first bad one is reported.
+    SELECT u.pos INTO bad FROM unnest(payloads) WITH ORDINALITY u(p, pos) WHERE u.p IS NULL LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads[%s] is NULL (use ''null''::jsonb for a JSON null)', fn, bad.pos);
+    END IF;
+    SELECT u.pos, jsonb_typeof(u.h) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+     WHERE u.h IS NOT NULL AND jsonb_typeof(u.h) <> 'object'
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('headers[%s] is a JSON %s', bad.pos, bad.kind);
+    END IF;
+    SELECT u.pos, e.key, jsonb_typeof(e.value) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+      CROSS JOIN LATERAL jsonb_each(u.h) e
+     WHERE u.h IS NOT NULL AND u.h <> '{}'::jsonb
+       AND (jsonb_typeof(e.value) <> 'string' OR e.key IN ('event_id', 'event_type', 'event_key', 'outbox_id'))
+     ORDER BY u.pos
+     LIMIT 1;
+    IF FOUND AND bad.kind <> 'string' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('header %L is a JSON %s', bad.key, bad.kind);
+    ELSIF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s]: header %L is set by the relay and cannot be given in headers', fn, bad.pos, bad.key);
+    END IF;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    SELECT m.pos, m.payload_bytes, m.key_bytes, m.header_bytes INTO bad
+      FROM (SELECT u.pos, octet_length(u.p::text) AS payload_bytes,
+                   coalesce(octet_length(u.k), 0) AS key_bytes,
+                   CASE WHEN coalesce(u.h, '{}'::jsonb) = '{}'::jsonb THEN 0 ELSE octet_length(u.h::text) END AS header_bytes
+              FROM unnest(payloads, keys, headers) WITH ORDINALITY u(p, k, h, pos)) m
+     WHERE m.payload_bytes::bigint + m.key_bytes + m.header_bytes > max_bytes
+     ORDER BY m.pos
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('%s: payloads[%s]: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             fn, bad.pos, bad.payload_bytes::bigint + bad.key_bytes + bad.header_bytes,
+                             bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
+    END IF;
+
+    IF ordered_topic THEN
+        -- Every key's turn (outbox_enqueue), taken in lock order so that two batches sharing
+        -- keys wait for each other instead of deadlocking.
+        PERFORM pg_advisory_xact_lock(l.id)
+           FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
+                   FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
+    END IF;
+    -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
+    -- it: ordered or due later to outbox_tracked, the rest to outbox_stream.
+    RETURN QUERY
+    WITH input AS MATERIALIZED (
+        SELECT nextval('@extschema@.outbox_event_id_seq') AS id, u.p, u.k, u.t,
+               coalesce(u.h, '{}'::jsonb) AS h, ordered_topic AND u.k IS NOT NULL AS ordered
+          FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
+         ORDER BY u.pos
+    ), tracked AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered
+          FROM input i
+         WHERE i.ordered OR due_later
+         ORDER BY i.id
+        RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
+    ), stream AS (
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, event_type, payload, headers)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h
+          FROM input i
+         WHERE NOT (i.ordered OR due_later)
+         ORDER BY i.id
+        RETURNING outbox_stream.id
+    ), key_row AS (
+        INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+        SELECT DISTINCT topic, t.event_key, greatest(now(), deliver_at) FROM tracked t WHERE t.ordered
+        ON CONFLICT DO NOTHING
+    )
+    SELECT e.id FROM (SELECT t.id FROM tracked t UNION ALL SELECT st.id FROM stream st) e ORDER BY e.id;
+
+    IF @extschema@.outbox_notify_enabled() AND n > 0 THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+CREATE FUNCTION @extschema@.outbox_stream_lock_id() RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT 8031453474740765696::pg_catalog.int8
+$$;
+
+CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    ver bigint;
+    prev_snap pg_snapshot;
+    cur_snap pg_snapshot;
+    pos_txid xid8;
+    pos_id bigint;
+    was text;
+    -- The cursor before a rotation, kept when the new window turns out empty.
+    kept_prev pg_snapshot;
+    kept_cur pg_snapshot;
+    kept_txid xid8;
+    kept_id bigint;
+    taken_before_rotation int := -1;
+    -- Only ids travel through the loop; the claim reads the rows once, by primary key.
+    ids bigint[] := '{}';
+    part_ids bigint[];
+    part_txids xid8[];
+    x xid8;
+    fresh pg_snapshot;
+    lo_txid xid8;
+    lo_id bigint;
+BEGIN
+    -- Claims take turns until they commit: a position is only visible once its claim commits.
+    -- Waiting (not skipping) keeps "another claim is reading the stream" apart from "nothing to
+    -- do"; an advisory lock writes no WAL, so an idle poll writes nothing at all.
+    PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+    -- A statement after the lock: its snapshot sees the last holder's position.
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id
+      FROM @extschema@.outbox_stream_cursor c
+     ORDER BY c.version DESC
+     LIMIT 1;
+    was := format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id);
+    FOR w IN 1..2 LOOP
+        -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
+        -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
+        -- not a re-read of everything committed since it began.
+        IF pos_txid < pg_snapshot_xmax(prev_snap) THEN
+            FOR x IN SELECT t FROM pg_snapshot_xip(prev_snap) t
+                      WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
+                      ORDER BY t LOOP
+                EXIT WHEN cardinality(ids) >= max_events;
+                SELECT array_agg(e.id ORDER BY e.id) INTO part_ids
+                  FROM (SELECT e.id FROM @extschema@.outbox_stream e
+                         WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
+                         ORDER BY e.id
+                         LIMIT max_events - cardinality(ids)) e;
+                IF part_ids IS NOT NULL THEN
+                    ids := ids || part_ids;
+                    pos_txid := x;
+                    pos_id := part_ids[cardinality(part_ids)];
+                END IF;
+            END LOOP;
+        END IF;
+        -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
+        -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
+        -- at cur_snap are skipped; the next window takes them by equality above.
+        IF cardinality(ids) < max_events THEN
+            lo_txid := pg_snapshot_xmax(prev_snap);
+            lo_id := 0;
+            IF (pos_txid, pos_id) > (lo_txid, lo_id) THEN
+                lo_txid := pos_txid;
+                lo_id := pos_id;
+            END IF;
+            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids
+              FROM (SELECT e.id, e.txid FROM @extschema@.outbox_stream e
+                     WHERE (e.txid, e.id) > (lo_txid, lo_id)
+                       AND e.txid < pg_snapshot_xmax(cur_snap)
+                       AND pg_visible_in_snapshot(e.txid, cur_snap)
+                     ORDER BY e.txid, e.id
+                     LIMIT max_events - cardinality(ids)) e;
+            IF part_ids IS NOT NULL THEN
+                ids := ids || part_ids;
+                pos_txid := part_txids[cardinality(part_txids)];
+                pos_id := part_ids[cardinality(part_ids)];
+            END IF;
+        END IF;
+        EXIT WHEN cardinality(ids) >= max_events OR w = 2;
+        -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
+        -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
+        fresh := pg_current_snapshot();
+        EXIT WHEN fresh::text = cur_snap::text;
+        kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
+        taken_before_rotation := cardinality(ids);
+        prev_snap := cur_snap;
+        cur_snap := fresh;
+        pos_txid := '0';
+        pos_id := 0;
+    END LOOP;
+    -- A rotation into an empty window is not kept: the next claim's window, from the same
+    -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
+    IF cardinality(ids) = taken_before_rotation THEN
+        prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
+    END IF;
+    IF format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id);
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version <= ver;
+    END IF;
+    IF cardinality(ids) > 0 THEN
+        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending)
+        VALUES (token, owner, stamp, ids);
+    END IF;
+    RETURN ids;
+END
+$$;
+
+CREATE FUNCTION @extschema@.outbox_stream_settle(owner text, claim_token bigint, ids bigint[])
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    pending bigint[];
+    held bigint[];
+BEGIN
+    SELECT b.pending INTO pending FROM @extschema@.outbox_stream_batch b
+     WHERE b.claim_token = claim_token AND b.claim_owner = owner
+       FOR UPDATE;
+    IF pending IS NULL OR NOT pending && ids THEN
+        RETURN '{}';
+    END IF;
+    held := ARRAY(SELECT p FROM unnest(pending) p WHERE p = ANY (ids) ORDER BY p);
+    IF cardinality(held) = cardinality(pending) THEN
+        -- The usual case, the whole claim settled at once: no new version of the row.
+        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = claim_token;
+    ELSE
+        UPDATE @extschema@.outbox_stream_batch b
+           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE NOT p = ANY (ids) ORDER BY p)
+         WHERE b.claim_token = claim_token;
+    END IF;
+    RETURN held;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    -- The stream: a committed event past the cursor (a plain read sees only committed rows), in
+    -- the range from xmax(prev_snap) or of a transaction prev_snap saw in progress.
+    SELECT EXISTS (SELECT 1 FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v
+                                   ORDER BY v.version DESC LIMIT 1) c
+                    WHERE EXISTS (SELECT 1 FROM @extschema@.outbox_stream e
+                                   WHERE (e.txid, e.id) >
+                                         (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                                               THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
+                                          CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                                               THEN c.pos_id ELSE 0 END))
+                       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.prev_snap) x
+                                    JOIN @extschema@.outbox_stream e ON e.txid = x
+                                   WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)))
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
+                    WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= clock_timestamp())
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
+                    WHERE k.due_at <= clock_timestamp()
+                      AND (k.due_at > '-infinity'
+                           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
+                                       WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                         AND e.ordered AND e.status = 'WAIT')))
+$$;
+
+CREATE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    token bigint;
+    -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
+    stamp timestamptz := clock_timestamp();
+    lease interval;
+    skip_dead boolean;
+    -- What the visit of the due keys saw, one element per row: the key row (locked), its key
+    -- and due time, and one of its unfinished events (NULL for a key with none).
+    v_rows tid[];
+    v_topics text[];
+    v_names text[];
+    v_due timestamptz[];
+    v_ids bigint[];
+    v_status @extschema@.outbox_status[];
+    v_retry timestamptz[];
+    v_claimed timestamptz[];
+    v_pos bigint[];
+    v_runnable boolean[];
+    key_topics text[];
+    key_names text[];
+    tracked_rows int;
+    stream_ids bigint[];
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', cfg.max_claim),
+            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
+    END IF;
+    token := nextval('@extschema@.outbox_claim_token_seq');
+    lease := make_interval(secs => cfg.lease_ms / 1000.0);
+    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
+    skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
+
+    -- The due ordered keys, oldest due first, each with its unfinished events from its head in
+    -- commit (= id) order: as far as they are runnable (WAIT and due), and the head in any case.
+    -- Rows are pulled until the batch is full, and a key row is locked (SKIP LOCKED: concurrent
+    -- claimers split the keys) only when it is reached, so a claim visits as few keys as fill it:
+    -- ten keys with runs of 50 rather than 500 keys with one event each, whose key rows would
+    -- all be written twice (here and at the ack). At most 1,000 keys (an idle one costs an
+    -- advisory lock below) and max_events rows per key (so a hot key's backlog is never read
+    -- past what a batch can take).
+    SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
+           array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
+           array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable)
+      INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable
+      FROM (SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at, p.id, p.status,
+                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable
+              FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at FROM @extschema@.outbox_key d
+                     WHERE d.due_at <= stamp
+                     ORDER BY d.due_at
+                     LIMIT least(max_events, 1000)
+                     FOR UPDATE SKIP LOCKED) k
+              LEFT JOIN LATERAL (
+                  SELECT r.* FROM (
+                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp)
+                                      OVER (ORDER BY u.pos) AS runnable
+                        FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                                     row_number() OVER (ORDER BY e.id) AS pos
+                                FROM @extschema@.outbox_tracked e
+                               WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                 AND e.ordered AND e.status <> 'SUCCESS'
+                                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+                               ORDER BY e.id
+                               LIMIT max_events) u
+                  ) r
+                   WHERE r.runnable OR r.pos = 1
+              ) p ON true
+             LIMIT max_events) c;
+
+    -- The one statement that decides ownership. A key's run is the prefix of its unfinished
+    -- events (from its head) that are WAIT and due: nothing after a held, backing-off or dead
+    -- event. Unordered events are claimed as before, SKIP LOCKED. The batch is cut by due time
+    -- with a key's run ranked as one block, so a cut keeps a prefix.
+    RETURN QUERY
+    WITH pending AS MATERIALIZED (
+        SELECT t.*
+          FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable)
+               AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable)
+    ), unordered AS MATERIALIZED (
+        SELECT c.id, c.next_retry_time
+          FROM @extschema@.outbox_tracked c
+         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
+         ORDER BY c.next_retry_time, c.id
+         LIMIT max_events
+         FOR UPDATE SKIP LOCKED
+    ), chosen AS MATERIALIZED (
+        SELECT x.id FROM (
+            SELECT p.id, p.key_due AS due, p.row_id AS grp, p.pos FROM pending p WHERE p.runnable
+            UNION ALL
+            SELECT u.id, u.next_retry_time, NULL::tid, 1 FROM unordered u
+        ) x
+        ORDER BY x.due, x.grp, x.pos
+        LIMIT max_events
+    ), claimed AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
+        RETURNING e.*
+    ), verdict AS (
+        -- When each visited key needs a look next: after its run (the lease, unless settled
+        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle.
+        SELECT h.row_id,
+               CASE WHEN h.holding THEN stamp + lease
+                    WHEN h.status IS NULL THEN '-infinity'::timestamptz
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN h.key_due
+                    WHEN h.status = 'WAIT' THEN h.next_retry_time
+                    WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
+                    ELSE 'infinity'::timestamptz
+               END AS next_due
+          FROM (SELECT p.row_id, min(p.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
+                       min(p.status) FILTER (WHERE p.pos = 1) AS status,
+                       min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
+                       min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
+                  FROM pending p LEFT JOIN chosen c ON c.id = p.id
+                 GROUP BY p.row_id) h
+    ), looked AS (
+        -- The key rows by their tuple ids: locked above, so they cannot have moved.
+        UPDATE @extschema@.outbox_key k SET due_at = v.next_due
+          FROM verdict v
+         WHERE k.ctid = ANY (v_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
+    )
+    -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
+    SELECT * FROM claimed c ORDER BY c.id;
+    GET DIAGNOSTICS tracked_rows = ROW_COUNT;
+
+    -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
+    -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
+    -- every event they committed, and none can add one before this transaction ends.
+    SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
+      FROM @extschema@.outbox_key k
+     WHERE k.due_at = '-infinity'
+       AND (k.topic, k.event_key) IN (SELECT t.topic, t.event_key
+                                        FROM unnest(v_topics, v_names, v_ids) t(topic, event_key, id)
+                                       WHERE t.id IS NULL)
+       AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
+    IF key_topics IS NOT NULL THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(key_topics, key_names) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_tracked e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+
+    -- The rest of the batch from the stream (fresh unordered events), after the retries and
+    -- keys above, which are older. The claim's token names the stream batch too.
+    IF tracked_rows < max_events THEN
+        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp, max_events - tracked_rows);
+        RETURN QUERY
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
+               NULL::text, s.created_at, stamp, s.event_id, false, NULL::timestamptz
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (stream_ids)
+         ORDER BY s.id;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_ack(owner text, claim_token bigint, ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
+    -- Row locks in id order, the one order of every statement that may wait for a row lock
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
+    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
+    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
+    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
+    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
+    -- "Life-cycle cost").
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SUCCESS', updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT count(*) INTO done FROM settled;
+    -- Stream events of this claim: out of its batch, nothing else to write (they are SUCCESS).
+    RETURN done + cardinality(@extschema@.outbox_stream_settle(owner, claim_token, ids));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_nack_returning(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, next_retry_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    held bigint[];
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    RETURN QUERY
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp + make_interval(secs =>
+                   least(power(e.retry_count + 1, 2) * cfg.backoff_base_ms, cfg.backoff_max_ms)
+                   * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               -- A nack without a reason keeps the last one instead of erasing it.
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
+    -- Stream events of this claim fail their first attempt: from here on their state lives in
+    -- a tracked copy (same id and event_id), as any retried event's does.
+    held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
+    IF cardinality(held) > 0 THEN
+        RETURN QUERY
+        WITH moved AS (
+            INSERT INTO @extschema@.outbox_tracked AS m
+                (id, topic, event_key, event_type, payload, headers, status, retry_count,
+                 next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+                   @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1,
+                   stamp + make_interval(secs =>
+                       least(cfg.backoff_base_ms, cfg.backoff_max_ms)
+                       * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+                   error, s.created_at, stamp, s.event_id, false
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (held)
+             ORDER BY s.id
+            RETURNING m.id, m.topic, m.status, m.retry_count, m.next_retry_time
+        )
+        SELECT mv.id, mv.topic, mv.status, mv.retry_count, mv.next_retry_time FROM moved mv ORDER BY mv.id;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_renew(owner text, claim_token bigint, ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    UPDATE @extschema@.outbox_tracked e
+       SET claimed_at = stamp, updated_at = stamp
+     WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+       AND e.claim_owner = owner AND e.claim_token = claim_token;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream events: their claim's batch carries the lease.
+    WITH renewed AS (
+        UPDATE @extschema@.outbox_stream_batch b SET claimed_at = stamp
+         WHERE b.claim_token = claim_token AND b.claim_owner = owner AND b.pending && ids
+        RETURNING b.pending
+    )
+    SELECT done + coalesce(sum((SELECT count(*) FROM unnest(r.pending) p WHERE p = ANY (ids))), 0)
+      INTO done FROM renewed r;
+    RETURN done;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_release(owner text, claim_token bigint, ids bigint[],
+                                           delay interval DEFAULT '0', error text DEFAULT NULL)
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+    held bigint[];
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_release', owner, claim_token, ids);
+    IF delay IS NULL OR delay < interval '0' OR delay > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
+            DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
+    END IF;
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'WAIT', next_retry_time = stamp + delay,
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT count(*) INTO done FROM settled;
+    -- Stream events go back as tracked copies (same id and event_id), due after the delay.
+    held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
+    IF cardinality(held) > 0 THEN
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+               stamp + delay, error, s.created_at, stamp, s.event_id, false
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (held)
+         ORDER BY s.id;
+        done := done + cardinality(held);
+    END IF;
+    RETURN done;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_reclaim_returning(lease interval DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    done int;
+    moved_rows int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    lease := coalesce(lease, make_interval(secs => cfg.lease_ms / 1000.0));
+    -- The upper bound keeps stamp - lease inside timestamptz's range (else 22008 from deep inside).
+    IF lease <= interval '0' OR lease > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_reclaim: lease must be a positive interval of at most 100 years',
+            DETAIL = format('lease = %s', lease);
+    END IF;
+    -- Guarded by status and claimed_at in the same statement: a row acked, nacked or renewed
+    -- while this runs no longer matches and is left alone. A reclaim counts as a failed attempt,
+    -- so a poison event that kills its relay every time still ends as a dead letter.
+    -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
+    -- (waiting in claimed_at order against acks in id order could deadlock).
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
+         WHERE x.status = 'SENDING' AND x.claimed_at < stamp - lease
+         ORDER BY x.id
+         FOR UPDATE SKIP LOCKED
+    ), reclaimed AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp,
+               last_error = format('lease expired: claimed by %s at %s, not settled within %s',
+                                   e.claim_owner, e.claimed_at, lease),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM reclaimed d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
+      FROM reclaimed r JOIN expired x ON x.id = r.id
+     ORDER BY r.id;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream batches past their lease: their events become tracked copies (same id and
+    -- event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending
+          FROM @extschema@.outbox_stream_batch b
+         WHERE b.claimed_at < stamp - lease
+         ORDER BY b.claim_token
+         FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM @extschema@.outbox_stream_batch b
+         USING expired x
+         WHERE b.claim_token = x.claim_token
+    ), held AS (
+        SELECT p.id, x.claim_owner, x.claimed_at
+          FROM expired x CROSS JOIN LATERAL unnest(x.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked AS m
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp,
+               format('lease expired: claimed by %s at %s, not settled within %s',
+                      h.claim_owner, h.claimed_at, lease),
+               s.created_at, stamp, s.event_id, false
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         ORDER BY s.id
+        RETURNING m.id, m.topic, m.status, m.retry_count
+    )
+    SELECT mv.id, mv.topic, mv.status, mv.retry_count, h.claim_owner
+      FROM moved mv JOIN held h ON h.id = mv.id
+     ORDER BY mv.id;
+    GET DIAGNOSTICS moved_rows = ROW_COUNT;
+    done := done + moved_rows;
+    IF done > 0 AND cfg.notify THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_requeue(ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_requeue');
+    PERFORM @extschema@.outbox_check_ids('outbox_requeue', ids);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    -- last_error is kept: it is the operator's record of why the event had failed.
+    WITH dead AS MATERIALIZED (
+        SELECT d.id FROM @extschema@.outbox_tracked d
+         WHERE d.id = ANY (ids) AND d.status = 'FAIL'
+         ORDER BY d.id
+         FOR UPDATE
+    ), revived AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'WAIT', retry_count = 0, next_retry_time = stamp, skipped_at = NULL,
+               updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- A blocked key resumes with its requeued head; under the skip policy its row may be gone.
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+        SELECT DISTINCT r.topic, r.event_key, stamp FROM revived r WHERE r.ordered
+        ON CONFLICT (topic, event_key) DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+    )
+    SELECT count(*) INTO done FROM revived;
+    IF done > 0 AND cfg.notify THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN done;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_blocked_keys(max_rows int DEFAULT 100)
+RETURNS TABLE (topic text, event_key text, head_id bigint, blocked_since timestamptz,
+               last_error text, waiting bigint)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_blocked_keys: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    -- A claim marks a key blocked ('infinity') when it finds its head dead.
+    RETURN QUERY
+    SELECT k.topic, k.event_key, h.id, h.updated_at, h.last_error,
+           (SELECT count(*) FROM @extschema@.outbox_tracked w
+             WHERE w.topic = k.topic AND w.event_key = k.event_key AND w.ordered
+               AND w.status <> 'SUCCESS' AND w.status = 'WAIT' AND w.id > h.id)
+      FROM @extschema@.outbox_key k
+      CROSS JOIN LATERAL (
+          SELECT e.id, e.updated_at, e.last_error FROM @extschema@.outbox_tracked e
+           WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
+             AND e.status <> 'SUCCESS'
+           ORDER BY e.id
+           LIMIT 1
+      ) h
+     WHERE k.due_at = 'infinity'
+     ORDER BY h.updated_at, k.topic, k.event_key
+     LIMIT max_rows;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_skip(ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_skip');
+    PERFORM @extschema@.outbox_check_ids('outbox_skip', ids);
+    WITH dead AS MATERIALIZED (
+        SELECT d.id FROM @extschema@.outbox_tracked d
+         WHERE d.id = ANY (ids) AND d.status = 'FAIL' AND d.skipped_at IS NULL
+         ORDER BY d.id
+         FOR UPDATE
+    ), settled AS (
+        UPDATE @extschema@.outbox_tracked e SET skipped_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT count(*) INTO done FROM settled;
+    RETURN done;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_purge(older_than interval DEFAULT '7 days', max_rows int DEFAULT 10000)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Planned per call: with the real cutoff the planner walks the SUCCESS index; a generic plan
+-- (unknown cutoff) may scan the whole history instead (test: purge_reads_only_the_rows_it_deletes).
+SET plan_cache_mode = force_custom_plan
+-- The DELETE takes its row locks through the primary key, in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+DECLARE
+    done bigint;
+    stream_done bigint;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_purge');
+    IF older_than IS NULL OR older_than < interval '0' OR older_than > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_purge: older_than must be an interval from zero to 100 years',
+            DETAIL = format('older_than = %s', coalesce(older_than::text, 'NULL'));
+    END IF;
+    IF max_rows IS NULL OR max_rows < 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_purge: max_rows must be at least 1',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    -- Only SUCCESS rows, re-checked in the DELETE itself; FAIL rows wait for an operator.
+    -- The oldest first through the partial index on SUCCESS rows by age, so the cost follows
+    -- the rows deleted. No SELECT ... FOR UPDATE first (a WAL record per row): the DELETE locks
+    -- the rows itself, in id order through the primary key (status::text keeps the planner off
+    -- the SUCCESS index, whose order is the rows' age), and nothing but another purge locks a
+    -- SUCCESS row. Two purges at once: the second waits for the first's rows, finds them gone
+    -- and deletes the rest of its pick.
+    WITH old AS MATERIALIZED (
+        SELECT s.id FROM @extschema@.outbox_tracked s
+         WHERE s.status = 'SUCCESS' AND s.updated_at < now() - older_than
+         ORDER BY s.updated_at
+         LIMIT max_rows
+    )
+    DELETE FROM @extschema@.outbox_tracked e
+     WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS';
+    GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
+    -- older than the cutoff. Among the oldest max_rows ids only, so a purge never walks a backlog
+    -- to find nothing: ids follow time closely enough for retention.
+    IF done < max_rows THEN
+        WITH c AS (
+            SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
+              FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
+        ), old AS MATERIALIZED (
+            SELECT h.id
+              FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
+                     ORDER BY e.id LIMIT max_rows - done) h, c
+             WHERE h.created_at < now() - older_than
+               AND (pg_visible_in_snapshot(h.txid, c.prev_snap)
+                    OR (pg_visible_in_snapshot(h.txid, c.cur_snap) AND (h.txid, h.id) <= (c.pos_txid, c.pos_id)))
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE h.id = ANY (b.pending))
+        )
+        DELETE FROM @extschema@.outbox_stream e WHERE e.id = ANY (ARRAY(SELECT old.id FROM old));
+        GET DIAGNOSTICS stream_done = ROW_COUNT;
+        done := done + stream_done;
+    END IF;
+    RETURN done;
+END
+$$;
+
+CREATE FUNCTION @extschema@.outbox_dead_letters(max_rows int DEFAULT 100, after_id bigint DEFAULT 0)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_dead_letters: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    RETURN QUERY
+    SELECT * FROM @extschema@.outbox_tracked e
+     WHERE e.status = 'FAIL' AND e.id > coalesce(after_id, 0)
+     ORDER BY e.id
+     LIMIT max_rows;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_stats(
+    OUT due_wait bigint,
+    OUT delayed_wait bigint,
+    OUT sending bigint,
+    OUT failed bigint,
+    OUT succeeded bigint,
+    OUT oldest_due_age interval,
+    OUT oldest_lease_age interval,
+    OUT blocked_keys bigint,
+    OUT oldest_blocked_age interval
+)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    est real;
+    est_min real;
+    stream_wait bigint;
+    stream_oldest timestamptz;
+BEGIN
+    -- Loads the library (and so the outbox.* settings) for relays that read them after this call.
+    PERFORM @extschema@.outbox_config();
+    -- Every count below reads a partial index whose size follows the backlog, not the history
+    -- (WAIT rows: the unordered ones' and the ordered keys' index).
+    SELECT count(*) FILTER (WHERE w.next_retry_time <= stamp),
+           count(*) FILTER (WHERE w.next_retry_time > stamp),
+           stamp - min(w.next_retry_time) FILTER (WHERE w.next_retry_time <= stamp)
+      INTO due_wait, delayed_wait, oldest_due_age
+      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
+             WHERE e.status = 'WAIT' AND NOT e.ordered
+            UNION ALL
+            SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
+             WHERE e.ordered AND e.status <> 'SUCCESS' AND e.status = 'WAIT') w;
+    -- Stream events past the cursor (committed ones: a plain read sees no other), read as
+    -- outbox_stream_take reads them, so the cost follows the backlog.
+    SELECT count(*), min(w.created_at) INTO stream_wait, stream_oldest
+      FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
+      CROSS JOIN LATERAL (
+          SELECT e.created_at FROM @extschema@.outbox_stream e
+           WHERE (e.txid, e.id) >
+                 (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                       THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
+                  CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap) THEN c.pos_id ELSE 0 END)
+          UNION ALL
+          SELECT e.created_at FROM pg_snapshot_xip(c.prev_snap) x
+            JOIN @extschema@.outbox_stream e ON e.txid = x
+           WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)
+      ) w;
+    due_wait := due_wait + stream_wait;
+    oldest_due_age := CASE WHEN stream_oldest IS NULL THEN oldest_due_age
+                           ELSE greatest(oldest_due_age, stamp - stream_oldest) END;
+    SELECT count(*), stamp - min(e.claimed_at)
+      INTO sending, oldest_lease_age
+      FROM @extschema@.outbox_tracked e WHERE e.status = 'SENDING';
+    SELECT sending + coalesce(sum(cardinality(b.pending)), 0),
+           greatest(oldest_lease_age, stamp - min(b.claimed_at))
+      INTO sending, oldest_lease_age
+      FROM @extschema@.outbox_stream_batch b;
+    SELECT count(*) INTO failed FROM @extschema@.outbox_tracked e WHERE e.status = 'FAIL';
+    -- Keys held back by a dead head, and since when that head has been dead.
+    SELECT count(*), stamp - min(h.updated_at)
+      INTO blocked_keys, oldest_blocked_age
+      FROM @extschema@.outbox_key k
+      CROSS JOIN LATERAL (
+          SELECT e.updated_at FROM @extschema@.outbox_tracked e
+           WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
+             AND e.status <> 'SUCCESS'
+           ORDER BY e.id
+           LIMIT 1
+      ) h
+     WHERE k.due_at = 'infinity';
+    -- SUCCESS rows are the history: count them exactly while the table is small (< 8 MB),
+    -- estimate from the planner's statistics beyond that.
+    SELECT sum(greatest(c.reltuples, 0)), min(c.reltuples) INTO est, est_min
+      FROM pg_class c
+     WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass, '@extschema@.outbox_stream'::regclass);
+    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
+       + pg_relation_size('@extschema@.outbox_stream'::regclass) < 8 * 1024 * 1024 OR est_min < 0 THEN
+        SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
+    ELSE
+        succeeded := greatest(est::bigint - due_wait - delayed_wait - sending - failed, 0);
+    END IF;
+END
+$$;
+
+REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_stream, @extschema@.outbox_stream_cursor,
+    @extschema@.outbox_stream_batch FROM PUBLIC;
+REVOKE ALL ON FUNCTION
+    @extschema@.outbox_stream_lock_id(),
+    @extschema@.outbox_stream_take(text, bigint, timestamptz, int),
+    @extschema@.outbox_stream_settle(text, bigint, bigint[]),
+    @extschema@.outbox_stream_restamp(),
+    @extschema@.outbox_claim(text, int),
+    @extschema@.outbox_dead_letters(int, bigint)
+FROM PUBLIC;
+
+-- The grants the two re-created functions had (the owner's own entry comes with REVOKE above).
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT f.sig, x.grantee, x.is_grantable
+          FROM (VALUES ('@extschema@.outbox_claim(text, int)', current_setting('outbox_upgrade.claim_acl')),
+                       ('@extschema@.outbox_dead_letters(int, bigint)', current_setting('outbox_upgrade.dead_letters_acl'))) f(sig, acl)
+         CROSS JOIN LATERAL pg_catalog.aclexplode(nullif(f.acl, '')::pg_catalog.aclitem[]) x
+         WHERE x.privilege_type = 'EXECUTE'
+           AND x.grantee <> (SELECT p.proowner FROM pg_catalog.pg_proc p WHERE p.oid = f.sig::pg_catalog.regprocedure)
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO %s%s', g.sig,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+END
+$$;
