@@ -411,6 +411,7 @@ DECLARE
     pos_txid xid8;
     pos_id bigint;
     was text;
+    caller_lock_timeout text;
     -- The cursor before a rotation, kept when the new window turns out empty.
     kept_prev pg_snapshot;
     kept_cur pg_snapshot;
@@ -426,10 +427,22 @@ DECLARE
     lo_txid xid8;
     lo_id bigint;
 BEGIN
-    -- Claims take turns until they commit: a position is only visible once its claim commits.
-    -- Waiting (not skipping) keeps "another claim is reading the stream" apart from "nothing to
-    -- do"; an advisory lock writes no WAL, so an idle poll writes nothing at all.
-    PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+    -- One claim at a time reads the stream, until it commits (its position is only visible
+    -- then). Another claim waits for it: a relay's claim commits within milliseconds, and an
+    -- empty answer would tell a drain loop that nothing is left. But never more than a second:
+    -- behind a claim left open in a transaction, it takes no stream events and returns the rest
+    -- of its batch. An advisory lock writes no WAL, so an idle poll writes nothing at all.
+    IF NOT pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        caller_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '1s', true);
+        BEGIN
+            PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+            RETURN '{}';
+        END;
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+    END IF;
     -- A statement after the lock: its snapshot sees the last holder's position.
     SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id
       INTO ver, prev_snap, cur_snap, pos_txid, pos_id

@@ -76,6 +76,9 @@ async fn a_claimer_skips_rows_locked_by_another_instead_of_waiting() {
     let db = TestDb::create();
     let mut a = db.connect().await;
     let b = db.connect().await;
+    let ids =
+        |rows: Vec<tokio_postgres::Row>| -> Vec<i64> { rows.iter().map(|r| r.get(0)).collect() };
+    // Four unkeyed events (the stream, read by one claim at a time) ...
     a.execute(
         "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 4)",
         &[],
@@ -83,26 +86,38 @@ async fn a_claimer_skips_rows_locked_by_another_instead_of_waiting() {
     .await
     .unwrap();
     let tx = a.transaction().await.unwrap();
-    let first = tx
+    let first = ids(tx
         .query("SELECT id FROM outbox_claim('a', 2)", &[])
         .await
-        .unwrap();
-    assert_eq!(first.len(), 2);
-    // While a's claim is uncommitted, b gets the other rows at once (a lock wait would hit the timeout).
-    b.batch_execute("SET lock_timeout = '2s'").await.unwrap();
+        .unwrap());
+    assert_eq!(first, vec![1, 2]);
+    // ... and four keyed ones (tracked rows, claimed row by row, SKIP LOCKED).
+    b.execute(
+        "SELECT outbox_enqueue('orders', '{}', key => 'k' || g) FROM generate_series(1, 4) g",
+        &[],
+    )
+    .await
+    .unwrap();
+    // While a's claim is uncommitted, b gets the keyed events without waiting for their rows.
+    // The stream's read position is a's until it commits: b waits for it at most a second,
+    // then returns without stream events (lock_timeout would end a longer wait with an error).
+    b.batch_execute("SET lock_timeout = '3s'").await.unwrap();
     let started = Instant::now();
-    let second: Vec<i64> = b
+    let second = ids(b
         .query("SELECT id FROM outbox_claim('b', 10)", &[])
         .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert!(started.elapsed() < Duration::from_secs(1));
-    let first: Vec<i64> = first.iter().map(|r| r.get(0)).collect();
-    assert_eq!(second.len(), 2);
-    assert!(second.iter().all(|id| !first.contains(id)));
+        .unwrap());
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(second, vec![5, 6, 7, 8]);
+    let timeout: String = scalar(&b, "SHOW lock_timeout", &[]).await;
+    assert_eq!(timeout, "3s", "the caller's lock_timeout is back");
     tx.commit().await.unwrap();
+    // Once a committed, the stream goes on for b.
+    let third = ids(b
+        .query("SELECT id FROM outbox_claim('b', 10)", &[])
+        .await
+        .unwrap());
+    assert_eq!(third, vec![3, 4]);
 }
 
 #[tokio::test]
