@@ -398,6 +398,18 @@ AS $$
     SELECT 8031453474740765696::pg_catalog.int8
 $$;
 
+CREATE FUNCTION @extschema@.outbox_snapshot_of_others() RETURNS pg_snapshot
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN c.me IS NOT NULL AND c.me < pg_snapshot_xmax(c.snap)
+                THEN format('%s:%s:%s', least(pg_snapshot_xmin(c.snap), c.me), pg_snapshot_xmax(c.snap),
+                            array_to_string(ARRAY(SELECT x FROM pg_snapshot_xip(c.snap) x
+                                                  UNION SELECT c.me ORDER BY 1), ','))::pg_snapshot
+                ELSE c.snap END
+      FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
+$$;
+
 CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
@@ -498,7 +510,7 @@ BEGIN
         EXIT WHEN cardinality(ids) >= max_events OR w = 2;
         -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
         -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
-        fresh := pg_current_snapshot();
+        fresh := @extschema@.outbox_snapshot_of_others();
         EXIT WHEN fresh::text = cur_snap::text;
         kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
         taken_before_rotation := cardinality(ids);
@@ -607,7 +619,7 @@ DECLARE
     v_runnable boolean[];
     key_topics text[];
     key_names text[];
-    tracked_rows int;
+    tracked_ids bigint[];
     stream_ids bigint[];
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
@@ -659,11 +671,10 @@ BEGIN
               ) p ON true
              LIMIT max_events) c;
 
-    -- The one statement that decides ownership. A key's run is the prefix of its unfinished
+    -- The one statement that decides ownership of tracked rows. A key's run is the prefix of its unfinished
     -- events (from its head) that are WAIT and due: nothing after a held, backing-off or dead
     -- event. Unordered events are claimed as before, SKIP LOCKED. The batch is cut by due time
     -- with a key's run ranked as one block, so a cut keeps a prefix.
-    RETURN QUERY
     WITH pending AS MATERIALIZED (
         SELECT t.*
           FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable)
@@ -712,9 +723,7 @@ BEGIN
           FROM verdict v
          WHERE k.ctid = ANY (v_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
     )
-    -- UPDATE ... RETURNING has no order: give the relay its rows in publish (= commit) order.
-    SELECT * FROM claimed c ORDER BY c.id;
-    GET DIAGNOSTICS tracked_rows = ROW_COUNT;
+    SELECT array_agg(c.id) INTO tracked_ids FROM claimed c;
 
     -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
     -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
@@ -739,16 +748,22 @@ BEGIN
 
     -- The rest of the batch from the stream (fresh unordered events), after the retries and
     -- keys above, which are older. The claim's token names the stream batch too.
-    IF tracked_rows < max_events THEN
-        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp, max_events - tracked_rows);
-        RETURN QUERY
+    IF coalesce(cardinality(tracked_ids), 0) < max_events THEN
+        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
+                                                     max_events - coalesce(cardinality(tracked_ids), 0));
+    END IF;
+    -- Rows in publish (= id, within a key commit) order: UPDATE ... RETURNING has none.
+    RETURN QUERY
+    SELECT e.* FROM (
+        SELECT t.* FROM @extschema@.outbox_tracked t WHERE t.id = ANY (tracked_ids)
+        UNION ALL
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
                NULL::text, s.created_at, stamp, s.event_id, false, NULL::timestamptz
           FROM @extschema@.outbox_stream s
          WHERE s.id = ANY (stream_ids)
-         ORDER BY s.id;
-    END IF;
+    ) e
+    ORDER BY e.id;
 END
 $$;
 
@@ -1176,9 +1191,16 @@ BEGIN
          ORDER BY s.updated_at
          LIMIT max_rows
     )
-    DELETE FROM @extschema@.outbox_tracked e
-     WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS';
-    GET DIAGNOSTICS done = ROW_COUNT;
+    , gone AS (
+        DELETE FROM @extschema@.outbox_tracked e
+         WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS'
+        RETURNING e.id, e.ordered
+    ), originals AS (
+        -- A retried stream event's first row goes with its tracked copy.
+        DELETE FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (ARRAY(SELECT g.id FROM gone g WHERE NOT g.ordered))
+    )
+    SELECT count(*) INTO done FROM gone;
     -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
     -- older than the cutoff. Among the oldest max_rows ids only, so a purge never walks a backlog
     -- to find nothing: ids follow time closely enough for retention.
@@ -1194,6 +1216,7 @@ BEGIN
                AND (pg_visible_in_snapshot(h.txid, c.prev_snap)
                     OR (pg_visible_in_snapshot(h.txid, c.cur_snap) AND (h.txid, h.id) <= (c.pos_txid, c.pos_id)))
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE h.id = ANY (b.pending))
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
         )
         DELETE FROM @extschema@.outbox_stream e WHERE e.id = ANY (ARRAY(SELECT old.id FROM old));
         GET DIAGNOSTICS stream_done = ROW_COUNT;
@@ -1312,6 +1335,7 @@ REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_stream, @extsch
     @extschema@.outbox_stream_batch FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_stream_lock_id(),
+    @extschema@.outbox_snapshot_of_others(),
     @extschema@.outbox_stream_take(text, bigint, timestamptz, int),
     @extschema@.outbox_stream_settle(text, bigint, bigint[]),
     @extschema@.outbox_stream_restamp(),

@@ -205,7 +205,7 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
         }
         r.broker.extend(best);
     }
-    env.monitor.batch_execute("TRUNCATE outbox_event").await?;
+    env.monitor.batch_execute(db::TRUNCATE_OUTBOX).await?;
     Ok(())
 }
 

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 
 use outbox_tests::db::TestDb;
 
-use crate::db::{backend_pid, BenchDb};
+use crate::db::{backend_pid, BenchDb, TRUNCATE_OUTBOX};
 use crate::enqueue::TOPIC;
 use crate::report::{median, num, Table};
 use crate::sys::{clk_tck, proc_ticks};
@@ -61,7 +61,8 @@ impl BulkResult {
     }
 }
 
-const INSERT_ROW: &str = "INSERT INTO outbox_event (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+/// The row `outbox_enqueue` writes for a keyed event on an ordered topic: an `outbox_tracked` row.
+const INSERT_ROW: &str = "INSERT INTO outbox_tracked (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
      VALUES ('bench.orders', $2::text, 'OrderCreated', $1::jsonb, '{}', 'WAIT', now(), true)";
 const ENQUEUE_ROW: &str =
     "SELECT outbox_enqueue('bench.orders', $1::jsonb, $2::text, 'OrderCreated')";
@@ -106,15 +107,15 @@ async fn statements(
     let c1 = ticks(pid);
     let wall = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
     tx.rollback().await?;
-    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
     Ok((cpu_secs(c0, c1).map(|s| s * 1e6 / n as f64), wall))
 }
 
 pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
     let mut c = db.client().await?;
     let pid = backend_pid(&c).await?;
-    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
-    c.batch_execute("VACUUM ANALYZE outbox_event, outbox_key")
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
+    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream, outbox_key")
         .await?;
     let n = p.cost_statements;
     let (mut ins_cpu, mut enq_cpu, mut ins_wall, mut enq_wall) = (vec![], vec![], vec![], vec![]);
@@ -158,8 +159,8 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
             "INSERT INTO bench_order (customer, amount) SELECT 'customer-' || g, 42.5 FROM generate_series(1, $1::bigint) g".into(),
         ),
         (
-            "plain INSERT into `outbox_event` (the rows `outbox_enqueue` writes, same table and indexes)",
-            format!("INSERT INTO outbox_event (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+            "plain INSERT into `outbox_tracked` (the rows `outbox_enqueue` writes, same table and indexes)",
+            format!("INSERT INTO outbox_tracked (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
              SELECT '{TOPIC}', 'order-' || g, 'OrderCreated',
                     jsonb_build_object('order_id', g, 'customer', 'customer-' || g, 'amount', 42.5), '{{}}', 'WAIT', now(), true
                FROM generate_series(1, $1::bigint) g"),
@@ -188,7 +189,7 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
             num(set_rows as f64)
         );
         for (i, (_, sql)) in cases.iter().enumerate() {
-            c.batch_execute("TRUNCATE bench_order, outbox_event, outbox_key")
+            c.batch_execute(&format!("{TRUNCATE_OUTBOX}, bench_order"))
                 .await?;
             let tx = c.transaction().await?;
             let t0 = Instant::now();
@@ -197,7 +198,7 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
             tx.rollback().await?;
         }
     }
-    c.batch_execute("TRUNCATE bench_order, outbox_event, outbox_key")
+    c.batch_execute(&format!("{TRUNCATE_OUTBOX}, bench_order"))
         .await?;
     let set_us: Vec<f64> = set.iter().map(|v| median(v)).collect();
 
@@ -209,7 +210,7 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
         "÷ plain INSERT (CPU)",
     ]);
     t.row(vec![
-        "`INSERT INTO outbox_event … VALUES (…)` (the row `outbox_enqueue` writes)".into(),
+        "`INSERT INTO outbox_tracked … VALUES (…)` (the row `outbox_enqueue` writes)".into(),
         f(stmt_insert_us),
         format!("{:.1}", median(&ins_wall)),
         "1.00".into(),
@@ -244,7 +245,8 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
          {} prepared single-row statements in one transaction (rolled back; commit costs the same \
          either way), after 200 not counted; backend CPU is the server process's utime + stime \
          from `/proc/<pid>/stat` around the statements (10 ms ticks), \
-         median of {} interleaved rounds. Both write the same row, keyed, into `outbox_event`.\n\n{}\n\
+         median of {} interleaved rounds. Both write the same row, keyed, into `outbox_tracked` \
+         (a keyed event on an ordered topic; fresh unordered events go to `outbox_stream`).\n\n{}\n\
          **Set-based:** one statement of {} rows (what `sql/bench/enqueue-cost.sh` measures), \
          timed by the client in a transaction rolled back after, median of {} rounds. A \
          set-based INSERT pays its executor start once for all the rows; `outbox_enqueue` is a \
@@ -309,7 +311,7 @@ async fn batch(
     tx.commit().await?;
     let c1 = ticks(pid);
     let secs = t0.elapsed().as_secs_f64();
-    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
     Ok((secs, cpu_secs(c0, c1)))
 }
 
@@ -317,7 +319,7 @@ pub async fn bulk(db: &TestDb, p: &Profile) -> Result<BulkResult> {
     let mut c = db.client().await?;
     let pid = backend_pid(&c).await?;
     let n = p.bulk_rows;
-    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
     // Warm-up of both paths (plan caches), not counted.
     batch(&mut c, pid, false, 100.min(n), 99).await?;
     batch(&mut c, pid, true, 100.min(n), 98).await?;

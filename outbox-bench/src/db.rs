@@ -57,27 +57,35 @@ impl BenchDb for TestDb {
     }
 }
 
-/// Empties the outbox and loads `n` due WAIT rows in one statement (oldest first, distinct
-/// `next_retry_time`s), then VACUUM ANALYZE so every run starts from the same state.
+/// Every table of events and claims, emptied between runs. The stream's cursor stays: its newest
+/// version must, and an emptied stream behind an old position is handed out as any new events.
+pub const TRUNCATE_OUTBOX: &str =
+    "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key";
+
+/// Empties the outbox and loads `n` fresh events in one statement (handed out in id order), then
+/// VACUUM ANALYZE so every run starts from the same state.
 pub async fn fill_backlog(c: &Client, n: i64, topic: &str) -> Result<()> {
-    c.batch_execute("TRUNCATE outbox_event").await?;
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
     insert_backlog(c, n, topic).await?;
     // Report the insert to the statistics before VACUUM sets the absolute counts, or the pending
     // insert count lands on top of them later and n_live_tup reads double.
     c.batch_execute("SELECT pg_stat_force_next_flush()").await?;
     c.batch_execute("SELECT 1").await?;
-    c.batch_execute("VACUUM ANALYZE outbox_event").await?;
+    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream")
+        .await?;
     Ok(())
 }
 
-/// Inserts `n` due WAIT rows (payload like a small order event, ~90 bytes of JSON).
+/// Inserts `n` fresh unordered events (payload like a small order event, ~90 bytes of JSON, keyed
+/// by order): rows of `outbox_stream`, where `outbox_enqueue` puts an event due now that keeps no
+/// key order.
 pub async fn insert_backlog(c: &Client, n: i64, topic: &str) -> Result<()> {
     c.execute(
-        "INSERT INTO outbox_event (topic, event_key, event_type, payload, headers, status, next_retry_time)
+        "INSERT INTO outbox_stream (topic, event_key, event_type, payload, headers)
          SELECT $1, 'order-' || g, 'OrderCreated',
-                jsonb_build_object('order_id', g, 'customer', 'c' || (g % 977), 'amount', 42.50),
-                '{}', 'WAIT', now() - ($2 - g) * interval '1 microsecond'
-           FROM generate_series(1, $2::bigint) g",
+                jsonb_build_object('order_id', g, 'customer', 'c' || (g % 977), 'amount', 42.50), '{}'
+           FROM generate_series(1, $2::bigint) g
+          ORDER BY g",
         &[&topic, &n],
     )
     .await
@@ -103,7 +111,7 @@ pub async fn fill_keyed(
     keys: i64,
     unordered: bool,
 ) -> Result<(i64, i64)> {
-    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
     let list = if unordered { topic } else { "" };
     c.execute(
         "SELECT set_config('outbox.unordered_topics', $1, false)",
@@ -127,7 +135,7 @@ pub async fn fill_keyed(
     }
     c.batch_execute("SELECT pg_stat_force_next_flush()").await?;
     c.batch_execute("SELECT 1").await?;
-    c.batch_execute("VACUUM ANALYZE outbox_event, outbox_key")
+    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream, outbox_key")
         .await?;
     let r = c
         .query_one(
@@ -197,15 +205,19 @@ impl DbCpu {
     }
 }
 
-/// Waits until nothing is due or in flight; returns false on timeout. Polls a cheap EXISTS probe
-/// every 20 ms (counting a large backlog 50 times a second would steal CPU from the drain) and
-/// confirms with `outbox_stats()` (due_wait = 0 and sending = 0).
+/// Waits until nothing is due or in flight; returns false on timeout. Polls a cheap probe every
+/// 20 ms (counting a large backlog 50 times a second would steal CPU from the drain) and confirms
+/// with `outbox_stats()` (due_wait = 0 and sending = 0). The probe reads the tables, not the
+/// `outbox_event` view (whose statuses of stream events are computed over the whole stream): due
+/// work as `outbox_wait` looks for it (`outbox_work_due()`: index probes), tracked rows in flight,
+/// and claims with stream events not yet settled.
 pub async fn wait_drained(c: &Client, timeout: Duration) -> Result<bool> {
     let deadline = tokio::time::Instant::now() + timeout;
     let probe = c
         .prepare(
-            "SELECT EXISTS (SELECT 1 FROM outbox_event WHERE status = 'WAIT' AND next_retry_time <= clock_timestamp())
-                 OR EXISTS (SELECT 1 FROM outbox_event WHERE status = 'SENDING')",
+            "SELECT outbox_work_due()
+                 OR EXISTS (SELECT 1 FROM outbox_tracked WHERE status = 'SENDING')
+                 OR EXISTS (SELECT 1 FROM outbox_stream_batch)",
         )
         .await?;
     loop {

@@ -106,7 +106,8 @@ const VARIANTS: [Variant; 4] = [
     Variant::OutboxNotify,
 ];
 
-const TRUNCATE: &str = "TRUNCATE bench_order, bench_event, outbox_event, outbox_key";
+const TRUNCATE: &str =
+    "TRUNCATE bench_order, bench_event, outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key";
 
 /// A relay's wake-up session: `outbox_wait('1 s')` in a loop, in a database of its own on the
 /// same server whose outbox stays empty. Every commit that enqueued in the bench database sets
@@ -176,7 +177,7 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
                  customer text NOT NULL,
                  amount numeric(12,2) NOT NULL,
                  created_at timestamptz NOT NULL DEFAULT now());
-             CREATE TABLE bench_event (LIKE outbox_event INCLUDING ALL);",
+             CREATE TABLE bench_event (LIKE outbox_tracked INCLUDING ALL);",
         )
         .await?;
     // A relay waits in outbox_wait throughout; the notify-on contrast also gets a listener, as
@@ -278,7 +279,7 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
          order row; write its event (~80-byte JSON built by the client, keyed by the order id, \
          topic `{TOPIC}` — keyed events take the per-key path); COMMIT. The plain-INSERT \
          variant writes the same event row (`ordered = true`) into `bench_event`, created `LIKE \
-         outbox_event INCLUDING ALL`. Throughout, one session loops on `outbox_wait('1 second')` \
+         outbox_tracked INCLUDING ALL` (the table of keyed events). Throughout, one session loops on `outbox_wait('1 second')` \
          as a relay's wake-up session does, in a second database of the server whose outbox stays \
          empty: every commit that enqueued sets its latch (server wake-up mode `{wake_mode}`; it \
          was woken {} times during the default variant, {:.2} per outbox transaction) and it waits \

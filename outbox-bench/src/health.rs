@@ -1,5 +1,6 @@
 //! Table health (report section 6): sizes, dead tuples and the cost of an empty claim and of
-//! `outbox_stats()` after the headline drain, after `outbox_purge`, and after VACUUM.
+//! `outbox_stats()` after the headline drain, after `outbox_purge`, and after VACUUM. Every table
+//! of the extension is measured (`ext_rels`): events live in `outbox_tracked` and `outbox_stream`.
 
 use anyhow::Result;
 use outbox_worker::defaults;
@@ -7,58 +8,49 @@ use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
+use crate::ext_rels::{self, ExtRels};
 use crate::report::{bytes, ms, num, Table};
 use crate::results::Results;
 
 struct Health {
-    table: i64,
-    indexes: Vec<(String, i64)>,
-    live: i64,
-    dead: i64,
-    autovacuums: i64,
+    rels: ExtRels,
     empty_claim_us: f64,
     stats_us: f64,
 }
 
 impl Health {
+    /// Per table (`tables`: sizes, tuples, autovacuum runs) and per index (`index_bytes`), as
+    /// `ExtRels` reports them, with the two timings.
     fn json(&self) -> Value {
-        json!({
-            "table_bytes": self.table,
-            "index_bytes": self.indexes.iter().map(|(n, b)| (n.clone(), json!(b))).collect::<serde_json::Map<_, _>>(),
-            "live_tuples": self.live,
-            "dead_tuples": self.dead,
-            "autovacuum_runs": self.autovacuums,
-            "empty_claim_us": self.empty_claim_us,
-            "stats_us": self.stats_us,
-        })
+        let mut v = self.rels.json();
+        v["empty_claim_us"] = json!(self.empty_claim_us);
+        v["stats_us"] = json!(self.stats_us);
+        v
+    }
+
+    /// The named table's figures (zeros when it is missing).
+    fn table(&self, name: &str) -> ext_rels::TableStat {
+        self.rels
+            .tables
+            .iter()
+            .find(|t| t.name == name)
+            .cloned()
+            .unwrap_or(ext_rels::TableStat {
+                name: name.to_string(),
+                heap: 0,
+                indexes: 0,
+                live: 0,
+                dead: 0,
+                autovacuums: 0,
+                autoanalyzes: 0,
+            })
     }
 }
 
 async fn health_snapshot(c: &Client) -> Result<Health> {
     c.batch_execute("SELECT pg_stat_force_next_flush()").await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    c.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
-    let table: i64 = c
-        .query_one("SELECT pg_relation_size('outbox_event')", &[])
-        .await?
-        .get(0);
-    let indexes = c
-        .query(
-            "SELECT i.indexrelid::regclass::text, pg_relation_size(i.indexrelid)
-               FROM pg_index i WHERE i.indrelid = 'outbox_event'::regclass ORDER BY 1",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
-        .collect();
-    let r = c
-        .query_one(
-            "SELECT n_live_tup, n_dead_tup, autovacuum_count FROM pg_stat_user_tables
-              WHERE relid = 'outbox_event'::regclass",
-            &[],
-        )
-        .await?;
+    let rels = ext_rels::snapshot(c).await?;
     let probe = c
         .prepare(&format!(
             "SELECT count(*) FROM outbox_claim('health-probe', {})",
@@ -76,11 +68,7 @@ async fn health_snapshot(c: &Client) -> Result<Health> {
     }
     let stats_us = t1.elapsed().as_micros() as f64 / 5.0;
     Ok(Health {
-        table,
-        indexes,
-        live: r.get(0),
-        dead: r.get(1),
-        autovacuums: r.get(2),
+        rels,
         empty_claim_us,
         stats_us,
     })
@@ -109,7 +97,8 @@ pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool, Val
     let purge_secs = t0.elapsed().as_secs_f64();
     let b = health_snapshot(monitor).await?;
     let t1 = Instant::now();
-    monitor.batch_execute("VACUUM outbox_event").await?;
+    let tables = ext_rels::table_list(monitor).await?;
+    monitor.batch_execute(&format!("VACUUM {tables}")).await?;
     let vacuum_secs = t1.elapsed().as_secs_f64();
     let c = health_snapshot(monitor).await?;
 
@@ -119,32 +108,44 @@ pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool, Val
         "after outbox_purge loop",
         "after purge + VACUUM",
     ]);
-    t.row(vec![
-        "table (heap) size".into(),
-        bytes(a.table),
-        bytes(b.table),
-        bytes(c.table),
-    ]);
-    for (i, (name, size)) in a.indexes.iter().enumerate() {
+    // Each table of the extension (events: outbox_tracked and outbox_stream), then each index.
+    let names: Vec<String> = a.rels.tables.iter().map(|x| x.name.clone()).collect();
+    for name in &names {
+        let (ta, tb, tc) = (a.table(name), b.table(name), c.table(name));
+        t.row(vec![
+            format!("table `{name}` size (heap, TOAST, maps)"),
+            bytes(ta.heap),
+            bytes(tb.heap),
+            bytes(tc.heap),
+        ]);
+    }
+    for (name, size) in &a.rels.indexes {
+        let at = |h: &Health| bytes(h.rels.index_size(name).unwrap_or(0));
         t.row(vec![
             format!("index `{name}`"),
             bytes(*size),
-            bytes(b.indexes.get(i).map(|x| x.1).unwrap_or(0)),
-            bytes(c.indexes.get(i).map(|x| x.1).unwrap_or(0)),
+            at(&b),
+            at(&c),
         ]);
     }
-    t.row(vec![
-        "n_live_tup / n_dead_tup".into(),
-        format!("{} / {}", num(a.live as f64), num(a.dead as f64)),
-        format!("{} / {}", num(b.live as f64), num(b.dead as f64)),
-        format!("{} / {}", num(c.live as f64), num(c.dead as f64)),
-    ]);
-    t.row(vec![
-        "autovacuum runs on the table so far".into(),
-        a.autovacuums.to_string(),
-        b.autovacuums.to_string(),
-        c.autovacuums.to_string(),
-    ]);
+    for name in &names {
+        let (ta, tb, tc) = (a.table(name), b.table(name), c.table(name));
+        t.row(vec![
+            format!("`{name}` n_live_tup / n_dead_tup"),
+            format!("{} / {}", num(ta.live as f64), num(ta.dead as f64)),
+            format!("{} / {}", num(tb.live as f64), num(tb.dead as f64)),
+            format!("{} / {}", num(tc.live as f64), num(tc.dead as f64)),
+        ]);
+    }
+    for name in &names {
+        let (ta, tb, tc) = (a.table(name), b.table(name), c.table(name));
+        t.row(vec![
+            format!("autovacuum runs on `{name}` so far"),
+            ta.autovacuums.to_string(),
+            tb.autovacuums.to_string(),
+            tc.autovacuums.to_string(),
+        ]);
+    }
     t.row(vec![
         format!("empty `outbox_claim(…, {})` ms", defaults::BATCH_SIZE),
         ms(a.empty_claim_us),

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 
 use outbox_tests::db::TestDb;
 
-use crate::db::BenchDb;
+use crate::db::{BenchDb, TRUNCATE_OUTBOX};
 use crate::ordering::fill;
 use crate::report::{ms, num, Goal, Table};
 use crate::results::Results;
@@ -93,8 +93,8 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// `calls` times: VACUUM (same state for every call), then BEGIN, the statement, ROLLBACK.
-/// Returns the buffers and µs of each call and the claimed count of the last.
+/// `calls` times: VACUUM of the tables a claim reads (same state for every call), then BEGIN, the
+/// statement, ROLLBACK. Returns the buffers and µs of each call and the claimed count of the last.
 async fn measure(
     c: &Client,
     method: &str,
@@ -105,7 +105,10 @@ async fn measure(
     let (mut bufs, mut times, mut claimed) = (Vec::new(), Vec::new(), 0);
     // One call more than measured: the first warms the caches and the plan.
     for i in 0..=calls {
-        c.batch_execute("VACUUM outbox_event, outbox_key").await?;
+        c.batch_execute(
+            "VACUUM outbox_tracked, outbox_key, outbox_stream, outbox_stream_cursor, outbox_stream_batch",
+        )
+        .await?;
         let b0 = buffers(c, method).await?;
         c.batch_execute("BEGIN").await?;
         let t = Instant::now();
@@ -164,7 +167,7 @@ pub async fn run(p: &Profile, db: &TestDb, r: &mut Results) -> Result<()> {
         );
         runs.push(cost);
     }
-    c.batch_execute("TRUNCATE outbox_event, outbox_key").await?;
+    c.batch_execute(TRUNCATE_OUTBOX).await?;
     r.claim_cost = Some(ClaimCosts {
         method,
         baseline,

@@ -73,7 +73,7 @@ pub async fn run(
     let mut relays = Vec::new();
     for (i, (server, env)) in envs.iter().enumerate() {
         env.monitor
-            .batch_execute("TRUNCATE outbox_event, outbox_key")
+            .batch_execute(crate::db::TRUNCATE_OUTBOX)
             .await?;
         let relay = env.start_relay(&[], &format!("idle-{i}"))?;
         if !relay.wait_log(&[WAKEUP_READY], Duration::from_secs(30)) {

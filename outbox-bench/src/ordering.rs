@@ -94,9 +94,7 @@ pub async fn run_drains(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Res
             r.ordering.extend(best);
         }
     }
-    env.monitor
-        .batch_execute("TRUNCATE outbox_event, outbox_key")
-        .await?;
+    env.monitor.batch_execute(db::TRUNCATE_OUTBOX).await?;
     Ok(())
 }
 

@@ -70,9 +70,10 @@ pub async fn settle_and_drain(c: &Client, token: i64, all_six_held: bool) {
         ids.is_empty(),
         "event 6 waits for 3, the head of its key: {ids:?}"
     );
-    // The backoff ends now (for the event and for its key's next look).
+    // The backoff ends now (for the event and for its key's next look). Keyed events on an
+    // ordered topic are tracked rows.
     c.batch_execute(
-        "UPDATE outbox_event SET next_retry_time = now() WHERE status = 'WAIT'; \
+        "UPDATE outbox_tracked SET next_retry_time = now() WHERE status = 'WAIT'; \
          UPDATE outbox_key SET due_at = now()",
     )
     .await

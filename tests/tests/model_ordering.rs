@@ -144,7 +144,9 @@ async fn run_case(
     pg(
         "reset",
         admin
-            .batch_execute("TRUNCATE outbox_event, outbox_key")
+            .batch_execute(
+                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key",
+            )
             .await,
     )?;
     let policy = if skip_policy { "skip" } else { "block" };

@@ -242,7 +242,13 @@ macro_rules! check {
 async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
     pg(
         "truncate",
-        s.admin.batch_execute("TRUNCATE outbox_event").await,
+        // The stream's cursor stays: its newest version must, and a fresh stream behind an old
+        // position is handed out as any new events are.
+        s.admin
+            .batch_execute(
+                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key",
+            )
+            .await,
     )?;
     let mut m = Model::default();
     for (step, op) in ops.iter().enumerate() {
@@ -560,17 +566,20 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 purge_check = Some((eligible, expect));
             }
             Op::Advance { units } => {
+                // Every timestamp an event has: a tracked row's own, a stream event's creation
+                // time and its claim's lease (on the claim's batch row). One implicit transaction.
                 pg(
                     &ctx,
                     s.admin
-                        .execute(
-                            "UPDATE outbox_event SET \
-                             next_retry_time = next_retry_time - $1::int * interval '1 hour', \
-                             claimed_at = claimed_at - $1::int * interval '1 hour', \
-                             created_at = created_at - $1::int * interval '1 hour', \
-                             updated_at = updated_at - $1::int * interval '1 hour'",
-                            &[&(*units as i32)],
-                        )
+                        .batch_execute(&format!(
+                            "UPDATE outbox_tracked SET \
+                             next_retry_time = next_retry_time - {units} * interval '1 hour', \
+                             claimed_at = claimed_at - {units} * interval '1 hour', \
+                             created_at = created_at - {units} * interval '1 hour', \
+                             updated_at = updated_at - {units} * interval '1 hour'; \
+                             UPDATE outbox_stream SET created_at = created_at - {units} * interval '1 hour'; \
+                             UPDATE outbox_stream_batch SET claimed_at = claimed_at - {units} * interval '1 hour'"
+                        ))
                         .await,
                 )?;
                 m.now_u += *units as i64;

@@ -29,18 +29,18 @@ async fn first_failure_kills() -> (TestDb, String, tokio_postgres::Client) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_dead_letters_requeue_and_purge() {
     let (_db, url, client) = first_failure_kills().await;
-    // 3 delivered, 2 dead letters (max_retry 0: the first nack kills), 1 waiting.
-    client
-        .batch_execute(
-            "SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 3) g;
-             SELECT outbox_ack('t', c.claim_token, array_agg(c.id) OVER ()) FROM outbox_claim('t', 3) c LIMIT 1;
-             SELECT outbox_enqueue('bad.topic', '{\"x\":1}', key => 'K1', event_type => 'E');
-             SELECT outbox_enqueue('bad.topic', '{\"x\":2}', key => 'K2', event_type => 'E');
-             SELECT outbox_nack('t', min(c.claim_token), array_agg(c.id), 'topic bad.topic does not exist') FROM outbox_claim('t', 2) c;
-             SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 hour');",
-        )
-        .await
-        .expect("set-up");
+    // 3 delivered, 2 dead letters (max_retry 0: the first nack kills), 1 waiting. One
+    // transaction per statement: a claim hands out committed events only.
+    for step in [
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 3) g",
+        "SELECT outbox_ack('t', c.claim_token, array_agg(c.id) OVER ()) FROM outbox_claim('t', 3) c LIMIT 1",
+        "SELECT outbox_enqueue('bad.topic', '{\"x\":1}', key => 'K1', event_type => 'E')",
+        "SELECT outbox_enqueue('bad.topic', '{\"x\":2}', key => 'K2', event_type => 'E')",
+        "SELECT outbox_nack('t', min(c.claim_token), array_agg(c.id), 'topic bad.topic does not exist') FROM outbox_claim('t', 2) c",
+        "SELECT outbox_enqueue('orders', '{}', deliver_at => now() + interval '1 hour')",
+    ] {
+        client.batch_execute(step).await.expect(step);
+    }
     let c = status_counts(&client).await;
     assert_eq!((c["SUCCESS"], c["FAIL"], c["WAIT"]), (3, 2, 1), "{c:?}");
 

@@ -10,10 +10,11 @@ use outbox_tests::db::{psql_admin, scalar, TestDb};
 async fn dump_and_restore_keep_owed_events_and_sequences() {
     let source = TestDb::create();
     let c = source.connect().await;
+    // Keyed events on an ordered topic: tracked rows, whose status can be set by hand.
     c.batch_execute(
         "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || g) FROM generate_series(1, 5) g;
          SELECT * FROM outbox_claim('relay-a', 2);
-         UPDATE outbox_event SET status = 'FAIL' WHERE id = 5;",
+         UPDATE outbox_tracked SET status = 'FAIL' WHERE id = 5;",
     )
     .await
     .unwrap();

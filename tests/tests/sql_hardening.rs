@@ -306,10 +306,28 @@ async fn until_blocked_or_done(watch: &Client, pid: i32, done: impl Fn() -> bool
 async fn reclaim_and_ack_never_deadlock() {
     let db = TestDb::create();
     let setup = db.connect().await;
+    // Rows with a lease each, which ack and reclaim lock one by one: tracked rows. A fresh
+    // unordered event is a stream row (one batch row per claim); handed back once by a relay
+    // (release, no attempt counted) it is a tracked row, as any retried event is.
     setup
-        .batch_execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3)")
+        .batch_execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 2003)")
         .await
         .unwrap();
+    let handed_out = setup
+        .query(
+            "SELECT id, claim_token FROM outbox_claim('relay-x', 2003)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let ids: Vec<i64> = handed_out.iter().map(|r| r.get(0)).collect();
+    let released: i32 = scalar(
+        &setup,
+        "SELECT outbox_release('relay-x', $1, $2)",
+        &[&handed_out[0].get::<_, i64>(1), &ids],
+    )
+    .await;
+    assert_eq!(released, 2003);
     let token: i64 = scalar(
         &setup,
         "SELECT max(claim_token) FROM outbox_claim('relay-a', 3)",
@@ -321,20 +339,19 @@ async fn reclaim_and_ack_never_deadlock() {
     // primary key (id order), the old reclaim by the lease index (claimed_at order).
     setup
         .batch_execute(
-            "UPDATE outbox_event SET claimed_at = now() - interval '30 min' WHERE id = 3;
-             UPDATE outbox_event SET claimed_at = now() - interval '20 min' WHERE id = 1;
-             UPDATE outbox_event SET claimed_at = now() - interval '10 min' WHERE id = 2;
-             SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 2000);
+            "UPDATE outbox_tracked SET claimed_at = now() - interval '30 min' WHERE id = 3;
+             UPDATE outbox_tracked SET claimed_at = now() - interval '20 min' WHERE id = 1;
+             UPDATE outbox_tracked SET claimed_at = now() - interval '10 min' WHERE id = 2;
              SELECT count(*) FROM outbox_claim('relay-b', 2000);",
         )
         .await
         .unwrap();
-    setup.batch_execute("ANALYZE outbox_event").await.unwrap();
+    setup.batch_execute("ANALYZE outbox_tracked").await.unwrap();
 
     // A third session holds row 2 so that the ack stops between its rows.
     let blocker = db.connect().await;
     blocker
-        .batch_execute("BEGIN; SELECT 1 FROM outbox_event WHERE id = 2 FOR UPDATE")
+        .batch_execute("BEGIN; SELECT 1 FROM outbox_tracked WHERE id = 2 FOR UPDATE")
         .await
         .unwrap();
     let acker = db.connect().await;
@@ -376,14 +393,16 @@ async fn reclaim_and_ack_never_deadlock() {
     assert_eq!((success, back), (acked as i64, reclaimed as i64));
 }
 
-/// Rows an `outbox_purge` call read from the table in this transaction: (sequential, by index).
+/// Rows an `outbox_purge` call read from the outbox's tables in this transaction: (sequential,
+/// by index).
 async fn purge_reads(c: &Client, call: &str) -> (i64, i64, i64) {
     c.batch_execute("BEGIN").await.unwrap();
     let deleted: i64 = scalar(c, call, &[]).await;
     let row = c
         .query_one(
-            "SELECT seq_tup_read, coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables \
-             WHERE relid = 'outbox_event'::regclass",
+            "SELECT coalesce(sum(seq_tup_read), 0)::bigint, coalesce(sum(idx_tup_fetch), 0)::bigint \
+               FROM pg_stat_xact_user_tables \
+              WHERE relid IN ('outbox_tracked'::regclass, 'outbox_stream'::regclass)",
             &[],
         )
         .await
@@ -396,14 +415,17 @@ async fn purge_reads(c: &Client, call: &str) -> (i64, i64, i64) {
 async fn purge_reads_only_the_rows_it_deletes() {
     let db = TestDb::create();
     let c = db.connect().await;
+    // A history of tracked rows (delayed events, set SUCCESS by hand): the rows whose state
+    // changes, read through the SUCCESS index by age.
     c.batch_execute(
-        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 20000) g;
-         UPDATE outbox_event SET status = 'SUCCESS', updated_at = now() - interval '1 hour';
-         UPDATE outbox_event SET updated_at = now() - interval '8 days' WHERE id <= 100;",
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), deliver_at => now() + interval '1 day')
+           FROM generate_series(1, 20000) g;
+         UPDATE outbox_tracked SET status = 'SUCCESS', updated_at = now() - interval '1 hour';
+         UPDATE outbox_tracked SET updated_at = now() - interval '8 days' WHERE id <= 100;",
     )
     .await
     .unwrap();
-    c.batch_execute("VACUUM ANALYZE outbox_event")
+    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream")
         .await
         .unwrap();
     // A new session: pg_stat_xact_* also shows a backend's not yet flushed counts of earlier
@@ -484,9 +506,12 @@ async fn truncate_restart_identity_never_reissues_an_event_id() {
     let db = TestDb::create();
     let c = db.connect().await;
     let first: Vec<(i64, String)> = enqueue_and_read(&c, 3).await;
-    c.batch_execute("TRUNCATE outbox_event RESTART IDENTITY")
-        .await
-        .unwrap();
+    // The id sequence belongs to outbox_tracked.id: RESTART IDENTITY resets it with that table.
+    c.batch_execute(
+        "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key RESTART IDENTITY",
+    )
+    .await
+    .unwrap();
     let second = enqueue_and_read(&c, 3).await;
     let ids = |v: &[(i64, String)]| v.iter().map(|(i, _)| *i).collect::<Vec<_>>();
     assert_eq!(ids(&first), ids(&second), "the bigint ids are reissued");

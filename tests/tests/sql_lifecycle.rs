@@ -41,14 +41,40 @@ async fn status_of(c: &Client, id: i64) -> (String, i32, Option<String>) {
     (r.get(0), r.get(1), r.get(2))
 }
 
-/// Makes a WAIT row due now, as if its backoff had elapsed.
+/// Makes a WAIT row due now, as if its backoff had elapsed. Only tracked rows (retried, delayed,
+/// ordered events) have a next_retry_time: a fresh unordered event is a stream row, always due.
 async fn make_due(c: &Client, id: i64) {
     c.execute(
-        "UPDATE outbox_event SET next_retry_time = now() - interval '1 second' WHERE id = $1",
+        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 second' WHERE id = $1",
         &[&id],
     )
     .await
     .unwrap();
+}
+
+/// Enqueues an unordered event as a tracked row, due now: delivered later, then made due. Such a
+/// row has a next_retry_time of its own, as a retried event has (a fresh one is a stream row).
+async fn enqueue_tracked(c: &Client, topic: &str) -> i64 {
+    let id = scalar(
+        c,
+        "SELECT outbox_enqueue($1, '{\"n\":1}'::jsonb, deliver_at => now() + interval '1 hour')",
+        &[&topic],
+    )
+    .await;
+    make_due(c, id).await;
+    id
+}
+
+/// Ages the lease `id` is held under by `age`: a tracked row's own claimed_at, or the batch row of
+/// the claim that handed out a stream event (one lease for that claim's stream events).
+async fn age_lease(c: &Client, id: i64, age: &str) {
+    for sql in [
+        "UPDATE outbox_tracked SET claimed_at = clock_timestamp() - $2::text::interval WHERE id = $1",
+        "UPDATE outbox_stream_batch SET claimed_at = clock_timestamp() - $2::text::interval \
+         WHERE $1 = ANY (pending)",
+    ] {
+        c.execute(sql, &[&id, &age]).await.unwrap();
+    }
 }
 
 #[tokio::test]
@@ -99,13 +125,14 @@ async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
     let db = TestDb::create();
     let c = db.connect().await;
     let mut ids = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..4 {
         ids.push(enqueue(&c, "orders").await);
     }
+    ids.push(enqueue_tracked(&c, "orders").await);
     // The newest row is made the oldest due one: the claim picks by next_retry_time, not id, and
-    // returns its rows in id (publish) order.
+    // returns its rows in id (publish) order. (A row with a next_retry_time: a tracked one.)
     c.execute(
-        "UPDATE outbox_event SET next_retry_time = now() - interval '1 hour' WHERE id = $1",
+        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 hour' WHERE id = $1",
         &[&ids[4]],
     )
     .await
@@ -326,12 +353,7 @@ async fn renew_extends_the_lease_of_held_rows() {
     let c = db.connect().await;
     let id = enqueue(&c, "orders").await;
     let (token, _) = claim(&c, "relay-a", 1).await;
-    c.execute(
-        "UPDATE outbox_event SET claimed_at = now() - interval '1 hour' WHERE id = $1",
-        &[&id],
-    )
-    .await
-    .unwrap();
+    age_lease(&c, id, "1 hour").await;
     let n: i32 = scalar(
         &c,
         "SELECT outbox_renew('relay-a', $1, ARRAY[$2::bigint])",
@@ -351,22 +373,18 @@ async fn renew_extends_the_lease_of_held_rows() {
 async fn reclaim_uses_claimed_at_not_next_retry_time_and_counts_an_attempt() {
     let db = TestDb::create();
     let c = db.connect().await;
-    let fresh = enqueue(&c, "orders").await;
+    // `fresh` has a next_retry_time of its own (a tracked row); `stale` is a stream event.
+    let fresh = enqueue_tracked(&c, "orders").await;
     let stale = enqueue(&c, "orders").await;
-    claim(&c, "relay-a", 10).await;
+    assert_eq!(claim(&c, "relay-a", 10).await.1.len(), 2);
     // `fresh` was due long ago but its lease is new; `stale` holds a lease older than 10 minutes.
     c.execute(
-        "UPDATE outbox_event SET next_retry_time = now() - interval '1 day' WHERE id = $1",
+        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 day' WHERE id = $1",
         &[&fresh],
     )
     .await
     .unwrap();
-    c.execute(
-        "UPDATE outbox_event SET claimed_at = clock_timestamp() - interval '11 minutes' WHERE id = $1",
-        &[&stale],
-    )
-    .await
-    .unwrap();
+    age_lease(&c, stale, "11 minutes").await;
     let n: i32 = scalar(&c, "SELECT outbox_reclaim()", &[]).await;
     assert_eq!(n, 1);
     assert_eq!(
@@ -396,12 +414,8 @@ async fn reclaim_dead_letters_an_event_that_keeps_losing_its_lease() {
     for round in 1..=4 {
         let (_, got) = claim(&c, "crashy", 1).await;
         assert_eq!(got, vec![id]);
-        c.execute(
-            "UPDATE outbox_event SET claimed_at = clock_timestamp() - interval '1 hour' WHERE id = $1",
-            &[&id],
-        )
-        .await
-        .unwrap();
+        // The first claim's lease is its batch's (a stream event), later ones the tracked copy's.
+        age_lease(&c, id, "1 hour").await;
         let n: i32 = scalar(&c, "SELECT outbox_reclaim('1 minute')", &[]).await;
         assert_eq!(n, 1);
         let expect = if round < 4 { "WAIT" } else { "FAIL" };
@@ -416,10 +430,11 @@ async fn nack_and_reclaim_returning_report_each_settled_row_and_its_dead_letters
     let db = TestDb::create();
     let c = db.connect().await;
     c.batch_execute("SET outbox.max_retry = 1").await.unwrap();
-    let fresh = enqueue(&c, "orders").await;
-    let tired = enqueue(&c, "payments").await;
+    // Tracked rows (only they have a retry_count of their own to set).
+    let fresh = enqueue_tracked(&c, "orders").await;
+    let tired = enqueue_tracked(&c, "payments").await;
     c.execute(
-        "UPDATE outbox_event SET retry_count = 1 WHERE id = $1",
+        "UPDATE outbox_tracked SET retry_count = 1 WHERE id = $1",
         &[&tired],
     )
     .await
@@ -455,19 +470,14 @@ async fn nack_and_reclaim_returning_report_each_settled_row_and_its_dead_letters
     assert!(again.is_empty());
 
     c.execute(
-        "UPDATE outbox_event SET next_retry_time = now() WHERE id = $1",
+        "UPDATE outbox_tracked SET next_retry_time = now() WHERE id = $1",
         &[&fresh],
     )
     .await
     .unwrap();
     let (_, got) = claim(&c, "crashy", 1).await;
     assert_eq!(got, vec![fresh]);
-    c.execute(
-        "UPDATE outbox_event SET claimed_at = clock_timestamp() - interval '1 hour' WHERE id = $1",
-        &[&fresh],
-    )
-    .await
-    .unwrap();
+    age_lease(&c, fresh, "1 hour").await;
     let r = c
         .query_one(
             "SELECT id, topic, status::text, retry_count, expired_owner FROM outbox_reclaim_returning('1 minute')",
@@ -494,13 +504,19 @@ async fn requeue_returns_dead_letters_only() {
     let c = db.connect().await;
     let dead = enqueue(&c, "orders").await;
     let waiting = enqueue(&c, "orders").await;
-    c.execute(
-        "UPDATE outbox_event SET status = 'FAIL', retry_count = 4, last_error = 'boom', \
-         next_retry_time = now() + interval '1 day' WHERE id = $1",
-        &[&dead],
+    // `dead` fails its only attempt (max_retry 0): a dead letter with its error, not due.
+    c.batch_execute("SET outbox.max_retry = 0").await.unwrap();
+    let (token, ids) = claim(&c, "relay-a", 1).await;
+    assert_eq!(ids, vec![dead]);
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_nack('relay-a', $1, ARRAY[$2::bigint], 'boom')",
+        &[&token.unwrap(), &dead],
     )
-    .await
-    .unwrap();
+    .await;
+    assert_eq!(n, 1);
+    c.batch_execute("RESET outbox.max_retry").await.unwrap();
+    assert_eq!(status_of(&c, dead).await.0, "FAIL");
     let listed: Vec<i64> = c
         .query("SELECT id FROM outbox_dead_letters()", &[])
         .await
@@ -546,13 +562,28 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
     c.execute("SELECT outbox_ack('r', $1, $2)", &[&token.unwrap(), &ids])
         .await
         .unwrap();
-    // Every other state, all of them old.
+    // Every other state, all of them old: a dead letter (its only attempt failed, max_retry 0),
+    // a held event and a waiting one. Old: a tracked row by its updated_at, a stream row (never
+    // rewritten) by its created_at.
     c.batch_execute(
         "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3); \
-         UPDATE outbox_event SET status = 'FAIL' WHERE id = (SELECT max(id) FROM outbox_event); \
-         UPDATE outbox_event SET status = 'SENDING', claim_owner = 'x', claim_token = 1, claimed_at = now() \
-          WHERE id = (SELECT max(id) - 1 FROM outbox_event); \
-         UPDATE outbox_event SET updated_at = now() - interval '30 days'",
+         SET outbox.max_retry = 0",
+    )
+    .await
+    .unwrap();
+    let (token, ids) = claim(&c, "x", 1).await;
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_nack('x', $1, $2, 'boom')",
+        &[&token.unwrap(), &ids],
+    )
+    .await;
+    assert_eq!(n, 1);
+    assert_eq!(claim(&c, "x", 1).await.1.len(), 1);
+    c.batch_execute(
+        "RESET outbox.max_retry; \
+         UPDATE outbox_tracked SET updated_at = now() - interval '30 days'; \
+         UPDATE outbox_stream SET created_at = now() - interval '30 days'",
     )
     .await
     .unwrap();
@@ -641,16 +672,22 @@ async fn stats_count_every_state_and_report_ages() {
     )
     .await
     .unwrap();
+    // A dead letter: its only attempt failed (max_retry 0).
+    c.batch_execute("SET outbox.max_retry = 0").await.unwrap();
     c.execute(
-        "UPDATE outbox_event SET status = 'FAIL' WHERE id = $1",
-        &[&ids[1]],
+        "SELECT outbox_nack('r', $1, ARRAY[$2::bigint])",
+        &[&token, &ids[1]],
     )
     .await
     .unwrap();
-    c.execute(
-        "UPDATE outbox_event SET next_retry_time = now() - interval '90 seconds' WHERE status = 'WAIT' \
-         AND next_retry_time <= now()",
-        &[],
+    c.batch_execute("RESET outbox.max_retry").await.unwrap();
+    // The due WAIT events waited 90 s: a tracked row by its next_retry_time, a stream event (due
+    // since its enqueue) by its created_at.
+    c.batch_execute(
+        "UPDATE outbox_tracked SET next_retry_time = now() - interval '90 seconds' WHERE status = 'WAIT' \
+         AND next_retry_time <= now(); \
+         UPDATE outbox_stream SET created_at = now() - interval '90 seconds' \
+          WHERE id IN (SELECT id FROM outbox_event WHERE status = 'WAIT' AND next_retry_time <= now())",
     )
     .await
     .unwrap();

@@ -13,6 +13,14 @@ use tokio_postgres::Client;
 
 const CURRENT: &str = env!("CARGO_PKG_VERSION");
 
+/// The extension's tables and views (its members in pg_class, sequences aside): their columns,
+/// indexes, options, view definitions and triggers are compared.
+const EXT_RELS: &str =
+    "SELECT c.oid FROM pg_class c JOIN pg_depend d ON d.classid = 'pg_class'::regclass \
+     AND d.objid = c.oid AND d.deptype = 'e' \
+     JOIN pg_extension x ON x.oid = d.refobjid AND x.extname = 'outbox' \
+     WHERE c.relkind IN ('r', 'p', 'v')";
+
 /// Everything the extension defines, as text keyed by object, for comparing two databases.
 async fn catalog(c: &Client) -> BTreeMap<String, String> {
     let queries = [
@@ -21,25 +29,43 @@ async fn catalog(c: &Client) -> BTreeMap<String, String> {
                 pg_get_functiondef(p.oid) || coalesce(p.proacl::text, '') \
            FROM pg_proc p JOIN pg_depend d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid \
            JOIN pg_extension x ON x.oid = d.refobjid AND d.deptype = 'e' AND x.extname = 'outbox'",
-        "SELECT 'column ' || a.attrelid::regclass::text || ' ' || a.attnum || ' ' || a.attname, \
+        "WITH ext_rel AS ({EXT_RELS}) \
+         SELECT 'column ' || a.attrelid::regclass::text || ' ' || a.attnum || ' ' || a.attname, \
                 format_type(a.atttypid, a.atttypmod) || ' notnull=' || a.attnotnull \
                 || ' default=' || coalesce(pg_get_expr(ad.adbin, ad.adrelid), '') \
            FROM pg_attribute a LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum \
-          WHERE a.attrelid IN ('outbox_event'::regclass, 'outbox_key'::regclass) AND a.attnum > 0 AND NOT a.attisdropped",
-        "SELECT 'index ' || c.relname, pg_get_indexdef(c.oid) \
+          WHERE a.attrelid IN (SELECT oid FROM ext_rel) AND a.attnum > 0 AND NOT a.attisdropped",
+        "WITH ext_rel AS ({EXT_RELS}) \
+         SELECT 'index ' || c.relname, pg_get_indexdef(c.oid) \
            FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
-          WHERE i.indrelid IN ('outbox_event'::regclass, 'outbox_key'::regclass)",
-        "SELECT 'table options ' || relname, coalesce(array_to_string(reloptions, ','), '') || ' acl=' || coalesce(relacl::text, '') \
-           FROM pg_class WHERE oid IN ('outbox_event'::regclass, 'outbox_key'::regclass)",
+          WHERE i.indrelid IN (SELECT oid FROM ext_rel)",
+        "WITH ext_rel AS ({EXT_RELS}) \
+         SELECT 'table options ' || relname, 'kind=' || relkind::text || ' ' || coalesce(array_to_string(reloptions, ','), '') \
+                || ' acl=' || coalesce(relacl::text, '') \
+           FROM pg_class WHERE oid IN (SELECT oid FROM ext_rel)",
+        "WITH ext_rel AS ({EXT_RELS}) \
+         SELECT 'view ' || c.relname, pg_get_viewdef(c.oid) \
+           FROM pg_class c WHERE c.oid IN (SELECT oid FROM ext_rel) AND c.relkind = 'v'",
+        "WITH ext_rel AS ({EXT_RELS}) \
+         SELECT 'trigger ' || t.tgrelid::regclass::text || ' ' || t.tgname, pg_get_triggerdef(t.oid) \
+           FROM pg_trigger t WHERE t.tgrelid IN (SELECT oid FROM ext_rel) AND NOT t.tgisinternal",
         "SELECT 'type ' || t.typname, string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder) \
            FROM pg_type t JOIN pg_enum e ON e.enumtypid = t.oid \
           WHERE t.typname = 'outbox_status' GROUP BY t.typname",
         "SELECT 'dumped with pg_dump', array_to_string(ARRAY(SELECT c::regclass::text FROM unnest(extconfig) c ORDER BY 1), ',') \
            FROM pg_extension WHERE extname = 'outbox'",
+        "SELECT 'dumped with pg_dump: ' || u.rel::regclass::text, u.cond \
+           FROM pg_extension x, unnest(x.extconfig, x.extcondition) AS u(rel, cond) \
+          WHERE x.extname = 'outbox'",
     ];
     let mut out = BTreeMap::new();
     for q in queries {
-        for row in c.query(q, &[]).await.unwrap_or_else(|e| panic!("{q}: {e}")) {
+        let q = q.replace("{EXT_RELS}", EXT_RELS);
+        for row in c
+            .query(&q, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{q}: {e:?}"))
+        {
             out.insert(row.get(0), row.get(1));
         }
     }
@@ -71,7 +97,13 @@ async fn update_from_0_5_0_with_events_in_flight() {
     update_with_events_in_flight("0.5.0").await;
 }
 
-/// A role granted calls of an earlier release (nack, reclaim, stats, requeue); dropped on drop.
+#[tokio::test]
+async fn update_from_0_6_0_with_events_in_flight() {
+    update_with_events_in_flight("0.6.0").await;
+}
+
+/// A role granted calls of an earlier release (nack, reclaim, stats, requeue, claim, dead letters);
+/// dropped on drop.
 struct OldRelayRole(String);
 
 impl Drop for OldRelayRole {
@@ -99,7 +131,8 @@ async fn update_with_events_in_flight(from: &str) {
         .unwrap();
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
     // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
-    // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue.
+    // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0
+    // the same as 0.5.0.
     let returning = match from {
         "0.3.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
@@ -108,7 +141,7 @@ async fn update_with_events_in_flight(from: &str) {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[])"
         }
-        "0.5.0" => {
+        "0.5.0" | "0.6.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
              outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)"
@@ -118,7 +151,8 @@ async fn update_with_events_in_flight(from: &str) {
     c.batch_execute(&format!(
         "CREATE ROLE {0} NOLOGIN; GRANT EXECUTE ON FUNCTION outbox_nack(text, bigint, bigint[], text), \
          outbox_reclaim(interval), outbox_stats(), outbox_requeue(bigint[]), outbox_claim(text, int), \
-         outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz){returning} TO {0}",
+         outbox_dead_letters(int, bigint), outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz){returning} \
+         TO {0}",
         role.0
     ))
     .await
@@ -137,7 +171,11 @@ async fn update_with_events_in_flight(from: &str) {
     )
     .await;
     assert_eq!(version, CURRENT);
+    // outbox_claim and outbox_dead_letters are dropped and created anew by 0.6.0 -> 0.7.0, which
+    // replays their grants: the role keeps them from every release.
     for f in [
+        "outbox_claim(text, integer)",
+        "outbox_dead_letters(integer, bigint)",
         "outbox_nack_returning(text, bigint, bigint[], text)",
         "outbox_reclaim_returning(interval)",
         "outbox_stats()",
@@ -159,7 +197,8 @@ async fn update_with_events_in_flight(from: &str) {
         "REVOKE ALL ON FUNCTION outbox_nack(text, bigint, bigint[], text), outbox_reclaim(interval), \
          outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
          outbox_stats(), outbox_requeue(bigint[]), outbox_blocked_keys(int), outbox_skip(bigint[]), \
-         outbox_claim(text, int), outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz), \
+         outbox_claim(text, int), outbox_dead_letters(int, bigint), \
+         outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz), \
          outbox_wait(interval), outbox_wake_mode(), \
          outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz) FROM {}",
         role.0
@@ -176,13 +215,104 @@ async fn update_with_events_in_flight(from: &str) {
     // The claim taken before the update is still held: settle it, then drain in key order.
     in_flight::settle_and_drain(&c, token, per_key).await;
 
+    // The new path works on the updated database: a fresh unkeyed event goes to the stream, is
+    // handed out by the cursor the update started, acked, and reads SUCCESS through the view.
+    let id: i64 = scalar(
+        &c,
+        "SELECT outbox_enqueue('orders', '{\"n\": 7}'::jsonb)",
+        &[],
+    )
+    .await;
+    let placed: String = scalar(
+        &c,
+        "SELECT (SELECT count(*) FROM outbox_stream WHERE id = $1) || ' stream, ' \
+             || (SELECT count(*) FROM outbox_tracked WHERE id = $1) || ' tracked'",
+        &[&id],
+    )
+    .await;
+    assert_eq!(placed, "1 stream, 0 tracked", "where event {id} went");
+    let status = |want: &'static str| {
+        let c = &c;
+        async move {
+            let got: String = scalar(
+                c,
+                "SELECT string_agg(status::text, ',') FROM outbox_event WHERE id = $1",
+                &[&id],
+            )
+            .await;
+            assert_eq!(got, want, "event {id} through the view");
+        }
+    };
+    status("WAIT").await;
+    let rows = c
+        .query(
+            "SELECT id, claim_token FROM outbox_claim('relay-c', 10)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(ids, vec![id], "the claim hands out the fresh event only");
+    let stream_token: i64 = rows[0].get(1);
+    status("SENDING").await;
+    let acked: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('relay-c', $1, $2)",
+        &[&stream_token, &ids],
+    )
+    .await;
+    assert_eq!(acked, 1);
+    status("SUCCESS").await;
+    let unsettled: i64 = scalar(
+        &c,
+        "SELECT count(*) FROM outbox_event WHERE status <> 'SUCCESS'",
+        &[],
+    )
+    .await;
+    assert_eq!(unsettled, 0, "every event is settled");
+    let total: i64 = scalar(&c, "SELECT count(*) FROM outbox_event", &[]).await;
+    assert_eq!(total, 7, "the six from before the update and the fresh one");
+    let batches: i64 = scalar(&c, "SELECT count(*) FROM outbox_stream_batch", &[]).await;
+    assert_eq!(batches, 0, "acking the whole claim deletes its batch row");
+
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
+    // In 0.7.0: 37 functions, 57 columns, 12 indexes, 6 tables and views, the view's definition,
+    // 1 trigger, the enum and 6 pg_dump rows (121 in all).
     assert!(
-        installed.len() > 40,
+        installed.len() > 110,
         "the catalog query found too little to compare: {installed:?}"
     );
+    for object in [
+        "column outbox_tracked 1 id",
+        "column outbox_stream 2 txid",
+        "column outbox_stream_cursor 2 prev_snap",
+        "column outbox_stream_batch 4 pending",
+        "column outbox_key 1 topic",
+        "column outbox_event 7 status",
+        "index outbox_tracked_key_pending_idx",
+        "index outbox_stream_txid_idx",
+        "index outbox_stream_cursor_pkey",
+        "index outbox_stream_batch_pkey",
+        "index outbox_key_due_idx",
+        "table options outbox_tracked",
+        "table options outbox_stream",
+        "table options outbox_stream_cursor",
+        "table options outbox_stream_batch",
+        "table options outbox_key",
+        "table options outbox_event",
+        "view outbox_event",
+        "trigger outbox_stream outbox_stream_restamp",
+        "dumped with pg_dump: outbox_tracked",
+        "dumped with pg_dump: outbox_stream",
+        "dumped with pg_dump: outbox_key",
+    ] {
+        assert!(
+            installed.contains_key(object),
+            "the catalog query misses {object}: {installed:?}"
+        );
+    }
     for (object, definition) in &installed {
         assert_eq!(
             upgraded.get(object),

@@ -1,13 +1,21 @@
-//! The ack audit: a trigger in the scratch database records each row's turn to SUCCESS with the
+//! The ack audit: triggers in the scratch database record each row's turn to SUCCESS with the
 //! session that made it (every relay's `application_name` is its owner name) and the claim the
 //! row was under. Needed because an acked row keeps the claim it was under: a late ack that got
 //! past the fence would leave the new holder's owner and token behind, indistinguishable from
 //! that holder's own ack.
+//!
+//! Two places an event turns SUCCESS: a tracked row's status (ordered, delayed and retried
+//! events), and a stream event's id leaving its claim's `outbox_stream_batch` row without a
+//! tracked copy (nack, release and reclaim take ids out of the batch too, but leave a copy in
+//! `outbox_tracked`: those are no acks). The settling function may write the copy after the batch
+//! row, so the stream's trigger is deferred to commit, when both are there.
 
 use super::runner::Runner;
 
-/// Run once in the scratch database before any relay starts. The trigger fires inside the
-/// SECURITY DEFINER `outbox_ack` (search_path pg_catalog): hence the qualified names.
+/// Run once in the scratch database before any relay starts. The tracked trigger fires inside the
+/// SECURITY DEFINER `outbox_ack` (search_path pg_catalog): hence the qualified names. The
+/// stream's fires at commit, as the relay's own role: SECURITY DEFINER, so its owner (the
+/// superuser that installs it) writes the audit table.
 pub(super) const INSTALL: &str = "
 CREATE TABLE public.fault_ack (
     id bigint NOT NULL,
@@ -24,9 +32,29 @@ BEGIN
     RETURN NULL;
 END
 $$;
-CREATE TRIGGER fault_record_ack AFTER UPDATE OF status ON public.outbox_event
+CREATE TRIGGER fault_record_ack AFTER UPDATE OF status ON public.outbox_tracked
 FOR EACH ROW WHEN (NEW.status = 'SUCCESS' AND OLD.status IS DISTINCT FROM 'SUCCESS')
 EXECUTE FUNCTION public.fault_record_ack();
+CREATE FUNCTION public.fault_record_stream_ack() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+DECLARE
+    left_over bigint[] := '{}';
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        left_over := NEW.pending;
+    END IF;
+    INSERT INTO public.fault_ack (id, acker, claim_owner, claim_token)
+    SELECT p, current_setting('application_name'), OLD.claim_owner, OLD.claim_token
+      FROM unnest(OLD.pending) p
+     WHERE NOT p = ANY (left_over)
+       AND NOT EXISTS (SELECT 1 FROM public.outbox_tracked t WHERE t.id = p);
+    RETURN NULL;
+END
+$$;
+CREATE CONSTRAINT TRIGGER fault_record_stream_ack
+AFTER UPDATE OF pending OR DELETE ON public.outbox_stream_batch
+DEFERRABLE INITIALLY DEFERRED
+FOR EACH ROW EXECUTE FUNCTION public.fault_record_stream_ack();
 ";
 
 /// Fills the report's audit figures (after every relay stopped).
