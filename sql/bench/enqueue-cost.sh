@@ -18,7 +18,7 @@ DO \$\$
 DECLARE t0 timestamptz; best float8 := 'infinity';
 BEGIN
   FOR i IN 1..5 LOOP
-    TRUNCATE outbox_event;
+    TRUNCATE $tbl;
     t0 := clock_timestamp();
     EXECUTE \$q\$ $1 \$q\$;
     best := least(best, extract(epoch FROM clock_timestamp() - t0) * 1e6 / $rows);
@@ -32,9 +32,11 @@ row() { # version label -> markdown row
   local version=$1
   psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db"
   psql -X -q -d "$db" -c "CREATE EXTENSION outbox VERSION '$version'"
+  # The events' table: outbox_event up to 0.6.0, outbox_tracked from 0.7.0 (outbox_event is a view).
+  tbl=$(psql -X -At -d "$db" -c "SELECT coalesce(to_regclass('outbox_tracked'), to_regclass('outbox_event'))")
   local enqueue insert
   enqueue=$(best_us_per_row "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || g, event_type => 'OrderCreated')) FROM generate_series(1, $rows) g" 2>&1 | sed -nE 's/^NOTICE: +//p')
-  insert=$(best_us_per_row "INSERT INTO outbox_event (topic, payload, event_key, event_type, status, next_retry_time) SELECT 'orders', jsonb_build_object('n', g), 'k' || g, 'OrderCreated', 'WAIT', now() FROM generate_series(1, $rows) g" 2>&1 | sed -nE 's/^NOTICE: +//p')
+  insert=$(best_us_per_row "INSERT INTO $tbl (topic, payload, event_key, event_type, status, next_retry_time) SELECT 'orders', jsonb_build_object('n', g), 'k' || g, 'OrderCreated', 'WAIT', now() FROM generate_series(1, $rows) g" 2>&1 | sed -nE 's/^NOTICE: +//p')
   echo "| $version | $enqueue | $insert | $(awk -v a="$enqueue" -v b="$insert" 'BEGIN { printf "%.2f", a / b }') |"
 }
 

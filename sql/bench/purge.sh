@@ -13,14 +13,17 @@ trap 'psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"' EXIT
 measure() { # version -> one markdown table row per purge call
   local version=$1
   psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db"
+  psql -X -q -v ON_ERROR_STOP=1 -d "$db" -c "CREATE EXTENSION outbox VERSION '$version'"
+  # The events' table: outbox_event up to 0.6.0, outbox_tracked from 0.7.0 (outbox_event is a view).
+  local tbl
+  tbl=$(psql -X -At -d "$db" -c "SELECT coalesce(to_regclass('outbox_tracked'), to_regclass('outbox_event'))")
   psql -X -q -v ON_ERROR_STOP=1 -d "$db" <<SQL
-CREATE EXTENSION outbox VERSION '$version';
 -- Delivered rows an hour old, the oldest 10,000 of them eight days old.
-INSERT INTO outbox_event (topic, payload, status, next_retry_time, updated_at)
+INSERT INTO $tbl (topic, payload, status, next_retry_time, updated_at)
 SELECT 'orders', jsonb_build_object('n', g), 'SUCCESS', now(),
        now() - CASE WHEN g <= 10000 THEN interval '8 days' ELSE interval '1 hour' END
   FROM generate_series(1, $rows) g;
-VACUUM ANALYZE outbox_event;
+VACUUM ANALYZE $tbl;
 SQL
   for call in "outbox_purge('30 days', 10000)" "outbox_purge('7 days', 10000)"; do
     psql -X -q -At -F ' | ' -v ON_ERROR_STOP=1 -v call="\`$call\`" -d "$db" <<SQL
@@ -30,7 +33,7 @@ SELECT $call AS deleted \gset
 SELECT '$version', :'call', :deleted,
        round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000, 1),
        seq_tup_read, coalesce(idx_tup_fetch, 0)
-  FROM pg_stat_xact_user_tables WHERE relid = 'outbox_event'::regclass;
+  FROM pg_stat_xact_user_tables WHERE relid = '$tbl'::regclass;
 COMMIT;
 SQL
   done

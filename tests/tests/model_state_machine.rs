@@ -7,6 +7,16 @@
 //! lease and error presence and (for WAIT rows) its backoff delay are compared with the model, as
 //! are each call's returned count or rows and `outbox_stats()`.
 //!
+//! The model knows where each event lives: a fresh event due now is a stream event (one row in
+//! `outbox_stream`, its claim's lease on the claim's `outbox_stream_batch` row), an event due
+//! later is a tracked row, and a stream event's first failed attempt (nack, lease expired) makes
+//! a tracked copy with the same id that stands for it from then on (the stream row stays until
+//! purge takes both). A claim takes due tracked rows first (oldest due first), then fills the
+//! batch from the stream in id order, and returns all its rows in id order. An acked stream event
+//! shows no owner, token or lease; renewing one of a claim's stream events moves the lease of all
+//! of them (it is the claim's). Purge takes tracked SUCCESS rows by age, then stream SUCCESS rows
+//! by age among the oldest (max_rows minus what it deleted) stream rows by id.
+//!
 //! Time is made exact with a virtual clock in units of one hour: every delay the test configures
 //! (backoff base and cap, lease, deliver_at, purge age) is a whole number of units, and "advance
 //! the clock by k units" shifts every timestamp of every row k hours into the past. A case runs
@@ -118,6 +128,11 @@ impl St {
 
 #[derive(Debug, Clone)]
 struct Row {
+    /// The event's state is a row of outbox_tracked (due later, or a stream event after a failed
+    /// attempt); otherwise the view derives it from the stream row, the cursor and its batch.
+    tracked: bool,
+    /// The event has a row in outbox_stream (fresh unordered; kept under a tracked copy).
+    in_stream: bool,
     status: St,
     retry: i32,
     owner: Option<String>,
@@ -131,6 +146,7 @@ struct Row {
     delay_u: i64,
     claimed_u: i64,
     updated_u: i64,
+    created_u: i64,
 }
 
 /// One claim call that returned rows.
@@ -282,9 +298,13 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     m.last_id = id;
                     m.all_ids.push(id);
                     if !rollback {
+                        // Due now: the stream; due later: a tracked row.
+                        let stream = *delay_u == 0;
                         m.rows.insert(
                             id,
                             Row {
+                                tracked: !stream,
+                                in_stream: stream,
                                 status: St::Wait,
                                 retry: 0,
                                 owner: None,
@@ -296,6 +316,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                                 delay_u: *delay_u as i64,
                                 claimed_u: 0,
                                 updated_u: m.now_u,
+                                created_u: m.now_u,
                             },
                         );
                     }
@@ -303,14 +324,23 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
             }
             Op::Claim { owner, max } => {
                 let name = owner_name(*owner);
+                // Tracked rows first, oldest due first; then the stream in commit (= id) order.
                 let mut due: Vec<(i64, usize, i64)> = m
                     .rows
                     .iter()
-                    .filter(|(_, r)| r.status == St::Wait && r.due_u <= m.now_u)
+                    .filter(|(_, r)| r.tracked && r.status == St::Wait && r.due_u <= m.now_u)
                     .map(|(id, r)| (r.due_u, r.due_seq, *id))
                     .collect();
                 due.sort();
-                let expect: Vec<i64> = due.iter().take(*max as usize).map(|d| d.2).collect();
+                let mut expect: Vec<i64> = due.iter().take(*max as usize).map(|d| d.2).collect();
+                let fresh: Vec<i64> = m
+                    .rows
+                    .iter()
+                    .filter(|(_, r)| !r.tracked && r.status == St::Wait)
+                    .map(|(id, _)| *id)
+                    .collect();
+                expect.extend(fresh.iter().take(*max as usize - expect.len()));
+                expect.sort();
                 let rows = pg(
                     &ctx,
                     s.owners[*owner]
@@ -321,11 +351,10 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                         .await,
                 )?;
                 let got: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-                let got_set: BTreeSet<i64> = got.iter().copied().collect();
-                let expect_set: BTreeSet<i64> = expect.iter().copied().collect();
                 check!(
-                    got_set == expect_set,
-                    "{ctx}: claimed {got:?}, model expects {expect:?} (oldest due first)"
+                    got == expect,
+                    "{ctx}: claimed {got:?}, model expects {expect:?} (tracked oldest due first, \
+                     then the stream by id; returned in id order)"
                 );
                 if let Some(first) = rows.first() {
                     let token: i64 = first.get(3);
@@ -353,6 +382,10 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                         r.updated_u = m.now_u;
                     }
                     s.covered("claimed", got.len());
+                    s.covered(
+                        "claimed from the stream",
+                        got.iter().filter(|id| !m.rows[id].tracked).count(),
+                    );
                     m.claims.push(ClaimRec {
                         owner: *owner,
                         token,
@@ -380,7 +413,17 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 for id in held {
                     let r = m.rows.get_mut(&id).unwrap();
                     r.status = St::Success;
-                    r.updated_u = m.now_u;
+                    if r.tracked {
+                        // Keeps its owner, token and lease.
+                        r.updated_u = m.now_u;
+                    } else {
+                        // Out of its claim's batch: the stream row alone, never rewritten.
+                        r.owner = None;
+                        r.token = None;
+                        r.has_lease = false;
+                        r.updated_u = r.created_u;
+                        s.covered("acked from the stream", 1);
+                    }
                 }
             }
             Op::Nack { who, claim, ids } => {
@@ -404,6 +447,11 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 for id in held {
                     let now = m.now_u;
                     let r = m.rows.get_mut(&id).unwrap();
+                    // A stream event's first failed attempt: a tracked copy (retry_count 0 + 1).
+                    if !r.tracked {
+                        s.covered("nacked from the stream", 1);
+                    }
+                    r.tracked = true;
                     r.retry += 1;
                     r.status = if r.retry > MAX_RETRY {
                         St::Fail
@@ -445,11 +493,22 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     held.len()
                 );
                 s.covered("renewed", held.len());
-                for id in held {
-                    let now = m.now_u;
-                    let r = m.rows.get_mut(&id).unwrap();
-                    r.claimed_u = now;
-                    r.updated_u = now;
+                // A stream event's lease is its claim's: renewing one renews every event the
+                // claim still holds.
+                let batches: BTreeSet<i64> = held
+                    .iter()
+                    .filter(|id| !m.rows[id].tracked)
+                    .filter_map(|id| m.rows[id].token)
+                    .collect();
+                let now = m.now_u;
+                for (id, r) in m.rows.iter_mut() {
+                    let in_batch = !r.tracked
+                        && r.status == St::Sending
+                        && r.token.is_some_and(|t| batches.contains(&t));
+                    if held.contains(id) || in_batch {
+                        r.claimed_u = now;
+                        r.updated_u = now;
+                    }
                 }
             }
             Op::Reclaim { lease_u } => {
@@ -475,6 +534,11 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 for id in expired {
                     let now = m.now_u;
                     let r = m.rows.get_mut(&id).unwrap();
+                    // A stream event's first failed attempt: a tracked copy (retry_count 0 + 1).
+                    if !r.tracked {
+                        s.covered("reclaimed from the stream", 1);
+                    }
+                    r.tracked = true;
                     r.retry += 1;
                     r.status = if r.retry > MAX_RETRY {
                         St::Fail
@@ -539,15 +603,41 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 }
             }
             Op::Purge { older_u, max_rows } => {
-                let eligible: BTreeSet<i64> = m
+                let max = *max_rows as usize;
+                // Tracked SUCCESS rows by updated_at (a retried stream event's row goes with its
+                // tracked copy, counted once).
+                let mut eligible: BTreeSet<i64> = m
                     .rows
                     .iter()
                     .filter(|(_, r)| {
-                        r.status == St::Success && r.updated_u + *older_u as i64 <= m.now_u
+                        r.tracked
+                            && r.status == St::Success
+                            && r.updated_u + *older_u as i64 <= m.now_u
                     })
                     .map(|(id, _)| *id)
                     .collect();
-                let expect = eligible.len().min(*max_rows as usize);
+                let mut expect = eligible.len().min(max);
+                if expect < max {
+                    // Every tracked one went (no choice left to the database): then stream
+                    // SUCCESS rows by created_at, among the oldest (max - expect) stream rows by
+                    // id that remain (whatever their state, retried ones included).
+                    let stream: BTreeSet<i64> = m
+                        .rows
+                        .iter()
+                        .filter(|(id, r)| r.in_stream && !eligible.contains(id))
+                        .map(|(id, _)| *id)
+                        .take(max - expect)
+                        .filter(|id| {
+                            let r = &m.rows[id];
+                            !r.tracked
+                                && r.status == St::Success
+                                && r.created_u + *older_u as i64 <= m.now_u
+                        })
+                        .collect();
+                    s.covered("purged from the stream", stream.len());
+                    expect += stream.len();
+                    eligible.extend(stream);
+                }
                 let n: i64 = pg(
                     &ctx,
                     s.admin
@@ -791,15 +881,20 @@ fn state_machine_matches_the_model() {
 const MAX_BATCHES: usize = 8;
 
 /// Every kind of row change `Sessions::covered` records; each must happen in a run.
-const COVERED_KINDS: [&str; 10] = [
+const COVERED_KINDS: [&str; 15] = [
     "claimed",
+    "claimed from the stream",
     "acked",
+    "acked from the stream",
     "ack calls counting 0",
     "nacked to WAIT",
     "nacked to FAIL",
+    "nacked from the stream",
     "renewed",
     "reclaimed to WAIT",
     "reclaimed to FAIL",
+    "reclaimed from the stream",
     "requeued",
     "purged",
+    "purged from the stream",
 ];
