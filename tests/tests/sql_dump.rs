@@ -103,3 +103,99 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
         "fencing tokens are never reissued"
     );
 }
+
+/// Unkeyed events live in the append-only stream, whose cursor is not dumped (its snapshots mean
+/// nothing to another cluster): the dump carries the stream events still owed, and the restored
+/// database hands each of them out again, with a fresh cursor, whether pg_restore runs one
+/// transaction per object or a single one.
+#[tokio::test]
+async fn stream_events_still_owed_survive_a_restore() {
+    for single_transaction in [false, true] {
+        let source = TestDb::create();
+        let c = source.connect().await;
+        // 1, 2 delivered; 3 released (a tracked copy, due now); 4 held by a claim; 5, 6 waiting.
+        c.batch_execute("SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 6) g")
+            .await
+            .unwrap();
+        let token: i64 = scalar(
+            &c,
+            "SELECT max(claim_token) FROM outbox_claim('relay-a', 4)",
+            &[],
+        )
+        .await;
+        let acked: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, '{1,2}')", &[&token]).await;
+        assert_eq!(acked, 2);
+        let released: i32 =
+            scalar(&c, "SELECT outbox_release('relay-a', $1, '{3}')", &[&token]).await;
+        assert_eq!(released, 1);
+        let owed = "SELECT string_agg(format('%s|%s|%s', id, status, event_id), ';' ORDER BY id) \
+                    FROM outbox_event WHERE status <> 'SUCCESS'";
+        let before: String = scalar(&c, owed, &[]).await;
+
+        let dump = std::env::temp_dir().join(format!("{}.dump", source.name));
+        let out = Command::new("pg_dump")
+            .args(["-Fc", "-f"])
+            .arg(&dump)
+            .arg(source.url())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_dump: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let target = TestDb {
+            name: format!("{}_restored", source.name),
+            server: source.server.clone(),
+        };
+        psql_admin(&format!("CREATE DATABASE {}", target.name));
+        let mut restore = Command::new("pg_restore");
+        restore.arg("--exit-on-error");
+        if single_transaction {
+            restore.arg("--single-transaction");
+        }
+        let out = restore
+            .arg("-d")
+            .arg(target.url())
+            .arg(&dump)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&dump);
+        assert!(
+            out.status.success(),
+            "pg_restore: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        let r = target.connect().await;
+        // The held event comes back waiting (its claim was not dumped): delivered again, at least once.
+        let after: String = scalar(&r, owed, &[]).await;
+        let expected = before.replace("|SENDING|", "|WAIT|");
+        assert_eq!(after, expected, "single transaction: {single_transaction}");
+        let delivered: i64 = scalar(
+            &r,
+            "SELECT count(*) FROM outbox_event WHERE id IN (1, 2)",
+            &[],
+        )
+        .await;
+        assert_eq!(delivered, 0, "the stream's delivered history is not dumped");
+        let fresh: i64 = scalar(&r, "SELECT outbox_enqueue('orders', '{}')", &[]).await;
+        let claimed: Vec<i64> = r
+            .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert_eq!(
+            claimed,
+            vec![3, 4, 5, 6, fresh],
+            "every owed event and the new one, once (single transaction: {single_transaction})"
+        );
+        let again = r
+            .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
+            .await
+            .unwrap();
+        assert!(again.is_empty(), "nothing is handed out twice");
+    }
+}
