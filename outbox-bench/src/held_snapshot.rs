@@ -50,6 +50,8 @@ pub struct Interval {
 
 pub struct HeldRun {
     pub held: bool,
+    /// Events with a key each (`order-<n>`: ordered, tracked rows) or none (the stream).
+    pub keyed: bool,
     pub rate: f64,
     pub secs: f64,
     pub interval_secs: f64,
@@ -69,12 +71,20 @@ pub struct HeldRun {
 }
 
 impl HeldRun {
-    pub fn label(&self) -> &'static str {
-        if self.held {
-            "REPEATABLE READ transaction held open"
-        } else {
-            "control (no held transaction)"
-        }
+    pub fn label(&self) -> String {
+        format!(
+            "{}, {}",
+            if self.keyed {
+                "keyed events"
+            } else {
+                "unkeyed events"
+            },
+            if self.held {
+                "REPEATABLE READ transaction held open"
+            } else {
+                "control (no held transaction)"
+            }
+        )
     }
     pub fn p99_ratio(&self) -> f64 {
         self.last_minute.value_at_quantile(0.99) as f64
@@ -142,13 +152,20 @@ async fn wait_count(c: &Client) -> Result<i64> {
 }
 
 /// One run on a fresh database with the extension's default version.
-async fn one(p: &Profile, server: &str, held: bool, failures: &mut Vec<String>) -> Result<HeldRun> {
+async fn one(
+    p: &Profile,
+    server: &str,
+    held: bool,
+    keyed: bool,
+    failures: &mut Vec<String>,
+) -> Result<HeldRun> {
     let rate = p.held_rate;
     let secs = p.held_time.as_secs_f64();
     let step_secs = p.held_interval.as_secs().max(1);
     let step = step_secs as f64;
     progress!(
-        "  {}: {} events/s for {secs:.0} s",
+        "  {}, {}: {} events/s for {secs:.0} s",
+        if keyed { "keyed" } else { "unkeyed" },
         if held {
             "held REPEATABLE READ transaction"
         } else {
@@ -196,6 +213,7 @@ async fn one(p: &Profile, server: &str, held: bool, failures: &mut Vec<String>) 
             total,
             rate,
             start,
+            keyed,
         )));
     }
 
@@ -275,7 +293,8 @@ async fn one(p: &Profile, server: &str, held: bool, failures: &mut Vec<String>) 
     }
     if acked < total || out.short_acks > 0 {
         failures.push(format!(
-            "long transactions ({}): {acked} of {total} events acked ({} claimed but not acked)",
+            "long transactions ({}, {}): {acked} of {total} events acked ({} claimed but not acked)",
+            if keyed { "keyed" } else { "unkeyed" },
             if held { "held" } else { "control" },
             out.short_acks
         ));
@@ -311,6 +330,7 @@ async fn one(p: &Profile, server: &str, held: bool, failures: &mut Vec<String>) 
     }
     let run = HeldRun {
         held,
+        keyed,
         rate,
         secs,
         interval_secs: step,
@@ -339,12 +359,15 @@ async fn one(p: &Profile, server: &str, held: bool, failures: &mut Vec<String>) 
     Ok(run)
 }
 
-/// The control, then the run with the held transaction.
+/// Keyed events (tracked rows) then unkeyed ones (the stream): the control, then the run with
+/// the held transaction.
 pub async fn run(p: &Profile, db: &TestDb, r: &mut Results) -> Result<()> {
     progress!("==> 10. long transactions: a held snapshot under steady load");
-    for held in [false, true] {
-        let run = one(p, &db.server, held, &mut r.failures).await?;
-        r.held.push(run);
+    for keyed in [true, false] {
+        for held in [false, true] {
+            let run = one(p, &db.server, held, keyed, &mut r.failures).await?;
+            r.held.push(run);
+        }
     }
     Ok(())
 }
@@ -427,7 +450,7 @@ fn summary_table(runs: &[HeldRun]) -> String {
     for r in runs {
         let end = r.intervals.last().map(|i| &i.rels);
         t.row(vec![
-            r.label().into(),
+            r.label(),
             format!("{} ({})", num(r.rate), num(r.achieved_rate)),
             format!("{} / {}", num(r.acked as f64), num(r.sent as f64)),
             ms(r.first_minute.value_at_quantile(0.99) as f64),
@@ -456,7 +479,8 @@ pub fn markdown(r: &Results) -> String {
     let mut s = format!(
         "Open-loop load at {} events/s for {:.0} s on a fresh database with the default version \
          (wake-up mode `{}`): one `SELECT outbox_enqueue('{TOPIC}', …, key => 'order-<n>')` per \
-         transaction (autocommit) on a fixed schedule from {} connections, as in section 3. \
+         transaction (autocommit; the unkeyed runs give no key, so their events go to the stream \
+         instead of tracked rows) on a fixed schedule from {} connections, as in section 3. \
          **No relay and no broker**: one claim loop drains to a null sink in process \
          (`outbox_claim(owner, {})`, the relay's default batch, then `outbox_ack`; after an empty \
          claim it waits in `outbox_wait('{WAIT}')`), so the figures are the database's share of \
@@ -492,12 +516,19 @@ pub fn markdown(r: &Results) -> String {
 
 /// Issue 9's goals of the held-snapshot run.
 pub fn goals(r: &Results) -> Vec<Goal> {
-    let held = r.held.iter().find(|x| x.held);
-    let control = r.held.iter().find(|x| !x.held);
-    let p99_name = "[9] held REPEATABLE READ transaction: p99 stays flat";
+    let mut g = goals_of(r, true);
+    g.extend(goals_of(r, false));
+    g
+}
+
+fn goals_of(r: &Results, keyed: bool) -> Vec<Goal> {
+    let held = r.held.iter().find(|x| x.held && x.keyed == keyed);
+    let control = r.held.iter().find(|x| !x.held && x.keyed == keyed);
+    let which = if keyed { "keyed" } else { "unkeyed" };
+    let p99_name = format!("[9] held REPEATABLE READ transaction, {which} events: p99 stays flat");
     let p99_target =
         format!("enqueue→ack p99 of the last minute ≤ {P99_GROWTH_GOAL} × the first minute's");
-    let backlog_name = "[9] held REPEATABLE READ transaction: backlog";
+    let backlog_name = format!("[9] held REPEATABLE READ transaction, {which} events: backlog");
     let backlog_target = format!("never above {BACKLOG_GOAL_SECS:.0} s of production");
     let Some(h) = held else {
         return vec![
@@ -526,7 +557,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
     let limit = (h.rate * BACKLOG_GOAL_SECS).round() as i64;
     vec![
         Goal {
-            name: p99_name.into(),
+            name: p99_name,
             target: p99_target,
             measured: format!(
                 "{:.2}× ({}, {:.0} s at {} ev/s)",
@@ -553,7 +584,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
             ),
         },
         Goal {
-            name: backlog_name.into(),
+            name: backlog_name,
             target: backlog_target,
             measured: format!(
                 "WAIT max {} (limit {})",
@@ -587,6 +618,7 @@ pub fn json(r: &Results) -> Value {
             .map(|run| {
                 json!({
                     "held_transaction": run.held,
+                    "keyed": run.keyed,
                     "offered_rate": run.rate,
                     "achieved_rate": run.achieved_rate,
                     "secs": run.secs,

@@ -123,6 +123,7 @@ pub async fn latency(
             total,
             rate,
             start,
+            true,
         )));
     }
     let mut commits: Vec<Option<(Instant, Instant)>> = vec![None; total as usize];
@@ -268,6 +269,8 @@ fn unix_us() -> f64 {
 /// One open-loop producer: events `k`, `k + step`, … below `total`, event `seq` sent at
 /// `start + seq / rate` (at once when behind), each `SELECT outbox_enqueue(…)` keyed `order-<seq>`
 /// in its own transaction (autocommit).
+/// `keyed`: each event gets its own key `order-<seq>` (an ordered event), else none (the stream).
+#[allow(clippy::too_many_arguments)]
 pub async fn producer(
     c: Client,
     topic: String,
@@ -276,6 +279,7 @@ pub async fn producer(
     total: i64,
     rate: f64,
     start: tokio::time::Instant,
+    keyed: bool,
 ) -> Result<Vec<Commit>> {
     let stmt = c
         .prepare("SELECT outbox_enqueue($1::text, $2::jsonb, $3::text, 'OrderCreated')")
@@ -285,7 +289,7 @@ pub async fn producer(
     while seq < total {
         tokio::time::sleep_until(start + Duration::from_secs_f64(seq as f64 / rate)).await;
         let payload = serde_json::json!({"seq": seq, "order_id": seq, "amount": 42.5});
-        let key = format!("order-{seq}");
+        let key = keyed.then(|| format!("order-{seq}"));
         let issued = Instant::now();
         let id: i64 = c.query_one(&stmt, &[&topic, &payload, &key]).await?.get(0);
         out.push((seq, issued, Instant::now(), id, unix_us()));
