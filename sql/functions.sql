@@ -507,7 +507,8 @@ BEGIN
         DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = claim_token;
     ELSE
         UPDATE @extschema@.outbox_stream_batch b
-           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE NOT p = ANY (ids) ORDER BY p)
+           -- IS NOT TRUE: a NULL among the ids must not drop the others from the batch.
+           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p)
          WHERE b.claim_token = claim_token;
     END IF;
     RETURN held;

@@ -708,3 +708,39 @@ async fn stats_count_every_state_and_report_ages() {
     assert!(s.get::<_, f64>(5) >= 90.0 && s.get::<_, f64>(5) < 120.0);
     assert!(s.get::<_, f64>(6) >= 0.0 && s.get::<_, f64>(6) < 60.0);
 }
+
+#[tokio::test]
+async fn a_partial_ack_settles_only_the_ids_it_names_even_beside_a_null() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(enqueue(&c, "orders").await);
+    }
+    let (token, got) = claim(&c, "relay-a", 3).await;
+    assert_eq!(got, ids);
+    let token = token.unwrap();
+    // A NULL never matches an event: the call settles the first event only.
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('relay-a', $1, ARRAY[$2, NULL]::bigint[])",
+        &[&token, &ids[0]],
+    )
+    .await;
+    assert_eq!(n, 1);
+    assert_eq!(status_of(&c, ids[0]).await.0, "SUCCESS");
+    for id in &ids[1..] {
+        assert_eq!(
+            status_of(&c, *id).await.0,
+            "SENDING",
+            "event {id} is still held"
+        );
+    }
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_nack('relay-a', $1, $2, 'broker said no')",
+        &[&token, &ids[1..].to_vec()],
+    )
+    .await;
+    assert_eq!(n, 2, "the rest is still the claim's to settle");
+}
