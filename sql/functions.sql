@@ -349,6 +349,57 @@ AS $$
       FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
 $$;
 
+-- A cursor restored into another cluster (see outbox_stream_take), made good before a fresh
+-- cursor starts: every event it had not handed out (not passed by its position, or newer than its
+-- window: an id above id_hwm) becomes a tracked row due now, every event a claim held becomes a
+-- tracked row held by that claim (its relay may still ack it; reclaim frees it after the lease),
+-- and stream rows whose txid this cluster has not reached yet are deleted, so that they are never
+-- handed out again once it does. Loud: a restore into another cluster re-delivers.
+CREATE FUNCTION @extschema@.outbox_stream_rebase(prev_snap pg_snapshot, cur_snap pg_snapshot,
+                                                 pos_txid xid8, pos_id bigint, hwm bigint)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    owed bigint;
+    held bigint;
+BEGIN
+    WITH claimed AS (
+        SELECT p.id, b.claim_owner, b.claim_token, b.claimed_at
+          FROM @extschema@.outbox_stream_batch b CROSS JOIN LATERAL unnest(b.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, claim_owner, claim_token, claimed_at, created_at, updated_at,
+             event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               CASE WHEN c.id IS NULL THEN 'WAIT' ELSE 'SENDING' END::@extschema@.outbox_status, 0,
+               stamp, c.claim_owner, c.claim_token, c.claimed_at, s.created_at, stamp, s.event_id, false
+          FROM @extschema@.outbox_stream s
+          LEFT JOIN claimed c ON c.id = s.id
+         WHERE (c.id IS NOT NULL
+                OR s.id > hwm
+                OR NOT (pg_visible_in_snapshot(s.txid, prev_snap)
+                        OR (pg_visible_in_snapshot(s.txid, cur_snap)
+                            AND (s.txid, s.id) <= (pos_txid, pos_id))))
+           AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
+         ORDER BY s.id
+        RETURNING outbox_tracked.status
+    )
+    SELECT count(*) FILTER (WHERE m.status = 'WAIT'), count(*) FILTER (WHERE m.status = 'SENDING')
+      INTO owed, held FROM moved m;
+    DELETE FROM @extschema@.outbox_stream_batch;
+    DELETE FROM @extschema@.outbox_stream s
+     WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
+    RAISE WARNING USING
+        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts', owed, held);
+END
+$$;
+
 -- The stream's part of a claim: up to max_events fresh unordered events, recorded as the batch of
 -- this claim's token, their ids returned in hand-out order. PgQ's batch rule: the cursor hands
 -- out, in (txid, id) order, the events whose transaction its newer snapshot (cur_snap) sees
@@ -374,6 +425,8 @@ DECLARE
     kept_cur pg_snapshot;
     kept_txid xid8;
     kept_id bigint;
+    kept_hwm bigint;
+    hwm bigint;
     taken_before_rotation int := -1;
     -- Only ids travel through the loop; the claim reads the rows once, by primary key.
     ids bigint[] := '{}';
@@ -401,12 +454,24 @@ BEGIN
         PERFORM set_config('lock_timeout', caller_lock_timeout, true);
     END IF;
     -- A statement after the lock: its snapshot sees the last holder's position.
-    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id
-      INTO ver, prev_snap, cur_snap, pos_txid, pos_id
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm
       FROM @extschema@.outbox_stream_cursor c
      ORDER BY c.version DESC
      LIMIT 1;
-    was := format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id);
+    was := format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm);
+    -- A cursor ahead of this database's transaction ids was restored into another cluster (the
+    -- SQL-only build's pg_dump carries it; the native build's does not): its snapshots say
+    -- nothing about the txids issued here, and would count new events as handed out.
+    IF pg_snapshot_xmax(cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        PERFORM @extschema@.outbox_stream_rebase(prev_snap, cur_snap, pos_txid, pos_id, hwm);
+        prev_snap := @extschema@.outbox_snapshot_of_others();
+        cur_snap := prev_snap;
+        pos_txid := '0';
+        pos_id := 0;
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        was := '';
+    END IF;
     FOR w IN 1..2 LOOP
         -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
         -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
@@ -459,19 +524,23 @@ BEGIN
         EXIT WHEN fresh::text = cur_snap::text;
         kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
         taken_before_rotation := cardinality(ids);
+        kept_hwm := hwm;
         prev_snap := cur_snap;
         cur_snap := fresh;
         pos_txid := '0';
         pos_id := 0;
+        -- Read after the snapshot: every event it sees existed by now.
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
     END LOOP;
     -- A rotation into an empty window is not kept: the next claim's window, from the same
     -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
     IF cardinality(ids) = taken_before_rotation THEN
         prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
+        hwm := kept_hwm;
     END IF;
-    IF format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id) <> was THEN
-        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
-        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id);
+    IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm);
         DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version <= ver;
     END IF;
     IF cardinality(ids) > 0 THEN

@@ -66,7 +66,10 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
     prev_snap pg_snapshot NOT NULL,
     cur_snap  pg_snapshot NOT NULL,
     pos_txid  xid8 NOT NULL,
-    pos_id    bigint NOT NULL
+    pos_id    bigint NOT NULL,
+    -- The largest stream id when cur_snap was taken: every event cur_snap sees has an id at most
+    -- this (see outbox_stream_take, a cursor restored into another cluster).
+    id_hwm    bigint NOT NULL DEFAULT 0
 );
 -- The first window is empty and starts here: every transaction still running (this one
 -- included) counts as unfinished, so an event it inserts later is still handed out.
@@ -410,6 +413,51 @@ AS $$
       FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
 $$;
 
+CREATE FUNCTION @extschema@.outbox_stream_rebase(prev_snap pg_snapshot, cur_snap pg_snapshot,
+                                                 pos_txid xid8, pos_id bigint, hwm bigint)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    owed bigint;
+    held bigint;
+BEGIN
+    WITH claimed AS (
+        SELECT p.id, b.claim_owner, b.claim_token, b.claimed_at
+          FROM @extschema@.outbox_stream_batch b CROSS JOIN LATERAL unnest(b.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, claim_owner, claim_token, claimed_at, created_at, updated_at,
+             event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               CASE WHEN c.id IS NULL THEN 'WAIT' ELSE 'SENDING' END::@extschema@.outbox_status, 0,
+               stamp, c.claim_owner, c.claim_token, c.claimed_at, s.created_at, stamp, s.event_id, false
+          FROM @extschema@.outbox_stream s
+          LEFT JOIN claimed c ON c.id = s.id
+         WHERE (c.id IS NOT NULL
+                OR s.id > hwm
+                OR NOT (pg_visible_in_snapshot(s.txid, prev_snap)
+                        OR (pg_visible_in_snapshot(s.txid, cur_snap)
+                            AND (s.txid, s.id) <= (pos_txid, pos_id))))
+           AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
+         ORDER BY s.id
+        RETURNING outbox_tracked.status
+    )
+    SELECT count(*) FILTER (WHERE m.status = 'WAIT'), count(*) FILTER (WHERE m.status = 'SENDING')
+      INTO owed, held FROM moved m;
+    DELETE FROM @extschema@.outbox_stream_batch;
+    DELETE FROM @extschema@.outbox_stream s
+     WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
+    RAISE WARNING USING
+        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts', owed, held);
+END
+$$;
+
 CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
@@ -429,6 +477,8 @@ DECLARE
     kept_cur pg_snapshot;
     kept_txid xid8;
     kept_id bigint;
+    kept_hwm bigint;
+    hwm bigint;
     taken_before_rotation int := -1;
     -- Only ids travel through the loop; the claim reads the rows once, by primary key.
     ids bigint[] := '{}';
@@ -456,12 +506,24 @@ BEGIN
         PERFORM set_config('lock_timeout', caller_lock_timeout, true);
     END IF;
     -- A statement after the lock: its snapshot sees the last holder's position.
-    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id
-      INTO ver, prev_snap, cur_snap, pos_txid, pos_id
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm
       FROM @extschema@.outbox_stream_cursor c
      ORDER BY c.version DESC
      LIMIT 1;
-    was := format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id);
+    was := format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm);
+    -- A cursor ahead of this database's transaction ids was restored into another cluster (the
+    -- SQL-only build's pg_dump carries it; the native build's does not): its snapshots say
+    -- nothing about the txids issued here, and would count new events as handed out.
+    IF pg_snapshot_xmax(cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        PERFORM @extschema@.outbox_stream_rebase(prev_snap, cur_snap, pos_txid, pos_id, hwm);
+        prev_snap := @extschema@.outbox_snapshot_of_others();
+        cur_snap := prev_snap;
+        pos_txid := '0';
+        pos_id := 0;
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        was := '';
+    END IF;
     FOR w IN 1..2 LOOP
         -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
         -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
@@ -514,19 +576,23 @@ BEGIN
         EXIT WHEN fresh::text = cur_snap::text;
         kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
         taken_before_rotation := cardinality(ids);
+        kept_hwm := hwm;
         prev_snap := cur_snap;
         cur_snap := fresh;
         pos_txid := '0';
         pos_id := 0;
+        -- Read after the snapshot: every event it sees existed by now.
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
     END LOOP;
     -- A rotation into an empty window is not kept: the next claim's window, from the same
     -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
     IF cardinality(ids) = taken_before_rotation THEN
         prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
+        hwm := kept_hwm;
     END IF;
-    IF format('%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id) <> was THEN
-        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
-        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id);
+    IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm);
         DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version <= ver;
     END IF;
     IF cardinality(ids) > 0 THEN
@@ -1336,6 +1402,7 @@ REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_stream, @extsch
     @extschema@.outbox_stream_batch FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_stream_lock_id(),
+    @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, xid8, bigint, bigint),
     @extschema@.outbox_snapshot_of_others(),
     @extschema@.outbox_stream_take(text, bigint, timestamptz, int),
     @extschema@.outbox_stream_settle(text, bigint, bigint[]),

@@ -118,7 +118,10 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
     prev_snap pg_snapshot NOT NULL,
     cur_snap  pg_snapshot NOT NULL,
     pos_txid  xid8 NOT NULL,
-    pos_id    bigint NOT NULL
+    pos_id    bigint NOT NULL,
+    -- The largest stream id when cur_snap was taken: every event cur_snap sees has an id at most
+    -- this (see outbox_stream_take, a cursor restored into another cluster).
+    id_hwm    bigint NOT NULL DEFAULT 0
 );
 -- The first window is empty and starts here: every transaction still running (this one
 -- included) counts as unfinished, so an event it inserts later is still handed out.

@@ -199,3 +199,73 @@ async fn stream_events_still_owed_survive_a_restore() {
         assert!(again.is_empty(), "nothing is handed out twice");
     }
 }
+
+/// The SQL-only build's pg_dump carries the stream's cursor (its tables are ordinary tables).
+/// Restored into another cluster whose transaction ids are behind, its snapshots would count every
+/// new event as handed out. Simulated here by moving the cursor and the stream's txids a billion
+/// transactions ahead: the next claim notices, and every event owed (waiting, held, or enqueued
+/// after the restore) is delivered, none twice; the held claim can still be acked.
+#[tokio::test]
+async fn a_cursor_ahead_of_the_cluster_is_rebased_without_losing_events() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let ids =
+        |rows: Vec<tokio_postgres::Row>| -> Vec<i64> { rows.iter().map(|r| r.get(0)).collect() };
+    c.batch_execute(
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 4) g",
+    )
+    .await
+    .unwrap();
+    let token: i64 = scalar(
+        &c,
+        "SELECT max(claim_token) FROM outbox_claim('relay-a', 2)",
+        &[],
+    )
+    .await;
+    let acked: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, '{1}')", &[&token]).await;
+    assert_eq!(acked, 1);
+    c.batch_execute(
+        "CREATE FUNCTION pg_temp.ahead(s pg_snapshot) RETURNS pg_snapshot LANGUAGE sql AS $$
+             SELECT format('%s:%s:%s', pg_snapshot_xmin(s)::text::bigint + 1000000000,
+                           pg_snapshot_xmax(s)::text::bigint + 1000000000,
+                           coalesce((SELECT string_agg((x::text::bigint + 1000000000)::text, ',' ORDER BY x)
+                                       FROM pg_snapshot_xip(s) x), ''))::pg_snapshot $$;
+         UPDATE outbox_stream SET txid = (txid::text::bigint + 1000000000)::text::xid8;
+         UPDATE outbox_stream_cursor
+            SET prev_snap = pg_temp.ahead(prev_snap), cur_snap = pg_temp.ahead(cur_snap),
+                pos_txid = (pos_txid::text::bigint + 1000000000)::text::xid8;",
+    )
+    .await
+    .unwrap();
+    let fresh: i64 = scalar(&c, "SELECT outbox_enqueue('orders', '{}')", &[]).await;
+    assert_eq!(fresh, 5);
+    // The claim that notices rebases; the owed events are tracked rows from then on.
+    let first = ids(c
+        .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
+        .await
+        .unwrap());
+    let second = ids(c
+        .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
+        .await
+        .unwrap());
+    let mut delivered: Vec<i64> = first.iter().chain(&second).copied().collect();
+    delivered.sort();
+    assert_eq!(delivered, vec![3, 4, 5], "waiting and new events, once");
+    let acked: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, '{2}')", &[&token]).await;
+    assert_eq!(
+        acked, 1,
+        "the claim held across the rebase is still its relay's to ack"
+    );
+    let again = c
+        .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "nothing is handed out twice");
+    // The fresh cursor goes on.
+    let next: i64 = scalar(&c, "SELECT outbox_enqueue('orders', '{}')", &[]).await;
+    let got = ids(c
+        .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
+        .await
+        .unwrap());
+    assert_eq!(got, vec![next]);
+}

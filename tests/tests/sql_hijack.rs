@@ -693,6 +693,37 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         api.schema
     );
     api.call("outbox_wait_for", &work_due, &[]).await;
+    // The stream's internals, which the claim and the settle calls use: directly, once each.
+    api.call(
+        "outbox_enqueue",
+        "'orders', '{\"for\": \"the stream\"}'",
+        &[],
+    )
+    .await;
+    for (func, args) in [
+        ("outbox_stream_lock_id", ""),
+        ("outbox_snapshot_of_others", ""),
+        ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
+        ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
+        (
+            "outbox_stream_rebase",
+            "pg_current_snapshot(), pg_current_snapshot(), '0'::xid8, 0::bigint, 0::bigint",
+        ),
+    ] {
+        api.call(func, args, &[]).await;
+    }
+    // The restamp trigger fires for a stream row inserted with another transaction's id (as
+    // pg_restore inserts them).
+    let restamp = format!(
+        "INSERT INTO {}.outbox_stream (txid, topic, payload) VALUES ('3', 'orders', '{{}}')",
+        api.schema
+    );
+    match api.c.batch_execute(&restamp).await {
+        Ok(()) => {
+            api.called.insert("outbox_stream_restamp".into());
+        }
+        Err(e) => api.failures.push(format!("restamp: {e}")),
+    }
     if build::sql_only() {
         sql_only_functions(api).await;
     }
