@@ -382,9 +382,7 @@ BEGIN
           LEFT JOIN claimed c ON c.id = s.id
          WHERE (c.id IS NOT NULL
                 OR s.id > hwm
-                OR NOT (pg_visible_in_snapshot(s.txid, prev_snap)
-                        OR (pg_visible_in_snapshot(s.txid, cur_snap)
-                            AND (s.txid, s.id) <= (pos_txid, pos_id))))
+                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_txid, pos_id))
            AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
          ORDER BY s.id
         RETURNING outbox_tracked.status
@@ -541,7 +539,9 @@ BEGIN
     IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
         INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
         VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm);
-        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version <= ver;
+        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
+        -- and a range would walk them all on every claim.
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
     END IF;
     IF cardinality(ids) > 0 THEN
         INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending)
@@ -1294,8 +1294,7 @@ BEGIN
               FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
                      ORDER BY e.id LIMIT max_rows - done) h, c
              WHERE h.created_at < now() - older_than
-               AND (pg_visible_in_snapshot(h.txid, c.prev_snap)
-                    OR (pg_visible_in_snapshot(h.txid, c.cur_snap) AND (h.txid, h.id) <= (c.pos_txid, c.pos_id)))
+               AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id)
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE h.id = ANY (b.pending))
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
         )

@@ -95,6 +95,22 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     pending     bigint[] NOT NULL
 );
 
+-- Whether the stream's cursor has handed out the event (txid, id): its transaction finished
+-- before prev_snap, or before cur_snap and it is at or before the position (purge, rebase; the
+-- view and the dump filter write it out, since a view's functions need its reader's EXECUTE). No
+-- SET clause, so the planner inlines it; every function and operator is named with its schema
+-- instead, so no search_path can redirect it.
+CREATE FUNCTION @extschema@.outbox_stream_passed(txid xid8, id bigint, prev_snap pg_snapshot,
+                                                 cur_snap pg_snapshot, pos_txid xid8, pos_id bigint)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$
+    SELECT pg_catalog.pg_visible_in_snapshot(txid, prev_snap)
+        OR (pg_catalog.pg_visible_in_snapshot(txid, cur_snap)
+            AND (txid OPERATOR(pg_catalog.<) pos_txid
+                 OR (txid OPERATOR(pg_catalog.=) pos_txid AND id OPERATOR(pg_catalog.<=) pos_id)))
+$$;
+
 -- What operators, dashboards and runbooks read: every event with the columns and statuses of a
 -- single table. A stream event is WAIT until a claim hands it out, SENDING while its claim holds
 -- it, SUCCESS once settled (then updated_at is its creation time: a stream row is never
@@ -107,6 +123,7 @@ SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status,
   FROM @extschema@.outbox_tracked t
 UNION ALL
 SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+       -- outbox_stream_passed, written out: a view's functions need its reader's EXECUTE.
        (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
              WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
                OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
@@ -440,9 +457,7 @@ BEGIN
           LEFT JOIN claimed c ON c.id = s.id
          WHERE (c.id IS NOT NULL
                 OR s.id > hwm
-                OR NOT (pg_visible_in_snapshot(s.txid, prev_snap)
-                        OR (pg_visible_in_snapshot(s.txid, cur_snap)
-                            AND (s.txid, s.id) <= (pos_txid, pos_id))))
+                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_txid, pos_id))
            AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
          ORDER BY s.id
         RETURNING outbox_tracked.status
@@ -593,7 +608,9 @@ BEGIN
     IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
         INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
         VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm);
-        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version <= ver;
+        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
+        -- and a range would walk them all on every claim.
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
     END IF;
     IF cardinality(ids) > 0 THEN
         INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending)
@@ -1280,8 +1297,7 @@ BEGIN
               FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
                      ORDER BY e.id LIMIT max_rows - done) h, c
              WHERE h.created_at < now() - older_than
-               AND (pg_visible_in_snapshot(h.txid, c.prev_snap)
-                    OR (pg_visible_in_snapshot(h.txid, c.cur_snap) AND (h.txid, h.id) <= (c.pos_txid, c.pos_id)))
+               AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id)
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE h.id = ANY (b.pending))
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
         )
@@ -1402,6 +1418,7 @@ REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_stream, @extsch
     @extschema@.outbox_stream_batch FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_stream_lock_id(),
+    @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, xid8, bigint),
     @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, xid8, bigint, bigint),
     @extschema@.outbox_snapshot_of_others(),
     @extschema@.outbox_stream_take(text, bigint, timestamptz, int),

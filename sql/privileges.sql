@@ -12,6 +12,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_topic_ordered(text),
     @extschema@.outbox_key_lock_id(text, text),
     @extschema@.outbox_stream_lock_id(),
+    @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, xid8, bigint),
     @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, xid8, bigint, bigint),
     @extschema@.outbox_snapshot_of_others(),
     @extschema@.outbox_stream_take(text, bigint, timestamptz, int),

@@ -147,6 +147,22 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     pending     bigint[] NOT NULL
 );
 
+-- Whether the stream's cursor has handed out the event (txid, id): its transaction finished
+-- before prev_snap, or before cur_snap and it is at or before the position (purge, rebase; the
+-- view and the dump filter write it out, since a view's functions need its reader's EXECUTE). No
+-- SET clause, so the planner inlines it; every function and operator is named with its schema
+-- instead, so no search_path can redirect it.
+CREATE FUNCTION @extschema@.outbox_stream_passed(txid xid8, id bigint, prev_snap pg_snapshot,
+                                                 cur_snap pg_snapshot, pos_txid xid8, pos_id bigint)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$
+    SELECT pg_catalog.pg_visible_in_snapshot(txid, prev_snap)
+        OR (pg_catalog.pg_visible_in_snapshot(txid, cur_snap)
+            AND (txid OPERATOR(pg_catalog.<) pos_txid
+                 OR (txid OPERATOR(pg_catalog.=) pos_txid AND id OPERATOR(pg_catalog.<=) pos_id)))
+$$;
+
 -- What operators, dashboards and runbooks read: every event with the columns and statuses of a
 -- single table. A stream event is WAIT until a claim hands it out, SENDING while its claim holds
 -- it, SUCCESS once settled (then updated_at is its creation time: a stream row is never
@@ -159,6 +175,7 @@ SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status,
   FROM @extschema@.outbox_tracked t
 UNION ALL
 SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+       -- outbox_stream_passed, written out: a view's functions need its reader's EXECUTE.
        (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
              WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
                OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
@@ -199,7 +216,8 @@ BEGIN
                 WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
                   AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');
-        -- Stream events still owed (not yet handed out, or in an unsettled claim); the cursor and
+        -- Stream events still owed (not yet handed out, or in an unsettled claim: the rule of
+        -- outbox_stream_passed, written out for the dumping role); the cursor and
         -- the claims are not dumped: a restored outbox starts a fresh cursor that hands them out.
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
             'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'

@@ -2,10 +2,11 @@
 //!
 //! Random sequences of enqueue (committed or rolled back, due now or later) / claim / ack / nack /
 //! renew / reclaim / requeue / purge / clock-advance operations from four owners (with their own
-//! sessions, stale tokens, other owners' tokens and ids, unknown ids) run against the real
-//! extension. After every step every row's status, retry count, claim owner, exact claim token,
-//! lease and error presence and (for WAIT rows) its backoff delay are compared with the model, as
-//! are each call's returned count or rows and `outbox_stats()`.
+//! sessions, stale tokens, other owners' tokens and ids, part of a claim's ids, unknown ids) run
+//! against the real extension. After every step every row's status, retry count, claim owner,
+//! exact claim token, lease and error presence, (for SENDING rows) the lease's age and (for WAIT
+//! rows) its backoff delay are compared with the model, as are each call's returned count or rows
+//! and `outbox_stats()`.
 //!
 //! The model knows where each event lives: a fresh event due now is a stream event (one row in
 //! `outbox_stream`, its claim's lease on the claim's `outbox_stream_batch` row), an event due
@@ -42,9 +43,18 @@ const DEFAULT_LEASE_U: i64 = 2;
 const OWNERS: usize = 4;
 
 #[derive(Debug, Clone)]
+enum ClaimPart {
+    None,
+    All,
+    /// Its first ids, not all of them when it has more than one: the rest stays held (a stream
+    /// claim's batch keeps them pending, and their lease is the claim's).
+    Some(Index),
+}
+
+#[derive(Debug, Clone)]
 struct IdSel {
-    /// Include the ids of the chosen claim.
-    from_claim: bool,
+    /// Include ids of the chosen claim.
+    from_claim: ClaimPart,
     /// Ids picked among every id ever returned by enqueue (also rolled-back and purged ones).
     extra: Vec<Index>,
     /// Add an id that never existed.
@@ -74,7 +84,11 @@ enum Op {
 
 fn id_sel() -> impl Strategy<Value = IdSel> {
     (
-        prop::bool::weighted(0.85),
+        prop_oneof![
+            3 => Just(ClaimPart::None),
+            13 => Just(ClaimPart::All),
+            4 => any::<Index>().prop_map(ClaimPart::Some),
+        ],
         prop::collection::vec(any::<Index>(), 0..3),
         prop::bool::weighted(0.15),
     )
@@ -99,7 +113,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0..OWNERS, 1i32..=5).prop_map(|(owner, max)| Op::Claim { owner, max }),
         3 => (who(), any::<Index>(), id_sel()).prop_map(|(who, claim, ids)| Op::Ack { who, claim, ids }),
         2 => (who(), any::<Index>(), id_sel()).prop_map(|(who, claim, ids)| Op::Nack { who, claim, ids }),
-        1 => (who(), any::<Index>(), id_sel()).prop_map(|(who, claim, ids)| Op::Renew { who, claim, ids }),
+        2 => (who(), any::<Index>(), id_sel()).prop_map(|(who, claim, ids)| Op::Renew { who, claim, ids }),
         3 => prop::option::of(1u8..=3).prop_map(|lease_u| Op::Reclaim { lease_u }),
         2 => (any::<bool>(), id_sel()).prop_map(|(all_failed, ids)| Op::Requeue { all_failed, ids }),
         1 => (0u8..=3, 1i32..=6).prop_map(|(older_u, max_rows)| Op::Purge { older_u, max_rows }),
@@ -174,9 +188,15 @@ fn owner_name(i: usize) -> String {
 impl Model {
     fn resolve_ids(&self, sel: &IdSel, claim: Option<&ClaimRec>) -> Vec<i64> {
         let mut ids = Vec::new();
-        if sel.from_claim {
-            if let Some(c) = claim {
-                ids.extend(&c.ids);
+        if let Some(c) = claim {
+            match &sel.from_claim {
+                ClaimPart::None => {}
+                ClaimPart::All => ids.extend(&c.ids),
+                ClaimPart::Some(i) => {
+                    let n = c.ids.len();
+                    let k = if n > 1 { 1 + i.index(n - 1) } else { n };
+                    ids.extend(&c.ids[..k]);
+                }
             }
         }
         if !self.all_ids.is_empty() {
@@ -500,12 +520,19 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     .filter(|id| !m.rows[id].tracked)
                     .filter_map(|id| m.rows[id].token)
                     .collect();
+                s.covered(
+                    "renewed from the stream",
+                    held.iter().filter(|id| !m.rows[id].tracked).count(),
+                );
                 let now = m.now_u;
                 for (id, r) in m.rows.iter_mut() {
                     let in_batch = !r.tracked
                         && r.status == St::Sending
                         && r.token.is_some_and(|t| batches.contains(&t));
                     if held.contains(id) || in_batch {
+                        if !held.contains(id) && r.claimed_u != now {
+                            s.covered("renewed with its claim", 1);
+                        }
                         r.claimed_u = now;
                         r.updated_u = now;
                     }
@@ -701,7 +728,8 @@ async fn compare(
                 "SELECT id, status::text, retry_count, claim_owner, claim_token, claimed_at IS NOT NULL, \
                  last_error IS NOT NULL, \
                  (extract(epoch from next_retry_time - updated_at) * 1000)::bigint, \
-                 claimed_at = updated_at \
+                 claimed_at = updated_at, \
+                 floor(extract(epoch from now() - claimed_at) / 3600)::bigint \
                  FROM outbox_event ORDER BY id",
                 &[],
             )
@@ -739,6 +767,7 @@ async fn compare(
         let error: bool = r.get(6);
         let delay_ms: i64 = r.get(7);
         let lease_stamp_eq: Option<bool> = r.get(8);
+        let lease_age_u: Option<i64> = r.get(9);
         let got = (
             status.as_str(),
             retry,
@@ -770,6 +799,13 @@ async fn compare(
             check!(
                 lease_stamp_eq == Some(true),
                 "{ctx}: row {id} SENDING with claimed_at != updated_at"
+            );
+            // The lease's age in whole units: a renew (of a stream event: of its whole claim)
+            // moved it to now.
+            check!(
+                lease_age_u == Some(m.now_u - want.claimed_u),
+                "{ctx}: row {id} SENDING with a lease {lease_age_u:?} h old, model {} h",
+                m.now_u - want.claimed_u
             );
         }
     }
@@ -881,7 +917,7 @@ fn state_machine_matches_the_model() {
 const MAX_BATCHES: usize = 8;
 
 /// Every kind of row change `Sessions::covered` records; each must happen in a run.
-const COVERED_KINDS: [&str; 15] = [
+const COVERED_KINDS: [&str; 17] = [
     "claimed",
     "claimed from the stream",
     "acked",
@@ -891,6 +927,8 @@ const COVERED_KINDS: [&str; 15] = [
     "nacked to FAIL",
     "nacked from the stream",
     "renewed",
+    "renewed from the stream",
+    "renewed with its claim",
     "reclaimed to WAIT",
     "reclaimed to FAIL",
     "reclaimed from the stream",

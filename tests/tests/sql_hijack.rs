@@ -703,6 +703,10 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
     for (func, args) in [
         ("outbox_stream_lock_id", ""),
         ("outbox_snapshot_of_others", ""),
+        (
+            "outbox_stream_passed",
+            "'5'::xid8, 1::bigint, pg_current_snapshot(), pg_current_snapshot(), '5'::xid8, 1::bigint",
+        ),
         ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
         (

@@ -369,10 +369,16 @@ async fn the_previous_release_updates_with_events_in_flight() {
     let fresh = TestDb::create_sql_only();
     let installed = sql_only_catalog(&fresh.connect().await).await;
     assert!(installed.len() > 40, "too little to compare: {installed:?}");
-    assert_eq!(
-        sql_only_catalog(&c).await,
-        installed,
-        "updated vs fresh SQL-only install"
+    let updated = sql_only_catalog(&c).await;
+    // Only the entries that differ, so a failure names the object.
+    let differ: Vec<_> = updated
+        .iter()
+        .filter(|u| !installed.contains(u))
+        .chain(installed.iter().filter(|i| !updated.contains(i)))
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "updated vs fresh SQL-only install differ in: {differ:#?}"
     );
     let _ = std::fs::remove_dir_all(&old_tree);
     let _ = std::fs::remove_dir_all(&new_out);
