@@ -240,7 +240,9 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
 const STREAM_BATCH_LOG: &str = "
     DROP TABLE IF EXISTS bench_stream_batch_log;
     CREATE TABLE bench_stream_batch_log (at timestamptz NOT NULL DEFAULT clock_timestamp());
-    CREATE OR REPLACE FUNCTION bench_log_stream_batch() RETURNS trigger LANGUAGE plpgsql AS $$
+    CREATE OR REPLACE FUNCTION bench_log_stream_batch() RETURNS trigger LANGUAGE plpgsql
+    -- It fires inside the extension's functions, whose search_path is pinned to pg_catalog.
+    SET search_path FROM CURRENT AS $$
     BEGIN
         INSERT INTO bench_stream_batch_log DEFAULT VALUES;
         RETURN NULL;
