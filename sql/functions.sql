@@ -334,21 +334,6 @@ AS $$
     SELECT 8031453474740765696::pg_catalog.int8
 $$;
 
--- The current snapshot as another session would take it: this transaction, if it has an id, is
--- listed as in progress. A snapshot leaves its own transaction out, so the cursor would count
--- the claim's own transaction as finished, and pass events it enqueues after the claim.
-CREATE FUNCTION @extschema@.outbox_snapshot_of_others() RETURNS pg_snapshot
-LANGUAGE sql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT CASE WHEN c.me IS NOT NULL AND c.me < pg_snapshot_xmax(c.snap)
-                THEN format('%s:%s:%s', least(pg_snapshot_xmin(c.snap), c.me), pg_snapshot_xmax(c.snap),
-                            array_to_string(ARRAY(SELECT x FROM pg_snapshot_xip(c.snap) x
-                                                  UNION SELECT c.me ORDER BY 1), ','))::pg_snapshot
-                ELSE c.snap END
-      FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
-$$;
-
 -- A cursor restored into another cluster (see outbox_stream_take), made good before a fresh
 -- cursor starts: every event it had not handed out (not passed by its position, or newer than its
 -- window: an id above id_hwm) becomes a tracked row due now, every event a claim held becomes a

@@ -123,20 +123,25 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
     -- this (see outbox_stream_take, a cursor restored into another cluster).
     id_hwm    bigint NOT NULL DEFAULT 0
 );
+-- The current snapshot as another session would take it: this transaction, if it has an id, is
+-- listed as in progress. A snapshot leaves its own transaction out, so the cursor would count
+-- the claim's own transaction as finished, and pass events it enqueues after the claim.
+CREATE FUNCTION @extschema@.outbox_snapshot_of_others() RETURNS pg_snapshot
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN c.me IS NOT NULL AND c.me < pg_snapshot_xmax(c.snap)
+                THEN format('%s:%s:%s', least(pg_snapshot_xmin(c.snap), c.me), pg_snapshot_xmax(c.snap),
+                            array_to_string(ARRAY(SELECT x FROM pg_snapshot_xip(c.snap) x
+                                                  UNION SELECT c.me ORDER BY 1), ','))::pg_snapshot
+                ELSE c.snap END
+      FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
+$$;
+
 -- The first window is empty and starts here: every transaction still running (this one
 -- included) counts as unfinished, so an event it inserts later is still handed out.
 INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
-SELECT 1, n.snap, n.snap, '0', 0
-  FROM (SELECT CASE WHEN c.me < pg_catalog.pg_snapshot_xmax(c.snap)
-                    THEN pg_catalog.format('%s:%s:%s',
-                             least(pg_catalog.pg_snapshot_xmin(c.snap), c.me),
-                             pg_catalog.pg_snapshot_xmax(c.snap),
-                             pg_catalog.array_to_string(ARRAY(
-                                 SELECT x FROM pg_catalog.pg_snapshot_xip(c.snap) x
-                                 UNION SELECT c.me ORDER BY 1), ','))::pg_catalog.pg_snapshot
-                    ELSE c.snap END AS snap
-          FROM (SELECT pg_catalog.pg_current_snapshot() AS snap,
-                       pg_catalog.pg_current_xact_id() AS me) c) n;
+SELECT 1, n.snap, n.snap, '0', 0 FROM (SELECT @extschema@.outbox_snapshot_of_others() AS snap) n;
 
 -- One row per claim that handed out stream events: the claim's owner, token and lease, and the
 -- ids not yet settled. Acking the whole claim deletes the row.
