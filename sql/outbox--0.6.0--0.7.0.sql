@@ -1,11 +1,12 @@
 -- outbox 0.6.0 -> 0.7.0 (docs/reference.md, "Data model" and "Upgrades").
--- * Fresh unordered events (no key, or a topic in outbox.unordered_topics, due now) go to the
---   append-only outbox_stream: inserted once, handed out by a cursor over commit windows
---   (outbox_stream_cursor), held by one outbox_stream_batch row per claim, deleted by purge. An
---   event's row is never rewritten, and a claim never walks what earlier claims left behind.
--- * The table outbox_event becomes outbox_tracked (ordered events, events due later, and stream
---   events after a failed attempt), and outbox_event a read-only view of both, with the same
---   columns and statuses.
+-- * Fresh events due now go to the append-only outbox_stream: inserted once, handed out by a
+--   cursor over commit windows (outbox_stream_cursor), held by one outbox_stream_batch row per
+--   claim, deleted by purge. An event's row is never rewritten, and a claim never walks what
+--   earlier claims left behind. Ordered events keep their key's order there (key hashes on the
+--   batches, earlier events of a key go out with it: outbox_stream_early).
+-- * The table outbox_event becomes outbox_tracked (events due later, events of a key with
+--   tracked work, and stream events after a failed attempt or while their key was busy), and
+--   outbox_event a read-only view of both, with the same columns and statuses.
 -- * Every function that named the table reads the new shape; the SQL API is unchanged.
 -- Events in flight stay where they are: every row of the old table is a tracked row, with its
 -- claim, token and lease. Only events enqueued after the update go to the stream; the cursor
@@ -32,11 +33,12 @@ SELECT pg_catalog.set_config('outbox_upgrade.claim_acl',
 DROP FUNCTION @extschema@.outbox_claim(text, int);
 DROP FUNCTION @extschema@.outbox_dead_letters(int, bigint);
 
--- Fresh unordered events, append-only (docs/reference.md, "Data model"): inserted once by
+-- Fresh events due now, append-only (docs/reference.md, "Data model"): inserted once by
 -- outbox_enqueue, never updated, deleted by outbox_purge. A claim hands them out window by window
 -- through outbox_stream_cursor and records what it handed out as one outbox_stream_batch row, so
 -- an event's row is written once in its life, and a claim never walks entries that earlier
--- claims left behind, however old the oldest snapshot is.
+-- claims left behind, however old the oldest snapshot is. An ordered event whose key is busy
+-- (outbox_stream_take) continues as a tracked row.
 CREATE TABLE @extschema@.outbox_stream (
     id          bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     -- The inserting top-level transaction (not xmin: an insert in a savepoint has a
@@ -44,6 +46,9 @@ CREATE TABLE @extschema@.outbox_stream (
     txid        xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
     topic       text NOT NULL,
     event_key   text,
+    -- outbox_key_hash(topic, event_key) for an ordered event (it keeps its key's order), NULL for
+    -- the rest: claims compare keys by it (a collision only makes a key look busy: safe).
+    key_hash    bigint,
     event_type  text,
     payload     jsonb NOT NULL,
     headers     jsonb NOT NULL DEFAULT '{}',
@@ -55,6 +60,8 @@ CREATE TABLE @extschema@.outbox_stream (
 );
 -- The cursor's walk: commit windows in (txid, id) order.
 CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
+-- An ordered event's predecessor in its key (the next lower id), and a key's events by id.
+CREATE INDEX outbox_stream_key_idx ON @extschema@.outbox_stream (key_hash, id) WHERE key_hash IS NOT NULL;
 
 -- The stream's read position, one version per claim that moved it (the newest counts): events
 -- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
@@ -97,7 +104,20 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     claim_token bigint PRIMARY KEY,
     claim_owner text NOT NULL,
     claimed_at  timestamptz NOT NULL,
-    pending     bigint[] NOT NULL
+    pending     bigint[] NOT NULL,
+    -- The key hashes of its ordered events: while it is unsettled those keys are busy, and a
+    -- claim hands out no later event of them.
+    keys        bigint[] NOT NULL DEFAULT '{}',
+    -- A claim found a tracked key waiting for this batch: settling it makes those keys due.
+    waiters     boolean NOT NULL DEFAULT false
+);
+
+-- Stream events handed out (or made tracked rows) before the cursor reached them: an ordered
+-- event whose transaction drew its txid before an earlier event of its key committed sits after
+-- it in (txid, id) order, and goes out with it. The cursor skips them, and drops their row, when
+-- it passes them.
+CREATE TABLE @extschema@.outbox_stream_early (
+    id bigint PRIMARY KEY
 );
 
 -- Whether the stream's cursor has handed out the event (txid, id): its transaction finished
@@ -132,10 +152,11 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
        (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
              WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
                OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
-                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id)) THEN 'SUCCESS'
+                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id))
+               OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = s.id) THEN 'SUCCESS'
              ELSE 'WAIT' END)::@extschema@.outbox_status,
        0, s.created_at, b.claim_owner, b.claim_token, b.claimed_at, NULL::text, s.created_at,
-       coalesce(b.claimed_at, s.created_at), s.event_id, false, NULL::timestamptz
+       coalesce(b.claimed_at, s.created_at), s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
   FROM @extschema@.outbox_stream s
  CROSS JOIN (SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
                FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
@@ -170,9 +191,17 @@ BEGIN
             ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'
             ' AND (pg_catalog.pg_visible_in_snapshot(txid, c.prev_snap)'
             ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND (txid, id) <= (c.pos_txid, c.pos_id))))'
+            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = outbox_stream.id)'
+            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = outbox_stream.id)'
             ' OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE id = ANY (b.pending))');
     END IF;
 END
+$$;
+
+CREATE FUNCTION @extschema@.outbox_key_hash(topic text, event_key text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT pg_catalog.hashtextextended(topic OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) event_key, 0)
 $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
@@ -241,23 +270,37 @@ BEGIN
     IF ordered THEN
         -- One statement (each costs an executor start): first the key's turn, an advisory lock
         -- producers of this key hold until they commit, so the id drawn after it follows commit
-        -- order within the key (a sequence alone does not: docs/reference.md); then the event; then
-        -- the key's row if the key was idle (an active key has one, and its head decides when it
-        -- is due).
+        -- order within the key (a sequence alone does not: docs/reference.md); then the event.
+        -- A key with tracked work (a key row: a retry, a held run, a delayed event) or an event
+        -- due later takes a tracked row, behind that work, and the key's row if the key was idle
+        -- (an active key has one, and its head decides when it is due); else the event goes to
+        -- the stream, where a claim keeps the key's order (outbox_stream_take). This statement's
+        -- snapshot predates the lock: a key row it misses or still sees is settled at the claim.
         WITH turn AS (
             SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
-        ), event AS (
+        ), route AS (
+            SELECT coalesce(deliver_at > now(), false)
+                   OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
+                               WHERE k.topic = outbox_enqueue.topic AND k.event_key = outbox_enqueue.key) AS tracked
+              FROM turn
+        ), tracked_event AS (
             INSERT INTO @extschema@.outbox_tracked
                 (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
             SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true
-              FROM turn
+              FROM route WHERE route.tracked
             RETURNING id
         ), key_row AS (
             INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
-            SELECT topic, key, greatest(now(), deliver_at) FROM event
+            SELECT topic, key, greatest(now(), deliver_at) FROM tracked_event
             ON CONFLICT DO NOTHING
+        ), stream_event AS (
+            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+            SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers
+              FROM route WHERE NOT route.tracked
+            RETURNING id
         )
-        SELECT event.id INTO new_id FROM event;
+        SELECT e.id INTO new_id
+          FROM (SELECT t.id FROM tracked_event t UNION ALL SELECT x.id FROM stream_event x) e;
     ELSIF deliver_at > now() THEN
         -- Due later: a tracked row, claimed by its next_retry_time.
         INSERT INTO @extschema@.outbox_tracked
@@ -382,26 +425,33 @@ BEGIN
                    FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
     END IF;
     -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
-    -- it: ordered or due later to outbox_tracked, the rest to outbox_stream.
+    -- it: due later, or ordered with a key that has tracked work (read after the locks above), to
+    -- outbox_tracked, the rest to outbox_stream.
     RETURN QUERY
     WITH input AS MATERIALIZED (
         SELECT nextval('@extschema@.outbox_event_id_seq') AS id, u.p, u.k, u.t,
                coalesce(u.h, '{}'::jsonb) AS h, ordered_topic AND u.k IS NOT NULL AS ordered
           FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
          ORDER BY u.pos
+    ), routed AS MATERIALIZED (
+        SELECT i.*, due_later OR (i.ordered AND EXISTS (
+                   SELECT 1 FROM @extschema@.outbox_key k
+                    WHERE k.topic = outbox_enqueue_many.topic AND k.event_key = i.k)) AS tracked
+          FROM input i
     ), tracked AS (
         INSERT INTO @extschema@.outbox_tracked
             (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
         SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered
-          FROM input i
-         WHERE i.ordered OR due_later
+          FROM routed i
+         WHERE i.tracked
          ORDER BY i.id
         RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
     ), stream AS (
-        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, event_type, payload, headers)
-        SELECT i.id, topic, i.k, i.t, i.p, i.h
-          FROM input i
-         WHERE NOT (i.ordered OR due_later)
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers)
+        SELECT i.id, topic, i.k, CASE WHEN i.ordered THEN @extschema@.outbox_key_hash(topic, i.k) END,
+               i.t, i.p, i.h
+          FROM routed i
+         WHERE NOT i.tracked
          ORDER BY i.id
         RETURNING outbox_stream.id
     ), key_row AS (
@@ -434,6 +484,7 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     owed bigint;
     held bigint;
+    moved_ids bigint[];
 BEGIN
     WITH claimed AS (
         SELECT p.id, b.claim_owner, b.claim_token, b.claimed_at
@@ -445,25 +496,42 @@ BEGIN
              event_id, ordered)
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                CASE WHEN c.id IS NULL THEN 'WAIT' ELSE 'SENDING' END::@extschema@.outbox_status, 0,
-               stamp, c.claim_owner, c.claim_token, c.claimed_at, s.created_at, stamp, s.event_id, false
+               stamp, c.claim_owner, c.claim_token, c.claimed_at, s.created_at, stamp, s.event_id,
+               s.key_hash IS NOT NULL
           FROM @extschema@.outbox_stream s
           LEFT JOIN claimed c ON c.id = s.id
          WHERE (c.id IS NOT NULL
                 OR s.id > hwm
-                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_txid, pos_id))
+                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_txid, pos_id)
+                   AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = s.id))
            AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
          ORDER BY s.id
-        RETURNING outbox_tracked.status
+        RETURNING outbox_tracked.id, outbox_tracked.status
     )
-    SELECT count(*) FILTER (WHERE m.status = 'WAIT'), count(*) FILTER (WHERE m.status = 'SENDING')
-      INTO owed, held FROM moved m;
+    SELECT count(*) FILTER (WHERE m.status = 'WAIT'), count(*) FILTER (WHERE m.status = 'SENDING'),
+           coalesce(array_agg(m.id), '{}')
+      INTO owed, held, moved_ids FROM moved m;
+    PERFORM @extschema@.outbox_stream_key_rows(moved_ids, stamp);
     DELETE FROM @extschema@.outbox_stream_batch;
+    DELETE FROM @extschema@.outbox_stream_early;
     DELETE FROM @extschema@.outbox_stream s
      WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
         OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
     RAISE WARNING USING
         MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts', owed, held);
 END
+$$;
+
+CREATE FUNCTION @extschema@.outbox_stream_key_rows(ids bigint[], due timestamptz) RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+    SELECT DISTINCT s.topic, s.event_key, due
+      FROM @extschema@.outbox_stream s
+     WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL
+     ORDER BY 1, 2
+    ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
 $$;
 
 CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
@@ -487,15 +555,32 @@ DECLARE
     kept_id bigint;
     kept_hwm bigint;
     hwm bigint;
-    taken_before_rotation int := -1;
-    -- Only ids travel through the loop; the claim reads the rows once, by primary key.
+    walked_before_rotation bigint := -1;
+    -- Events the cursor passed in this claim, early ones included.
+    walked bigint := 0;
+    -- Only ids travel through the loop; the claim reads the rows once, by primary key. hashes
+    -- runs in step with ids: each event's key_hash, NULL for an unordered one.
     ids bigint[] := '{}';
+    hashes bigint[] := '{}';
     part_ids bigint[];
     part_txids xid8[];
+    part_hashes bigint[];
+    need int;
+    early bigint[];
+    passed_early bigint[] := '{}';
+    window_done boolean := false;
     x xid8;
     fresh pg_snapshot;
     lo_txid xid8;
     lo_id bigint;
+    busy bigint[];
+    ahead bigint[];
+    pulled bigint[] := '{}';
+    pulled_hashes bigint[] := '{}';
+    diverted bigint[];
+    h bigint;
+    top_id bigint;
+    r record;
 BEGIN
     -- One claim at a time reads the stream, until it commits (its position is only visible
     -- then). Another claim waits for it: a relay's claim commits within milliseconds, and an
@@ -532,7 +617,10 @@ BEGIN
         hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
         was := '';
     END IF;
+    -- Events that went out before the cursor reached them: almost always none.
+    early := ARRAY(SELECT e.id FROM @extschema@.outbox_stream_early e);
     FOR w IN 1..2 LOOP
+        window_done := false;
         -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
         -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
         -- not a re-read of everything committed since it began.
@@ -540,50 +628,84 @@ BEGIN
             FOR x IN SELECT t FROM pg_snapshot_xip(prev_snap) t
                       WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
                       ORDER BY t LOOP
-                EXIT WHEN cardinality(ids) >= max_events;
-                SELECT array_agg(e.id ORDER BY e.id) INTO part_ids
-                  FROM (SELECT e.id FROM @extschema@.outbox_stream e
-                         WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
-                         ORDER BY e.id
-                         LIMIT max_events - cardinality(ids)) e;
-                IF part_ids IS NOT NULL THEN
-                    ids := ids || part_ids;
+                LOOP
+                    need := max_events - cardinality(ids);
+                    EXIT WHEN need <= 0;
+                    SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id)
+                      INTO part_ids, part_hashes
+                      FROM (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
+                             WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
+                             ORDER BY e.id
+                             LIMIT need) e;
+                    EXIT WHEN part_ids IS NULL;
                     pos_txid := x;
                     pos_id := part_ids[cardinality(part_ids)];
-                END IF;
+                    walked := walked + cardinality(part_ids);
+                    IF cardinality(early) = 0 THEN
+                        ids := ids || part_ids;
+                        hashes := hashes || part_hashes;
+                    ELSE
+                        ids := ids || ARRAY(SELECT p.id FROM unnest(part_ids) WITH ORDINALITY p(id, n)
+                                             WHERE NOT p.id = ANY (early) ORDER BY p.n);
+                        hashes := hashes || ARRAY(SELECT p.h FROM unnest(part_ids, part_hashes) WITH ORDINALITY p(id, h, n)
+                                                   WHERE NOT p.id = ANY (early) ORDER BY p.n);
+                        passed_early := passed_early || ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early));
+                    END IF;
+                    EXIT WHEN cardinality(part_ids) < need;
+                END LOOP;
+                EXIT WHEN cardinality(ids) >= max_events;
             END LOOP;
         END IF;
         -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
         -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
         -- at cur_snap are skipped; the next window takes them by equality above.
-        IF cardinality(ids) < max_events THEN
+        LOOP
+            need := max_events - cardinality(ids);
+            EXIT WHEN need <= 0;
             lo_txid := pg_snapshot_xmax(prev_snap);
             lo_id := 0;
             IF (pos_txid, pos_id) > (lo_txid, lo_id) THEN
                 lo_txid := pos_txid;
                 lo_id := pos_id;
             END IF;
-            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id)
-              INTO part_ids, part_txids
-              FROM (SELECT e.id, e.txid FROM @extschema@.outbox_stream e
+            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
+                   array_agg(e.key_hash ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids, part_hashes
+              FROM (SELECT e.id, e.txid, e.key_hash FROM @extschema@.outbox_stream e
                      WHERE (e.txid, e.id) > (lo_txid, lo_id)
                        AND e.txid < pg_snapshot_xmax(cur_snap)
                        AND pg_visible_in_snapshot(e.txid, cur_snap)
                      ORDER BY e.txid, e.id
-                     LIMIT max_events - cardinality(ids)) e;
-            IF part_ids IS NOT NULL THEN
-                ids := ids || part_ids;
-                pos_txid := part_txids[cardinality(part_txids)];
-                pos_id := part_ids[cardinality(part_ids)];
+                     LIMIT need) e;
+            IF part_ids IS NULL THEN
+                window_done := true;
+                EXIT;
             END IF;
-        END IF;
+            pos_txid := part_txids[cardinality(part_txids)];
+            pos_id := part_ids[cardinality(part_ids)];
+            walked := walked + cardinality(part_ids);
+            IF cardinality(early) = 0 THEN
+                ids := ids || part_ids;
+                hashes := hashes || part_hashes;
+            ELSE
+                ids := ids || ARRAY(SELECT p.id FROM unnest(part_ids) WITH ORDINALITY p(id, n)
+                                     WHERE NOT p.id = ANY (early) ORDER BY p.n);
+                hashes := hashes || ARRAY(SELECT p.h FROM unnest(part_ids, part_hashes) WITH ORDINALITY p(id, h, n)
+                                           WHERE NOT p.id = ANY (early) ORDER BY p.n);
+                passed_early := passed_early || ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early));
+            END IF;
+            IF cardinality(part_ids) < need THEN
+                window_done := true;
+                EXIT;
+            END IF;
+        END LOOP;
         EXIT WHEN cardinality(ids) >= max_events OR w = 2;
         -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
         -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
         fresh := @extschema@.outbox_snapshot_of_others();
         EXIT WHEN fresh::text = cur_snap::text;
         kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
-        taken_before_rotation := cardinality(ids);
+        walked_before_rotation := walked;
         kept_hwm := hwm;
         prev_snap := cur_snap;
         cur_snap := fresh;
@@ -594,9 +716,10 @@ BEGIN
     END LOOP;
     -- A rotation into an empty window is not kept: the next claim's window, from the same
     -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
-    IF cardinality(ids) = taken_before_rotation THEN
+    IF walked = walked_before_rotation THEN
         prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
         hwm := kept_hwm;
+        window_done := true;
     END IF;
     IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
         INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
@@ -605,9 +728,90 @@ BEGIN
         -- and a range would walk them all on every claim.
         DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
     END IF;
+    IF cardinality(passed_early) > 0 THEN
+        DELETE FROM @extschema@.outbox_stream_early e WHERE e.id = ANY (passed_early);
+    END IF;
+
+    -- Ordered events: their keys' order (see above). Nothing to do for unordered ones.
+    IF cardinality(array_remove(hashes, NULL)) > 0 THEN
+        -- Busy keys: in another claim's unsettled batch (few rows), or with a key row (tracked
+        -- work: read only when there is any).
+        busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                       WHERE k = ANY (hashes));
+        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
+            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+        END IF;
+        -- Earlier events of a key still ahead of the cursor: the key's nearest lower event
+        -- outside this batch has not gone out (passed, early or tracked). None once the window
+        -- is used up: an earlier event of a key committed before the one handed out here, so
+        -- cur_snap sees it, and the cursor has passed everything cur_snap sees. Below an event
+        -- that went out, every event of its key went out: this rule keeps it so.
+        IF NOT window_done THEN
+            ahead := ARRAY(
+                SELECT c.h
+                  FROM (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes) t(id, h)
+                         WHERE t.h IS NOT NULL GROUP BY t.h) c
+                 CROSS JOIN LATERAL (
+                     SELECT p.id, p.txid FROM @extschema@.outbox_stream p
+                      WHERE p.key_hash = c.h AND p.id < c.top_id AND NOT p.id = ANY (ids)
+                      ORDER BY p.id DESC LIMIT 1) p
+                 WHERE NOT p.id = ANY (early)
+                   AND NOT @extschema@.outbox_stream_passed(p.txid, p.id, prev_snap, cur_snap, pos_txid, pos_id)
+                   AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = p.id));
+            -- Each such key brings its events that are ahead, from the nearest down to the
+            -- first that went out.
+            FOREACH h IN ARRAY ahead LOOP
+                top_id := (SELECT max(t.id) FROM unnest(ids, hashes) t(id, k) WHERE t.k = h);
+                FOR r IN SELECT p.id, p.txid FROM @extschema@.outbox_stream p
+                          WHERE p.key_hash = h AND p.id < top_id ORDER BY p.id DESC LOOP
+                    CONTINUE WHEN r.id = ANY (ids);
+                    EXIT WHEN r.id = ANY (early)
+                           OR @extschema@.outbox_stream_passed(r.txid, r.id, prev_snap, cur_snap, pos_txid, pos_id)
+                           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = r.id);
+                    pulled := pulled || r.id;
+                    pulled_hashes := pulled_hashes || h;
+                END LOOP;
+            END LOOP;
+            IF cardinality(pulled) > 0 THEN
+                INSERT INTO @extschema@.outbox_stream_early (id) SELECT unnest(pulled);
+                ids := ids || pulled;
+                hashes := hashes || pulled_hashes;
+            END IF;
+        END IF;
+        -- A busy key's events here become tracked rows, due now (a claim hands them out once
+        -- the key is free), with the key's row. The batches that hold the key learn that a key
+        -- waits for them (never waiting for one being settled right now: SKIP LOCKED), so that
+        -- settling them makes it due at once. Rows in key order: concurrent writers of key rows
+        -- lock them in one order.
+        IF cardinality(busy) > 0 THEN
+            diverted := ARRAY(SELECT t.id FROM unnest(ids, hashes) t(id, h) WHERE t.h = ANY (busy));
+            UPDATE @extschema@.outbox_stream_batch b SET waiters = true
+             WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
+                                      WHERE o.keys && busy AND NOT o.waiters
+                                      ORDER BY o.claim_token
+                                      FOR UPDATE SKIP LOCKED);
+            INSERT INTO @extschema@.outbox_tracked
+                (id, topic, event_key, event_type, payload, headers, status, retry_count,
+                 next_retry_time, created_at, updated_at, event_id, ordered)
+            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+                   stamp, s.created_at, stamp, s.event_id, true
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (diverted)
+             ORDER BY s.id
+            ON CONFLICT (id) DO NOTHING;
+            PERFORM @extschema@.outbox_stream_key_rows(diverted, stamp);
+            SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}')
+              INTO ids, hashes
+              FROM unnest(ids, hashes) WITH ORDINALITY t(id, h, n)
+             WHERE (t.h = ANY (busy)) IS NOT TRUE;
+        END IF;
+    END IF;
     IF cardinality(ids) > 0 THEN
-        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending)
-        VALUES (token, owner, stamp, ids);
+        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending, keys)
+        VALUES (token, owner, stamp, ARRAY(SELECT t FROM unnest(ids) t ORDER BY t),
+                ARRAY(SELECT DISTINCT t FROM unnest(hashes) t WHERE t IS NOT NULL));
     END IF;
     RETURN ids;
 END
@@ -621,9 +825,11 @@ AS $$
 #variable_conflict use_variable
 DECLARE
     pending bigint[];
+    keys bigint[];
+    waiters boolean;
     held bigint[];
 BEGIN
-    SELECT b.pending INTO pending FROM @extschema@.outbox_stream_batch b
+    SELECT b.pending, b.keys, b.waiters INTO pending, keys, waiters FROM @extschema@.outbox_stream_batch b
      WHERE b.claim_token = claim_token AND b.claim_owner = owner
        FOR UPDATE;
     IF pending IS NULL OR NOT pending && ids THEN
@@ -636,8 +842,22 @@ BEGIN
     ELSE
         UPDATE @extschema@.outbox_stream_batch b
            -- IS NOT TRUE: a NULL among the ids must not drop the others from the batch.
-           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p)
+           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p),
+               -- Events settled here may continue as tracked rows (nack, release), whose key
+               -- waits for the rest of this batch.
+               waiters = b.waiters OR b.keys <> '{}'
          WHERE b.claim_token = claim_token;
+    END IF;
+    -- Tracked keys wait for this batch: each time part of it is settled they are due again
+    -- (their claim looks whether the key is still busy). Rare: the key rows are few, read whole,
+    -- and locked in key order as every writer of several key rows does.
+    IF waiters THEN
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, clock_timestamp())
+          FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+                 WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (keys)
+                 ORDER BY d.topic, d.event_key
+                 FOR UPDATE) w
+         WHERE k.ctid = w.row_id;
     END IF;
     RETURN held;
 END
@@ -694,6 +914,10 @@ DECLARE
     v_claimed timestamptz[];
     v_pos bigint[];
     v_runnable boolean[];
+    v_held boolean[];
+    -- Keys of the stream's unsettled batches, and the stream's cursor: see "held" below.
+    busy_hashes bigint[];
+    cur record;
     key_topics text[];
     key_names text[];
     tracked_ids bigint[];
@@ -712,6 +936,10 @@ BEGIN
     -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
     skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
 
+    busy_hashes := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k);
+    SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id INTO cur
+      FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
+
     -- The due ordered keys, oldest due first, each with its unfinished events from its head in
     -- commit (= id) order: as far as they are runnable (WAIT and due), and the head in any case.
     -- Rows are pulled until the batch is full, and a key row is locked (SKIP LOCKED: concurrent
@@ -720,20 +948,40 @@ BEGIN
     -- all be written twice (here and at the ack). At most 1,000 keys (an idle one costs an
     -- advisory lock below) and max_events rows per key (so a hot key's backlog is never read
     -- past what a batch can take).
+    -- A key is held while the stream still owes one of its events: one in an unsettled stream
+    -- batch, or an earlier one than its head that the stream's cursor has not reached (it
+    -- becomes a tracked row, before the head, when the cursor gets there). By the stream's rule
+    -- the nearest such event below the head tells.
     SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
            array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
-           array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable)
-      INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable
+           array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable), array_agg(c.held)
+      INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held
       FROM (SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at, p.id, p.status,
-                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable
+                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable, o.held
               FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at FROM @extschema@.outbox_key d
                      WHERE d.due_at <= stamp
                      ORDER BY d.due_at
                      LIMIT least(max_events, 1000)
                      FOR UPDATE SKIP LOCKED) k
+             CROSS JOIN LATERAL (
+                  SELECT @extschema@.outbox_key_hash(k.topic, k.event_key) = ANY (busy_hashes)
+                      OR EXISTS (
+                          SELECT 1
+                            FROM (SELECT q.id, q.txid FROM @extschema@.outbox_stream q
+                                   WHERE q.key_hash = @extschema@.outbox_key_hash(k.topic, k.event_key)
+                                     AND q.id < (SELECT min(e.id) FROM @extschema@.outbox_tracked e
+                                                  WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                                    AND e.ordered AND e.status <> 'SUCCESS'
+                                                    AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)))
+                                   ORDER BY q.id DESC LIMIT 1) q
+                           WHERE NOT @extschema@.outbox_stream_passed(q.txid, q.id, cur.prev_snap, cur.cur_snap,
+                                                                       cur.pos_txid, cur.pos_id)
+                             AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = q.id)
+                             AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = q.id)) AS held
+              ) o
               LEFT JOIN LATERAL (
                   SELECT r.* FROM (
-                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp)
+                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp AND NOT o.held)
                                       OVER (ORDER BY u.pos) AS runnable
                         FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
                                      row_number() OVER (ORDER BY e.id) AS pos
@@ -754,8 +1002,8 @@ BEGIN
     -- with a key's run ranked as one block, so a cut keeps a prefix.
     WITH pending AS MATERIALIZED (
         SELECT t.*
-          FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable)
-               AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable)
+          FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held)
+               AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable, held)
     ), unordered AS MATERIALIZED (
         SELECT c.id, c.next_retry_time
           FROM @extschema@.outbox_tracked c
@@ -779,16 +1027,19 @@ BEGIN
         RETURNING e.*
     ), verdict AS (
         -- When each visited key needs a look next: after its run (the lease, unless settled
-        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle.
+        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle;
+        -- a key the stream holds in a second (or as soon as the batch holding it is settled).
         SELECT h.row_id,
                CASE WHEN h.holding THEN stamp + lease
                     WHEN h.status IS NULL THEN '-infinity'::timestamptz
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp AND h.held THEN stamp + interval '1 second'
                     WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN h.key_due
                     WHEN h.status = 'WAIT' THEN h.next_retry_time
                     WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
                     ELSE 'infinity'::timestamptz
                END AS next_due
           FROM (SELECT p.row_id, min(p.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
+                       bool_or(p.held) AS held,
                        min(p.status) FILTER (WHERE p.pos = 1) AS status,
                        min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
                        min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
@@ -823,7 +1074,7 @@ BEGIN
                   AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
     END IF;
 
-    -- The rest of the batch from the stream (fresh unordered events), after the retries and
+    -- The rest of the batch from the stream (fresh events), after the retries and
     -- keys above, which are older. The claim's token names the stream batch too.
     IF coalesce(cardinality(tracked_ids), 0) < max_events THEN
         stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
@@ -836,7 +1087,7 @@ BEGIN
         UNION ALL
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
-               NULL::text, s.created_at, stamp, s.event_id, false, NULL::timestamptz
+               NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
           FROM @extschema@.outbox_stream s
          WHERE s.id = ANY (stream_ids)
     ) e
@@ -938,13 +1189,14 @@ BEGIN
                    stamp + make_interval(secs =>
                        least(cfg.backoff_base_ms, cfg.backoff_max_ms)
                        * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
-                   error, s.created_at, stamp, s.event_id, false
+                   error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
               FROM @extschema@.outbox_stream s
              WHERE s.id = ANY (held)
              ORDER BY s.id
             RETURNING m.id, m.topic, m.status, m.retry_count, m.next_retry_time
         )
         SELECT mv.id, mv.topic, mv.status, mv.retry_count, mv.next_retry_time FROM moved mv ORDER BY mv.id;
+        PERFORM @extschema@.outbox_stream_key_rows(held, stamp);
     END IF;
 END
 $$;
@@ -1026,10 +1278,11 @@ BEGIN
             (id, topic, event_key, event_type, payload, headers, status, retry_count,
              next_retry_time, last_error, created_at, updated_at, event_id, ordered)
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
-               stamp + delay, error, s.created_at, stamp, s.event_id, false
+               stamp + delay, error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
           FROM @extschema@.outbox_stream s
          WHERE s.id = ANY (held)
          ORDER BY s.id;
+        PERFORM @extschema@.outbox_stream_key_rows(held, stamp);
         done := done + cardinality(held);
     END IF;
     RETURN done;
@@ -1112,10 +1365,18 @@ BEGIN
                @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp,
                format('lease expired: claimed by %s at %s, not settled within %s',
                       h.claim_owner, h.claimed_at, lease),
-               s.created_at, stamp, s.event_id, false
+               s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
           FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
          ORDER BY s.id
         RETURNING m.id, m.topic, m.status, m.retry_count
+    ), key_rows AS (
+        -- The ordered ones' key rows, as outbox_stream_key_rows writes them.
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+        SELECT DISTINCT s.topic, s.event_key, stamp
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         WHERE s.key_hash IS NOT NULL
+         ORDER BY 1, 2
+        ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
     )
     SELECT mv.id, mv.topic, mv.status, mv.retry_count, h.claim_owner
       FROM moved mv JOIN held h ON h.id = mv.id
@@ -1271,11 +1532,15 @@ BEGIN
     , gone AS (
         DELETE FROM @extschema@.outbox_tracked e
          WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS'
-        RETURNING e.id, e.ordered
+        RETURNING e.id
     ), originals AS (
-        -- A retried stream event's first row goes with its tracked copy.
+        -- A stream event's first row goes with its tracked copy (a retry, a busy key's event).
         DELETE FROM @extschema@.outbox_stream s
-         WHERE s.id = ANY (ARRAY(SELECT g.id FROM gone g WHERE NOT g.ordered))
+         WHERE s.id = ANY (ARRAY(SELECT g.id FROM gone g))
+        RETURNING s.id
+    ), went_early AS (
+        DELETE FROM @extschema@.outbox_stream_early x
+         WHERE x.id = ANY (ARRAY(SELECT o.id FROM originals o))
     )
     SELECT count(*) INTO done FROM gone;
     -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
@@ -1408,8 +1673,10 @@ END
 $$;
 
 REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_stream, @extschema@.outbox_stream_cursor,
-    @extschema@.outbox_stream_batch FROM PUBLIC;
+    @extschema@.outbox_stream_batch, @extschema@.outbox_stream_early FROM PUBLIC;
 REVOKE ALL ON FUNCTION
+    @extschema@.outbox_key_hash(text, text),
+    @extschema@.outbox_stream_key_rows(bigint[], timestamptz),
     @extschema@.outbox_stream_lock_id(),
     @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, xid8, bigint),
     @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, xid8, bigint, bigint),

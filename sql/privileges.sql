@@ -2,7 +2,8 @@
 -- functions to PUBLIC by default, so take it back from every function of the extension.
 -- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
 REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
-    @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch, @extschema@.outbox_key FROM PUBLIC;
+    @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch, @extschema@.outbox_stream_early,
+    @extschema@.outbox_key FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_config(),
@@ -11,6 +12,8 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_check_topic(text),
     @extschema@.outbox_topic_ordered(text),
     @extschema@.outbox_key_lock_id(text, text),
+    @extschema@.outbox_key_hash(text, text),
+    @extschema@.outbox_stream_key_rows(bigint[], timestamptz),
     @extschema@.outbox_stream_lock_id(),
     @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, xid8, bigint),
     @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, xid8, bigint, bigint),

@@ -84,11 +84,12 @@ CREATE TABLE @extschema@.outbox_key (
 );
 CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
 
--- Fresh unordered events, append-only (docs/reference.md, "Data model"): inserted once by
+-- Fresh events due now, append-only (docs/reference.md, "Data model"): inserted once by
 -- outbox_enqueue, never updated, deleted by outbox_purge. A claim hands them out window by window
 -- through outbox_stream_cursor and records what it handed out as one outbox_stream_batch row, so
 -- an event's row is written once in its life, and a claim never walks entries that earlier
--- claims left behind, however old the oldest snapshot is.
+-- claims left behind, however old the oldest snapshot is. An ordered event whose key is busy
+-- (outbox_stream_take) continues as a tracked row.
 CREATE TABLE @extschema@.outbox_stream (
     id          bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     -- The inserting top-level transaction (not xmin: an insert in a savepoint has a
@@ -96,6 +97,9 @@ CREATE TABLE @extschema@.outbox_stream (
     txid        xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
     topic       text NOT NULL,
     event_key   text,
+    -- outbox_key_hash(topic, event_key) for an ordered event (it keeps its key's order), NULL for
+    -- the rest: claims compare keys by it (a collision only makes a key look busy: safe).
+    key_hash    bigint,
     event_type  text,
     payload     jsonb NOT NULL,
     headers     jsonb NOT NULL DEFAULT '{}',
@@ -107,6 +111,8 @@ CREATE TABLE @extschema@.outbox_stream (
 );
 -- The cursor's walk: commit windows in (txid, id) order.
 CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
+-- An ordered event's predecessor in its key (the next lower id), and a key's events by id.
+CREATE INDEX outbox_stream_key_idx ON @extschema@.outbox_stream (key_hash, id) WHERE key_hash IS NOT NULL;
 
 -- The stream's read position, one version per claim that moved it (the newest counts): events
 -- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
@@ -149,7 +155,20 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     claim_token bigint PRIMARY KEY,
     claim_owner text NOT NULL,
     claimed_at  timestamptz NOT NULL,
-    pending     bigint[] NOT NULL
+    pending     bigint[] NOT NULL,
+    -- The key hashes of its ordered events: while it is unsettled those keys are busy, and a
+    -- claim hands out no later event of them.
+    keys        bigint[] NOT NULL DEFAULT '{}',
+    -- A claim found a tracked key waiting for this batch: settling it makes those keys due.
+    waiters     boolean NOT NULL DEFAULT false
+);
+
+-- Stream events handed out (or made tracked rows) before the cursor reached them: an ordered
+-- event whose transaction drew its txid before an earlier event of its key committed sits after
+-- it in (txid, id) order, and goes out with it. The cursor skips them, and drops their row, when
+-- it passes them.
+CREATE TABLE @extschema@.outbox_stream_early (
+    id bigint PRIMARY KEY
 );
 
 -- Whether the stream's cursor has handed out the event (txid, id): its transaction finished
@@ -184,10 +203,11 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
        (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
              WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
                OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
-                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id)) THEN 'SUCCESS'
+                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id))
+               OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = s.id) THEN 'SUCCESS'
              ELSE 'WAIT' END)::@extschema@.outbox_status,
        0, s.created_at, b.claim_owner, b.claim_token, b.claimed_at, NULL::text, s.created_at,
-       coalesce(b.claimed_at, s.created_at), s.event_id, false, NULL::timestamptz
+       coalesce(b.claimed_at, s.created_at), s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
   FROM @extschema@.outbox_stream s
  CROSS JOIN (SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
                FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
@@ -222,13 +242,16 @@ BEGIN
                   AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');
         -- Stream events still owed (not yet handed out, or in an unsettled claim: the rule of
-        -- outbox_stream_passed, written out for the dumping role); the cursor and
-        -- the claims are not dumped: a restored outbox starts a fresh cursor that hands them out.
+        -- outbox_stream_passed, written out for the dumping role), unless one went out early or
+        -- its tracked copy (dumped above) stands for it; the cursor and the claims are not
+        -- dumped: a restored outbox starts a fresh cursor that hands them out.
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
             'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'
             ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'
             ' AND (pg_catalog.pg_visible_in_snapshot(txid, c.prev_snap)'
             ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND (txid, id) <= (c.pos_txid, c.pos_id))))'
+            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = outbox_stream.id)'
+            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = outbox_stream.id)'
             ' OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE id = ANY (b.pending))');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');

@@ -145,7 +145,7 @@ async fn run_case(
         "reset",
         admin
             .batch_execute(
-                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key",
+                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_stream_early, outbox_key",
             )
             .await,
     )?;

@@ -675,6 +675,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_check_topic", "'orders'"),
         ("outbox_topic_ordered", "'orders'"),
         ("outbox_key_lock_id", "'orders', 'k-1'"),
+        ("outbox_key_hash", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
         ("outbox_enqueue_begin", "'orders', 'k-1'"),
@@ -709,6 +710,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ),
         ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
+        ("outbox_stream_key_rows", "'{1}', now()"),
         (
             "outbox_stream_rebase",
             "pg_current_snapshot(), pg_current_snapshot(), '0'::xid8, 0::bigint, 0::bigint",

@@ -355,6 +355,10 @@ async fn an_idle_key_is_deleted_unless_a_producer_is_enqueuing_for_it() {
     let c = db.connect().await;
     let producer = db.connect().await;
     let e1 = enqueue(&c, "k").await;
+    // Released once, the key's events live in outbox_tracked behind a key row.
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [e1]);
+    assert_eq!(settle(&c, "outbox_release", "relay-a", token, &ids).await, 1);
     let (ids, token) = claim(&c, "relay-a", 10).await;
     assert_eq!(ids, [e1]);
     settle(&c, "outbox_ack", "relay-a", token, &ids).await;
@@ -396,4 +400,114 @@ async fn a_reclaimed_run_goes_back_to_its_key_in_order() {
     assert_eq!(n, 3);
     let (ids, _) = claim(&c, "relay-b", 10).await;
     assert_eq!(ids, k);
+}
+
+/// Two producers of one key whose transactions drew their ids in the opposite order of their
+/// commits: the stream's cursor meets the later commit first (it walks transactions in txid
+/// order), and must hand out the earlier commit with it, first, and never again.
+#[tokio::test]
+async fn an_event_committed_first_goes_out_first_though_its_transaction_started_later() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let started_first = db.connect().await;
+    started_first
+        .batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    let committed_first = enqueue(&c, "k").await;
+    let committed_second = enqueue(&started_first, "k").await;
+    started_first.batch_execute("COMMIT").await.unwrap();
+    let other = enqueue(&c, "other").await;
+    let in_walk_order: Vec<i64> = c
+        .query("SELECT id FROM outbox_stream ORDER BY txid, id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        in_walk_order,
+        [committed_second, committed_first, other],
+        "the case under test: the later commit has the lower txid"
+    );
+
+    let (ids, token) = claim(&c, "relay-a", 1).await;
+    assert_eq!(
+        ids,
+        [committed_first, committed_second],
+        "the earlier commit goes out with the later one, first"
+    );
+    let (ids2, token2) = claim(&c, "relay-b", 10).await;
+    assert_eq!(ids2, [other], "nothing of key k twice");
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+    settle(&c, "outbox_ack", "relay-b", token2, &ids2).await;
+    let (ids, _) = claim(&c, "relay-a", 10).await;
+    assert!(ids.is_empty(), "{ids:?}");
+    let states: Vec<String> = c
+        .query("SELECT status::text FROM outbox_event ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(states, ["SUCCESS", "SUCCESS", "SUCCESS"]);
+    let early: i64 = scalar(&c, "SELECT count(*) FROM outbox_stream_early", &[]).await;
+    assert_eq!(early, 0, "the cursor has passed the event that went out early");
+}
+
+/// While a claim holds events of a key, a second claim hands out none of its later events: they
+/// wait as tracked rows, and go out, in order, as soon as the first claim is settled.
+#[tokio::test]
+async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let first = [enqueue(&c, "k").await, enqueue(&c, "k").await];
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, first);
+    let later = [enqueue(&c, "k").await, enqueue(&c, "k").await];
+    let free = enqueue(&c, "other").await;
+    let (ids2, token2) = claim(&c, "relay-b", 10).await;
+    assert_eq!(ids2, [free], "key k is busy in relay-a's claim");
+    let waiting: Vec<(i64, String)> = c
+        .query("SELECT id, status::text FROM outbox_tracked ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        waiting,
+        [(later[0], "WAIT".into()), (later[1], "WAIT".into())]
+    );
+    let (ids3, _) = claim(&c, "relay-b", 10).await;
+    assert!(ids3.is_empty(), "still busy: {ids3:?}");
+    settle(&c, "outbox_ack", "relay-b", token2, &ids2).await;
+    assert_eq!(settle(&c, "outbox_ack", "relay-a", token, &ids).await, 2);
+    let (ids, _) = claim(&c, "relay-b", 10).await;
+    assert_eq!(ids, later, "due at once when the claim holding the key is settled");
+}
+
+/// A key's event in a tracked row (here: due later) never overtakes an earlier event of the key
+/// that still waits in the stream.
+#[tokio::test]
+async fn a_tracked_event_waits_for_an_earlier_event_of_its_key_still_in_the_stream() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let now = enqueue(&c, "k").await;
+    let later: i64 = scalar(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}', key => 'k', deliver_at => clock_timestamp() + interval '100 milliseconds')",
+        &[],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let (ids, token) = claim(&c, "relay-a", 1).await;
+        if !ids.is_empty() {
+            settle(&c, "outbox_ack", "relay-a", token, &ids).await;
+        }
+        seen.extend(ids);
+    }
+    assert_eq!(seen, [now, later]);
 }
