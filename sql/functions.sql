@@ -891,43 +891,42 @@ BEGIN
     -- all be written twice (here and at the ack). At most 1,000 keys (an idle one costs an
     -- advisory lock below) and max_events rows per key (so a hot key's backlog is never read
     -- past what a batch can take).
-    -- A key is held while the stream still owes one of its events: one in an unsettled stream
-    -- batch, or an earlier one than its head that the stream's cursor has not reached (it
-    -- becomes a tracked row, before the head, when the cursor gets there). By the stream's rule
-    -- the nearest such event below the head tells.
+    -- A key's event is held while the stream still owes an earlier event of the key: one in an
+    -- unsettled stream batch (that holds the whole key), or one the stream's cursor has not
+    -- reached (it becomes a tracked row, before this one, when the cursor gets there). By the
+    -- stream's rule the nearest stream event of the key below the tracked one tells.
     SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
            array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
            array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable), array_agg(c.held)
       INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held
       FROM (SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at, p.id, p.status,
-                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable, o.held
-              FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at FROM @extschema@.outbox_key d
+                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable,
+                   coalesce(p.held, false) AS held
+              FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at,
+                           @extschema@.outbox_key_hash(d.topic, d.event_key) AS hash
+                      FROM @extschema@.outbox_key d
                      WHERE d.due_at <= stamp
                      ORDER BY d.due_at
                      LIMIT least(max_events, 1000)
                      FOR UPDATE SKIP LOCKED) k
-             CROSS JOIN LATERAL (
-                  SELECT @extschema@.outbox_key_hash(k.topic, k.event_key) = ANY (busy_hashes)
-                      OR EXISTS (
-                          SELECT 1
-                            FROM (SELECT q.id, q.txid FROM @extschema@.outbox_stream q
-                                   WHERE q.key_hash = @extschema@.outbox_key_hash(k.topic, k.event_key)
-                                     AND q.id < (SELECT min(e.id) FROM @extschema@.outbox_tracked e
-                                                  WHERE e.topic = k.topic AND e.event_key = k.event_key
-                                                    AND e.ordered AND e.status <> 'SUCCESS'
-                                                    AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)))
-                                   ORDER BY q.id DESC LIMIT 1) q
-                           WHERE NOT @extschema@.outbox_stream_passed(q.txid, q.id, cur.prev_snap, cur.cur_snap,
-                                                                       cur.pos_txid, cur.pos_id)
-                             AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = q.id)
-                             AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = q.id)) AS held
-              ) o
               LEFT JOIN LATERAL (
                   SELECT r.* FROM (
-                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp AND NOT o.held)
+                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp AND NOT u.held)
                                       OVER (ORDER BY u.pos) AS runnable
                         FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
-                                     row_number() OVER (ORDER BY e.id) AS pos
+                                     row_number() OVER (ORDER BY e.id) AS pos,
+                                     CASE WHEN e.status <> 'WAIT' OR e.next_retry_time > stamp THEN false
+                                          WHEN k.hash = ANY (busy_hashes) THEN true
+                                          ELSE EXISTS (
+                                              SELECT 1
+                                                FROM (SELECT q.id, q.txid FROM @extschema@.outbox_stream q
+                                                       WHERE q.key_hash = k.hash AND q.id < e.id
+                                                       ORDER BY q.id DESC LIMIT 1) q
+                                               WHERE NOT @extschema@.outbox_stream_passed(q.txid, q.id, cur.prev_snap, cur.cur_snap,
+                                                                                           cur.pos_txid, cur.pos_id)
+                                                 AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = q.id)
+                                                 AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = q.id))
+                                     END AS held
                                 FROM @extschema@.outbox_tracked e
                                WHERE e.topic = k.topic AND e.event_key = k.event_key
                                  AND e.ordered AND e.status <> 'SUCCESS'
@@ -982,7 +981,7 @@ BEGIN
                     ELSE 'infinity'::timestamptz
                END AS next_due
           FROM (SELECT p.row_id, min(p.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
-                       bool_or(p.held) AS held,
+                       bool_or(p.held) FILTER (WHERE p.pos = 1) AS held,
                        min(p.status) FILTER (WHERE p.pos = 1) AS status,
                        min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
                        min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at

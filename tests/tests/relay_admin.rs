@@ -111,17 +111,17 @@ async fn stats_dead_letters_requeue_and_purge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_lists_keys_behind_a_dead_head_and_skip_lets_them_go_on() {
     let (_db, url, client) = first_failure_kills().await;
-    // K1's head dies (max_retry 0); two more K1 events wait behind it; K2 is delivered.
-    client
-        .batch_execute(
-            "SELECT outbox_enqueue('orders', '{\"n\":1}', key => 'K1');
-             SELECT outbox_nack('t', c.claim_token, ARRAY[c.id], 'too large') FROM outbox_claim('t', 1) c;
-             SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'K1') FROM generate_series(2, 3) g;
-             SELECT outbox_enqueue('orders', '{}', key => 'K2');
-             SELECT outbox_ack('t', min(c.claim_token), array_agg(c.id)) FROM outbox_claim('t', 10) c;",
-        )
-        .await
-        .expect("set-up");
+    // K1's head dies (max_retry 0); two more K1 events wait behind it; K2 is delivered. One
+    // transaction per statement: a claim never hands out its own transaction's fresh events.
+    for step in [
+        "SELECT outbox_enqueue('orders', '{\"n\":1}', key => 'K1')",
+        "SELECT outbox_nack('t', c.claim_token, ARRAY[c.id], 'too large') FROM outbox_claim('t', 1) c",
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'K1') FROM generate_series(2, 3) g",
+        "SELECT outbox_enqueue('orders', '{}', key => 'K2')",
+        "SELECT outbox_ack('t', min(c.claim_token), array_agg(c.id)) FROM outbox_claim('t', 10) c",
+    ] {
+        client.batch_execute(step).await.expect("set-up");
+    }
 
     let v: serde_json::Value =
         serde_json::from_str(ok(&["stats", "--json", "--database-url", &url]).trim())
