@@ -781,17 +781,17 @@ BEGIN
             END IF;
         END IF;
         -- A busy key's events here become tracked rows, due now (a claim hands them out once
-        -- the key is free), with the key's row. The batches that hold the key learn that a key
-        -- waits for them (never waiting for one being settled right now: SKIP LOCKED), so that
-        -- settling them makes it due at once. Rows in key order: concurrent writers of key rows
-        -- lock them in one order.
+        -- the key is free), with the key's row, inserted only for a key that has none. An
+        -- existing key row is left as it is: it already says when the key's head needs a look
+        -- (a run in flight, a backoff, a dead head, a key held for the stream), and the rows
+        -- queue behind that head. Making it due early would let a claim look at a key while its
+        -- run is in flight and, racing that run's ack, keep it for a whole lease. This claim holds
+        -- the stream's lock, which other claims wait for, so it waits for no row lock (a conflict
+        -- with a key row being changed would wait), and only a holder of the stream's lock
+        -- deletes idle key rows (outbox_claim). The batches that hold the key learn that a key
+        -- waits for them (SKIP LOCKED), so that settling them makes it due at once.
         IF cardinality(busy) > 0 THEN
             diverted := ARRAY(SELECT t.id FROM unnest(ids, hashes) t(id, h) WHERE t.h = ANY (busy));
-            UPDATE @extschema@.outbox_stream_batch b SET waiters = true
-             WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
-                                      WHERE o.keys && busy AND NOT o.waiters
-                                      ORDER BY o.claim_token
-                                      FOR UPDATE SKIP LOCKED);
             INSERT INTO @extschema@.outbox_tracked
                 (id, topic, event_key, event_type, payload, headers, status, retry_count,
                  next_retry_time, created_at, updated_at, event_id, ordered)
@@ -801,7 +801,18 @@ BEGIN
              WHERE s.id = ANY (diverted)
              ORDER BY s.id
             ON CONFLICT (id) DO NOTHING;
-            PERFORM @extschema@.outbox_stream_key_rows(diverted, stamp);
+            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+            SELECT DISTINCT s.topic, s.event_key, stamp
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (diverted)
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
+                                WHERE d.topic = s.topic AND d.event_key = s.event_key)
+             ORDER BY 1, 2
+            ON CONFLICT DO NOTHING;
+            UPDATE @extschema@.outbox_stream_batch b SET waiters = true
+             WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
+                                      WHERE o.keys && busy AND NOT o.waiters
+                                      FOR UPDATE SKIP LOCKED);
             SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}')
               INTO ids, hashes
               FROM unnest(ids, hashes) WITH ORDINALITY t(id, h, n)
@@ -849,14 +860,14 @@ BEGIN
          WHERE b.claim_token = claim_token;
     END IF;
     -- Tracked keys wait for this batch: each time part of it is settled they are due again
-    -- (their claim looks whether the key is still busy). Rare: the key rows are few, read whole,
-    -- and locked in key order as every writer of several key rows does.
+    -- (their claim looks whether the key is still busy). Rare: the key rows are few and read
+    -- whole. A key row locked right now is being looked at by a claim (which looks again within
+    -- a second while the key is held) or made due by an ack: never wait for it.
     IF waiters THEN
         UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, clock_timestamp())
           FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
                  WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (keys)
-                 ORDER BY d.topic, d.event_key
-                 FOR UPDATE) w
+                 FOR UPDATE SKIP LOCKED) w
          WHERE k.ctid = w.row_id;
     END IF;
     RETURN held;
@@ -1052,9 +1063,18 @@ BEGIN
     )
     SELECT array_agg(c.id) INTO tracked_ids FROM claimed c;
 
+    -- The rest of the batch from the stream (fresh events), after the retries and
+    -- keys above, which are older. The claim's token names the stream batch too.
+    IF coalesce(cardinality(tracked_ids), 0) < max_events THEN
+        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
+                                                     max_events - coalesce(cardinality(tracked_ids), 0));
+    END IF;
     -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
     -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
-    -- every event they committed, and none can add one before this transaction ends.
+    -- every event they committed, and none can add one before this transaction ends. Only by a
+    -- claim that holds the stream's lock (taken above; another holder makes the try fail): a
+    -- claim that diverts a busy key's events to tracked rows holds it too, so it never sees a
+    -- key row half deleted, and a deletion sees the rows it committed.
     SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
       FROM @extschema@.outbox_key k
      WHERE k.due_at = '-infinity'
@@ -1062,7 +1082,7 @@ BEGIN
                                         FROM unnest(v_topics, v_names, v_ids) t(topic, event_key, id)
                                        WHERE t.id IS NULL)
        AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
-    IF key_topics IS NOT NULL THEN
+    IF key_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
         DELETE FROM @extschema@.outbox_key k
          USING unnest(key_topics, key_names) AS t(topic, event_key)
          WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
@@ -1073,12 +1093,6 @@ BEGIN
                   AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
     END IF;
 
-    -- The rest of the batch from the stream (fresh events), after the retries and
-    -- keys above, which are older. The claim's token names the stream batch too.
-    IF coalesce(cardinality(tracked_ids), 0) < max_events THEN
-        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
-                                                     max_events - coalesce(cardinality(tracked_ids), 0));
-    END IF;
     -- Rows in publish (= id, within a key commit) order: UPDATE ... RETURNING has none.
     RETURN QUERY
     SELECT e.* FROM (
