@@ -697,10 +697,10 @@ BEGIN
         END IF;
         -- A busy key's events here become tracked rows, due now (a claim hands them out once
         -- the key is free), with the key's row, inserted only for a key that has none. An
-        -- existing key row is left as it is: it already says when the key's head needs a look
-        -- (a run in flight, a backoff, a dead head, a key held for the stream), and the rows
-        -- queue behind that head. Making it due early would let a claim look at a key while its
-        -- run is in flight and, racing that run's ack, keep it for a whole lease. This claim holds
+        -- existing key row mostly stays as it is: it already says when the key's head needs a
+        -- look (a run in flight, a backoff, a dead head), and the rows queue behind that head.
+        -- Making it due early would let a claim look at a key while its run is in flight and,
+        -- racing that run's ack, keep it for a whole lease. This claim holds
         -- the stream's lock, which other claims wait for, so it waits for no row lock (a conflict
         -- with a key row being changed would wait), and only a holder of the stream's lock
         -- deletes idle key rows (outbox_claim). The batches that hold the key learn that a key
@@ -724,6 +724,15 @@ BEGIN
                                 WHERE d.topic = s.topic AND d.event_key = s.event_key)
              ORDER BY 1, 2
             ON CONFLICT DO NOTHING;
+            -- A key the claim of tracked keys holds for the stream looks again within a second:
+            -- now, since its owed event just became a tracked row.
+            UPDATE @extschema@.outbox_key k SET due_at = stamp
+              FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+                     WHERE (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM @extschema@.outbox_stream s
+                                                       WHERE s.id = ANY (diverted))
+                       AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
+                     FOR UPDATE SKIP LOCKED) w
+             WHERE k.ctid = w.row_id;
             UPDATE @extschema@.outbox_stream_batch b SET waiters = true
              WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
                                       WHERE o.keys && busy AND NOT o.waiters

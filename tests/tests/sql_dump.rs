@@ -55,10 +55,17 @@ fn restore(source: &TestDb, file: &std::path::Path, single_transaction: bool) ->
 async fn dump_and_restore_keep_owed_events_and_sequences() {
     let source = TestDb::create();
     let c = source.connect().await;
-    // Keyed events on an ordered topic: tracked rows, whose status can be set by hand.
+    // Events due a moment later: tracked rows, whose status can be set by hand.
     c.batch_execute(
-        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || g) FROM generate_series(1, 5) g;
-         SELECT * FROM outbox_claim('relay-a', 2);
+        "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || g,
+                               deliver_at => clock_timestamp() + interval '100 milliseconds')
+           FROM generate_series(1, 5) g",
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    c.batch_execute(
+        "SELECT * FROM outbox_claim('relay-a', 2);
          UPDATE outbox_tracked SET status = 'FAIL' WHERE id = 5;",
     )
     .await
