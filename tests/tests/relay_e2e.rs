@@ -221,7 +221,10 @@ async fn two_relays_share_the_work_without_duplicates() {
         );
         published_total += published;
     }
-    assert_eq!(published_total, n as f64, "the relays' counts add up to the events");
+    assert_eq!(
+        published_total, n as f64,
+        "the relays' counts add up to the events"
+    );
     let msgs = broker.consume_all("orders", Duration::from_secs(3));
     let ids: BTreeSet<i64> = msgs.iter().map(|m| m.outbox_id()).collect();
     assert_eq!(ids, want, "exactly the enqueued ids arrive");

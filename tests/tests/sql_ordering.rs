@@ -358,7 +358,10 @@ async fn an_idle_key_is_deleted_unless_a_producer_is_enqueuing_for_it() {
     // Released once, the key's events live in outbox_tracked behind a key row.
     let (ids, token) = claim(&c, "relay-a", 10).await;
     assert_eq!(ids, [e1]);
-    assert_eq!(settle(&c, "outbox_release", "relay-a", token, &ids).await, 1);
+    assert_eq!(
+        settle(&c, "outbox_release", "relay-a", token, &ids).await,
+        1
+    );
     let (ids, token) = claim(&c, "relay-a", 10).await;
     assert_eq!(ids, [e1]);
     settle(&c, "outbox_ack", "relay-a", token, &ids).await;
@@ -452,7 +455,10 @@ async fn an_event_committed_first_goes_out_first_though_its_transaction_started_
         .collect();
     assert_eq!(states, ["SUCCESS", "SUCCESS", "SUCCESS"]);
     let early: i64 = scalar(&c, "SELECT count(*) FROM outbox_stream_early", &[]).await;
-    assert_eq!(early, 0, "the cursor has passed the event that went out early");
+    assert_eq!(
+        early, 0,
+        "the cursor has passed the event that went out early"
+    );
 }
 
 /// While a claim holds events of a key, a second claim hands out none of its later events: they
@@ -469,7 +475,10 @@ async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
     let (ids2, token2) = claim(&c, "relay-b", 10).await;
     assert_eq!(ids2, [free], "key k is busy in relay-a's claim");
     let waiting: Vec<(i64, String)> = c
-        .query("SELECT id, status::text FROM outbox_tracked ORDER BY id", &[])
+        .query(
+            "SELECT id, status::text FROM outbox_tracked ORDER BY id",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -484,7 +493,10 @@ async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
     settle(&c, "outbox_ack", "relay-b", token2, &ids2).await;
     assert_eq!(settle(&c, "outbox_ack", "relay-a", token, &ids).await, 2);
     let (ids, _) = claim(&c, "relay-b", 10).await;
-    assert_eq!(ids, later, "due at once when the claim holding the key is settled");
+    assert_eq!(
+        ids, later,
+        "due at once when the claim holding the key is settled"
+    );
 }
 
 /// A key's event in a tracked row (here: due later) never overtakes an earlier event of the key
