@@ -84,9 +84,15 @@ mod tests {
 
     #[pg_test]
     fn enqueue_claim_ack_round_trip() {
-        let id = Spi::get_one::<i64>("SELECT outbox_enqueue('orders', '{\"id\":1}', key => 'A-1')")
-            .unwrap()
-            .unwrap();
+        // A pg_test runs in one transaction, and a claim hands out only committed stream events:
+        // an event due a moment later is a tracked row, which a claim in the same transaction sees.
+        let id = Spi::get_one::<i64>(
+            "SELECT outbox_enqueue('orders', '{\"id\":1}', key => 'A-1', \
+             deliver_at => clock_timestamp() + interval '1 millisecond')",
+        )
+        .unwrap()
+        .unwrap();
+        Spi::run("SELECT pg_sleep(0.01)").unwrap();
         let (claimed, token) =
             Spi::get_two::<i64, i64>("SELECT id, claim_token FROM outbox_claim('relay-a', 5)")
                 .unwrap();
