@@ -159,8 +159,10 @@ BEGIN
         -- A key with tracked work (a key row: a retry, a held run, a delayed event) or an event
         -- due later takes a tracked row, behind that work, and the key's row if the key was idle
         -- (an active key has one, and its head decides when it is due); else the event goes to
-        -- the stream, where a claim keeps the key's order (outbox_stream_take). This statement's
-        -- snapshot predates the lock: a key row it misses or still sees is settled at the claim.
+        -- the stream, where a claim keeps the key's order (outbox_stream_take), marked late when
+        -- its place in (txid, id) order may be before an earlier event of its key (asked once
+        -- the lock is held). This statement's snapshot predates the lock: a key row it misses or
+        -- still sees is settled at the claim.
         WITH turn AS (
             SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
         ), route AS (
@@ -179,8 +181,9 @@ BEGIN
             SELECT topic, key, greatest(now(), deliver_at) FROM tracked_event
             ON CONFLICT DO NOTHING
         ), stream_event AS (
-            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
-            SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers
+            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late)
+            SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
+                   @extschema@.outbox_xact_late()
               FROM route WHERE NOT route.tracked
             RETURNING id
         )
@@ -228,6 +231,7 @@ DECLARE
     fn constant text := 'outbox_enqueue_many';
     n int := coalesce(cardinality(payloads), 0);
     ordered_topic boolean;
+    late boolean;
     due_later boolean := coalesce(deliver_at > now(), false);
     bad record;
     max_bytes int;
@@ -312,6 +316,8 @@ BEGIN
         PERFORM pg_advisory_xact_lock(l.id)
            FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
                    FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
+        -- Asked once the locks are held and before the inserts draw a txid (outbox_enqueue).
+        late := @extschema@.outbox_xact_late();
     END IF;
     -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
     -- it: due later, or ordered with a key that has tracked work (read after the locks above), to
@@ -336,9 +342,9 @@ BEGIN
          ORDER BY i.id
         RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
     ), stream AS (
-        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers)
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers, late)
         SELECT i.id, topic, i.k, CASE WHEN i.ordered THEN @extschema@.outbox_key_hash(topic, i.k) END,
-               i.t, i.p, i.h
+               i.t, i.p, i.h, CASE WHEN i.ordered THEN late END
           FROM routed i
          WHERE NOT i.tracked
          ORDER BY i.id
@@ -471,15 +477,17 @@ DECLARE
     kept_hwm bigint;
     hwm bigint;
     walked_before_rotation bigint := -1;
-    -- Events the cursor passed in this claim, early ones included.
-    walked bigint := 0;
-    -- Only ids travel through the loop; the claim reads the rows once, by primary key. hashes
-    -- runs in step with ids: each event's key_hash, NULL for an unordered one.
+    -- Only ids travel through the loop; the claim reads the rows once, by primary key. ids holds
+    -- every event the cursor passed in this claim, early ones included (taken counts the rest);
+    -- hashes and lates run in step with it: each event's key_hash and late, NULL when unordered.
     ids bigint[] := '{}';
     hashes bigint[] := '{}';
+    lates boolean[] := '{}';
+    taken int := 0;
     part_ids bigint[];
     part_txids xid8[];
     part_hashes bigint[];
+    part_lates boolean[];
     need int;
     early bigint[];
     passed_early bigint[] := '{}';
@@ -544,38 +552,34 @@ BEGIN
                       WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
                       ORDER BY t LOOP
                 LOOP
-                    need := max_events - cardinality(ids);
+                    need := max_events - taken;
                     EXIT WHEN need <= 0;
-                    SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id)
-                      INTO part_ids, part_hashes
-                      FROM (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
+                    SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id),
+                           array_agg(e.late ORDER BY e.id)
+                      INTO part_ids, part_hashes, part_lates
+                      FROM (SELECT e.id, e.key_hash, e.late FROM @extschema@.outbox_stream e
                              WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
                              ORDER BY e.id
                              LIMIT need) e;
                     EXIT WHEN part_ids IS NULL;
                     pos_txid := x;
                     pos_id := part_ids[cardinality(part_ids)];
-                    walked := walked + cardinality(part_ids);
-                    IF cardinality(early) = 0 THEN
-                        ids := ids || part_ids;
-                        hashes := hashes || part_hashes;
-                    ELSE
-                        ids := ids || ARRAY(SELECT p.id FROM unnest(part_ids) WITH ORDINALITY p(id, n)
-                                             WHERE NOT p.id = ANY (early) ORDER BY p.n);
-                        hashes := hashes || ARRAY(SELECT p.h FROM unnest(part_ids, part_hashes) WITH ORDINALITY p(id, h, n)
-                                                   WHERE NOT p.id = ANY (early) ORDER BY p.n);
-                        passed_early := passed_early || ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early));
-                    END IF;
+                    ids := ids || part_ids;
+                    hashes := hashes || part_hashes;
+                    lates := lates || part_lates;
+                    taken := taken + cardinality(part_ids)
+                             - CASE WHEN cardinality(early) = 0 THEN 0
+                                    ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
                     EXIT WHEN cardinality(part_ids) < need;
                 END LOOP;
-                EXIT WHEN cardinality(ids) >= max_events;
+                EXIT WHEN taken >= max_events;
             END LOOP;
         END IF;
         -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
         -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
         -- at cur_snap are skipped; the next window takes them by equality above.
         LOOP
-            need := max_events - cardinality(ids);
+            need := max_events - taken;
             EXIT WHEN need <= 0;
             lo_txid := pg_snapshot_xmax(prev_snap);
             lo_id := 0;
@@ -584,9 +588,9 @@ BEGIN
                 lo_id := pos_id;
             END IF;
             SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
-                   array_agg(e.key_hash ORDER BY e.txid, e.id)
-              INTO part_ids, part_txids, part_hashes
-              FROM (SELECT e.id, e.txid, e.key_hash FROM @extschema@.outbox_stream e
+                   array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.late ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids, part_hashes, part_lates
+              FROM (SELECT e.id, e.txid, e.key_hash, e.late FROM @extschema@.outbox_stream e
                      WHERE (e.txid, e.id) > (lo_txid, lo_id)
                        AND e.txid < pg_snapshot_xmax(cur_snap)
                        AND pg_visible_in_snapshot(e.txid, cur_snap)
@@ -598,29 +602,24 @@ BEGIN
             END IF;
             pos_txid := part_txids[cardinality(part_txids)];
             pos_id := part_ids[cardinality(part_ids)];
-            walked := walked + cardinality(part_ids);
-            IF cardinality(early) = 0 THEN
-                ids := ids || part_ids;
-                hashes := hashes || part_hashes;
-            ELSE
-                ids := ids || ARRAY(SELECT p.id FROM unnest(part_ids) WITH ORDINALITY p(id, n)
-                                     WHERE NOT p.id = ANY (early) ORDER BY p.n);
-                hashes := hashes || ARRAY(SELECT p.h FROM unnest(part_ids, part_hashes) WITH ORDINALITY p(id, h, n)
-                                           WHERE NOT p.id = ANY (early) ORDER BY p.n);
-                passed_early := passed_early || ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early));
-            END IF;
+            ids := ids || part_ids;
+            hashes := hashes || part_hashes;
+            lates := lates || part_lates;
+            taken := taken + cardinality(part_ids)
+                     - CASE WHEN cardinality(early) = 0 THEN 0
+                            ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
             IF cardinality(part_ids) < need THEN
                 window_done := true;
                 EXIT;
             END IF;
         END LOOP;
-        EXIT WHEN cardinality(ids) >= max_events OR w = 2;
+        EXIT WHEN taken >= max_events OR w = 2;
         -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
         -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
         fresh := @extschema@.outbox_snapshot_of_others();
         EXIT WHEN fresh::text = cur_snap::text;
         kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
-        walked_before_rotation := walked;
+        walked_before_rotation := cardinality(ids);
         kept_hwm := hwm;
         prev_snap := cur_snap;
         cur_snap := fresh;
@@ -631,7 +630,7 @@ BEGIN
     END LOOP;
     -- A rotation into an empty window is not kept: the next claim's window, from the same
     -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
-    IF walked = walked_before_rotation THEN
+    IF cardinality(ids) = walked_before_rotation THEN
         prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
         hwm := kept_hwm;
         window_done := true;
@@ -643,8 +642,17 @@ BEGIN
         -- and a range would walk them all on every claim.
         DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
     END IF;
+    -- The early events the cursor passed leave the walk, and their rows go.
+    IF cardinality(early) > 0 THEN
+        passed_early := ARRAY(SELECT p FROM unnest(ids) p WHERE p = ANY (early));
+    END IF;
     IF cardinality(passed_early) > 0 THEN
         DELETE FROM @extschema@.outbox_stream_early e WHERE e.id = ANY (passed_early);
+        SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}'),
+               coalesce(array_agg(t.l ORDER BY t.n), '{}')
+          INTO ids, hashes, lates
+          FROM unnest(ids, hashes, lates) WITH ORDINALITY t(id, h, l, n)
+         WHERE NOT t.id = ANY (passed_early);
     END IF;
 
     -- Ordered events: their keys' order (see above). Nothing to do for unordered ones.
@@ -661,13 +669,15 @@ BEGIN
         -- Earlier events of a key still ahead of the cursor: the key's nearest lower event
         -- outside this batch has not gone out (passed, early or tracked). None once the window
         -- is used up: an earlier event of a key committed before the one handed out here, so
-        -- cur_snap sees it, and the cursor has passed everything cur_snap sees. Below an event
-        -- that went out, every event of its key went out: this rule keeps it so.
+        -- cur_snap sees it, and the cursor has passed everything cur_snap sees. None either for a
+        -- key without a late event here: an earlier event sorts after one of them in (txid, id)
+        -- order only if that one is late (outbox_xact_late). Below an event that went out, every
+        -- event of its key went out: this rule keeps it so.
         IF NOT window_done THEN
             ahead := ARRAY(
                 SELECT c.h
-                  FROM (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes) t(id, h)
-                         WHERE t.h IS NOT NULL GROUP BY t.h) c
+                  FROM (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes, lates) t(id, h, l)
+                         WHERE t.h IS NOT NULL GROUP BY t.h HAVING bool_or(t.l IS NOT FALSE)) c
                  CROSS JOIN LATERAL (
                      SELECT p.id, p.txid FROM @extschema@.outbox_stream p
                       WHERE p.key_hash = c.h AND p.id < c.top_id AND NOT p.id = ANY (ids)

@@ -28,6 +28,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_check_claim_args(text, text, bigint, bigint[]),
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
     @extschema@.outbox_enqueue_begin(text, text),
+    @extschema@.outbox_xact_late(),
     @extschema@.outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz),
     @extschema@.outbox_work_due(),
     @extschema@.outbox_wait(interval),

@@ -104,7 +104,12 @@ CREATE TABLE @extschema@.outbox_stream (
     payload     jsonb NOT NULL,
     headers     jsonb NOT NULL DEFAULT '{}',
     created_at  timestamptz NOT NULL DEFAULT now(),
-    event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7()
+    event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7(),
+    -- For an ordered event: whether its transaction may have drawn its txid before an earlier
+    -- event of its key committed (outbox_xact_late), which puts it before that event in (txid, id)
+    -- order. A claim looks for a key's earlier events only when a batch holds such an event.
+    -- NULL for the rest (and for rows from before 0.8.0: the claim treats NULL as late).
+    late        boolean
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_analyze_scale_factor = 0.02
@@ -217,13 +222,17 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
 
 -- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
 -- means nothing to this cursor (and would count as long handed out): it takes the restoring
--- transaction's instead. outbox_enqueue's rows never fire it.
+-- transaction's instead, and an ordered one counts as late (its key's order among the restored
+-- rows and new ones is then checked at the claim). outbox_enqueue's rows never fire it.
 CREATE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     NEW.txid := pg_current_xact_id();
+    IF NEW.key_hash IS NOT NULL THEN
+        NEW.late := true;
+    END IF;
     RETURN NEW;
 END
 $$;

@@ -341,6 +341,15 @@ BEGIN
 END
 $$;
 
+-- Whether an ordered event enqueued now may sort before an earlier event of its key in the stream's
+-- (txid, id) order (producer.rs). The native build asks a fresh snapshot whether a transaction
+-- with a later id has finished; this build has none under REPEATABLE READ, so it says yes
+-- whenever the transaction already has an id: a claim then looks for the key's earlier events.
+CREATE FUNCTION @extschema@.outbox_xact_late() RETURNS boolean
+LANGUAGE sql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT pg_current_xact_id_if_assigned() IS NOT NULL $$;
+
 -- How outbox_wait is woken: always 'polling' here (the native build says 'commit' when preloaded).
 CREATE FUNCTION @extschema@.outbox_wake_mode() RETURNS text
 LANGUAGE sql STRICT STABLE PARALLEL SAFE

@@ -1,5 +1,6 @@
 //! Property test of per-key order against the real extension: random sequences of keyed enqueues
-//! (several events per transaction, some rolled back), claims by several owners, settles the way
+//! (several events per transaction, some rolled back; pairs whose later commit drew the lower
+//! txid, so the stream's (txid, id) walk meets it first and it is marked late), claims by several owners, settles the way
 //! the relay settles (ack the delivered, nack or release a failed event, release everything after
 //! it in its key), late settles of claims that were reclaimed meanwhile (zombies), reclaims with an
 //! expired lease, requeues and skips of dead letters, under both `outbox.head_of_line` policies.
@@ -31,6 +32,12 @@ enum Op {
         n: u8,
         rollback: bool,
     },
+    /// A second producer draws its txid, then an event of the key commits, then the second
+    /// producer enqueues for the key and commits: its event is later in commit order, earlier in
+    /// (txid, id) order.
+    EnqueueInverted {
+        key: u8,
+    },
     Claim {
         owner: usize,
         max: i32,
@@ -51,6 +58,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..KEYS, 1..4u8, prop::bool::weighted(0.2))
             .prop_map(|(key, n, rollback)| Op::Enqueue { key, n, rollback }),
+        2 => (0..KEYS).prop_map(|key| Op::EnqueueInverted { key }),
         4 => (0..OWNERS, 1..6i32).prop_map(|(owner, max)| Op::Claim { owner, max }),
         4 => (any::<Index>(), prop::option::weighted(0.4, any::<Index>()), any::<bool>())
             .prop_map(|(claim, fail, transient)| Op::Settle { claim, fail, transient }),
@@ -135,6 +143,7 @@ type Coverage = std::cell::RefCell<BTreeMap<&'static str, usize>>;
 
 async fn run_case(
     admin: &Client,
+    second_producer: &Client,
     owners: &[Client],
     cov: &Coverage,
     skip_policy: bool,
@@ -181,6 +190,33 @@ async fn run_case(
                 if !rollback {
                     committed.extend(ids);
                 }
+            }
+            Op::EnqueueInverted { key } => {
+                let key = format!("k{key}");
+                let enqueue = "SELECT outbox_enqueue('orders', '{}', key => $1)";
+                pg(
+                    "begin",
+                    second_producer
+                        .batch_execute("BEGIN; SELECT pg_current_xact_id()")
+                        .await,
+                )?;
+                let first: i64 = pg("enqueue", admin.query_one(enqueue, &[&key]).await)?.get(0);
+                let second: i64 =
+                    pg("enqueue", second_producer.query_one(enqueue, &[&key]).await)?.get(0);
+                pg("commit", second_producer.batch_execute("COMMIT").await)?;
+                committed.extend([first, second]);
+                // None when its key had tracked work: then it is a tracked row, queued by id.
+                let late: Option<bool> = pg(
+                    "late",
+                    admin
+                        .query_opt("SELECT late FROM outbox_stream WHERE id = $1", &[&second])
+                        .await,
+                )?
+                .and_then(|r| r.get(0));
+                note(
+                    "inverted pairs with the later commit marked late in the stream",
+                    usize::from(late == Some(true)),
+                );
             }
             Op::Claim { owner, max } => {
                 let c = claim(&owners[*owner], *owner, *max).await?;
@@ -358,18 +394,20 @@ fn per_key_order_holds_under_random_operations() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let (admin, owners) = rt.block_on(async {
+    let (admin, second_producer, owners) = rt.block_on(async {
         let admin = connect(&db.url()).await;
+        let second_producer = connect(&db.url()).await;
         let mut owners = Vec::new();
         for _ in 0..OWNERS {
             owners.push(connect(&db.url()).await);
         }
-        (admin, owners)
+        (admin, second_producer, owners)
     });
     let ran = std::cell::Cell::new(0u32);
     let cov = Coverage::default();
-    const KINDS: [&str; 5] = [
+    const KINDS: [&str; 6] = [
         "claims with a run of several events",
+        "inverted pairs with the later commit marked late in the stream",
         "events held back behind a failure",
         "dead letters requeued",
         "dead letters skipped",
@@ -394,7 +432,14 @@ fn per_key_order_holds_under_random_operations() {
             &(any::<bool>(), prop::collection::vec(op(), 1..=steps)),
             |(skip_policy, ops)| {
                 ran.set(ran.get() + 1);
-                rt.block_on(run_case(&admin, &owners, &cov, skip_policy, &ops))
+                rt.block_on(run_case(
+                    &admin,
+                    &second_producer,
+                    &owners,
+                    &cov,
+                    skip_policy,
+                    &ops,
+                ))
             },
         );
         if let Err(e) = result {

@@ -433,6 +433,23 @@ async fn an_event_committed_first_goes_out_first_though_its_transaction_started_
         [committed_second, committed_first, other],
         "the case under test: the later commit has the lower txid"
     );
+    // Only the event whose transaction had its txid before a later one finished is marked: a
+    // claim looks for earlier events of its key because of it, and for no other key.
+    let late: Vec<(i64, bool)> = c
+        .query("SELECT id, late FROM outbox_stream ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        late,
+        [
+            (committed_first, false),
+            (committed_second, true),
+            (other, false)
+        ]
+    );
 
     let (ids, token) = claim(&c, "relay-a", 1).await;
     assert_eq!(

@@ -102,6 +102,128 @@ async fn update_from_0_6_0_with_events_in_flight() {
     update_with_events_in_flight("0.6.0").await;
 }
 
+#[tokio::test]
+async fn update_from_0_7_0_with_events_in_flight() {
+    update_with_events_in_flight("0.7.0").await;
+}
+
+/// 0.7.0's keyed events in the stream across the update: a claim holds the first event of two
+/// keys, and the rest wait in the stream with no late mark (NULL, which the claim reads as late).
+/// After the update the held claim settles, the rest go out in key order, and a fresh keyed event
+/// is marked.
+#[tokio::test]
+async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
+    if build::sql_only() {
+        println!("skipped: this tree cannot make a SQL-only 0.7.0 install to update from");
+        return;
+    }
+    let db = TestDb::empty();
+    let c = db.connect().await;
+    c.batch_execute("CREATE EXTENSION outbox VERSION '0.7.0'")
+        .await
+        .unwrap();
+    let enqueue = |key: &'static str| {
+        let c = &c;
+        async move {
+            scalar::<i64>(
+                c,
+                "SELECT outbox_enqueue('orders', '{}', key => $1)",
+                &[&key],
+            )
+            .await
+        }
+    };
+    let claim = |owner: &'static str, max: i32| {
+        let c = &c;
+        async move {
+            let rows = c
+                .query(
+                    "SELECT id, claim_token FROM outbox_claim($1, $2)",
+                    &[&owner, &max],
+                )
+                .await
+                .unwrap();
+            let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+            (ids, rows.first().map(|r| r.get::<_, i64>(1)))
+        }
+    };
+    let ack = |owner: &'static str, token: Option<i64>, ids: Vec<i64>| {
+        let c = &c;
+        async move {
+            let n: i32 = scalar(c, "SELECT outbox_ack($1, $2, $3)", &[&owner, &token, &ids]).await;
+            assert_eq!(n as usize, ids.len(), "{owner} acks {ids:?}");
+        }
+    };
+    let mut by_key: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for key in ["a", "b", "a", "b", "a"] {
+        by_key.entry(key).or_default().push(enqueue(key).await);
+    }
+    let (held, token_x) = claim("relay-x", 2).await;
+    assert_eq!(held, [by_key["a"][0], by_key["b"][0]]);
+
+    c.batch_execute("ALTER EXTENSION outbox UPDATE")
+        .await
+        .unwrap();
+    let unmarked: i64 = scalar(
+        &c,
+        "SELECT count(*) FROM outbox_stream WHERE late IS NULL",
+        &[],
+    )
+    .await;
+    assert_eq!(unmarked, 5, "rows from before the update have no mark");
+
+    let (ids, _) = claim("relay-y", 10).await;
+    assert!(
+        ids.is_empty(),
+        "keys a and b are held by relay-x's claim: {ids:?}"
+    );
+    ack("relay-x", token_x, held.clone()).await;
+    let mut arrived = held;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while arrived.len() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {arrived:?} went out"
+        );
+        let (ids, token) = claim("relay-y", 10).await;
+        if ids.is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        }
+        ack("relay-y", token, ids.clone()).await;
+        arrived.extend(ids);
+    }
+    for (key, want) in &by_key {
+        let got: Vec<i64> = arrived
+            .iter()
+            .copied()
+            .filter(|id| want.contains(id))
+            .collect();
+        assert_eq!(&got, want, "key {key} in commit order");
+    }
+    let success: i64 = scalar(
+        &c,
+        "SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'",
+        &[],
+    )
+    .await;
+    assert_eq!(success, 5);
+
+    // A fresh event of an idle key (a and b keep their key rows until a claim finds them idle) on
+    // the updated database: its own insert drew its transaction's txid, so it is not late.
+    let fresh = enqueue("c").await;
+    let late: Option<bool> = scalar(
+        &c,
+        "SELECT late FROM outbox_stream WHERE id = $1",
+        &[&fresh],
+    )
+    .await;
+    assert_eq!(late, Some(false));
+    let (ids, token) = claim("relay-y", 10).await;
+    assert_eq!(ids, [fresh]);
+    ack("relay-y", token, ids).await;
+}
+
 /// A role granted calls of an earlier release (nack, reclaim, stats, requeue, claim, dead letters);
 /// dropped on drop.
 struct OldRelayRole(String);
@@ -132,7 +254,7 @@ async fn update_with_events_in_flight(from: &str) {
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
     // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
     // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0
-    // the same as 0.5.0.
+    // and 0.7.0 the same as 0.5.0.
     let returning = match from {
         "0.3.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
@@ -141,7 +263,7 @@ async fn update_with_events_in_flight(from: &str) {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[])"
         }
-        "0.5.0" | "0.6.0" => {
+        "0.5.0" | "0.6.0" | "0.7.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
              outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)"
@@ -278,8 +400,8 @@ async fn update_with_events_in_flight(from: &str) {
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
-    // In 0.7.0: 37 functions, 57 columns, 12 indexes, 6 tables and views, the view's definition,
-    // 1 trigger, the enum and 6 pg_dump rows (121 in all).
+    // In 0.8.0: 38 functions, 58 columns, 12 indexes, 6 tables and views, the view's definition,
+    // 1 trigger, the enum and 6 pg_dump rows (123 in all).
     assert!(
         installed.len() > 110,
         "the catalog query found too little to compare: {installed:?}"

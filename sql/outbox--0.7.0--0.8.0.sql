@@ -1,0 +1,632 @@
+-- outbox 0.7.0 -> 0.8.0 (docs/reference.md, "The stream" and "Upgrades").
+-- * outbox_stream.late: an ordered event is marked late when its transaction may have drawn its
+--   txid before an earlier event of its key committed (outbox_xact_late, asked once the key's lock
+--   is held). Only then can that earlier event sort after it in (txid, id) order, so a claim that
+--   stops inside a window looks for a key's earlier events only when its batch holds a late event
+--   of the key. A hot key's backlog no longer costs each claim a walk over its own batch.
+-- * outbox_stream_take: the walk's two parts share one way of leaving out early events.
+-- Events in flight stay where they are. Rows from before the update have no mark (NULL), which
+-- the claim reads as late: they are checked as in 0.7.0.
+\echo Use "ALTER EXTENSION outbox UPDATE TO '0.8.0'" to load this file. \quit
+
+ALTER TABLE @extschema@.outbox_stream ADD COLUMN late boolean;
+
+-- native-only begin
+CREATE FUNCTION @extschema@."outbox_xact_late"() RETURNS bool
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_xact_late_wrapper';
+-- native-only end
+
+-- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
+-- means nothing to this cursor (and would count as long handed out): it takes the restoring
+-- transaction's instead, and an ordered one counts as late (its key's order among the restored
+-- rows and new ones is then checked at the claim). outbox_enqueue's rows never fire it.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.txid := pg_current_xact_id();
+    IF NEW.key_hash IS NOT NULL THEN
+        NEW.late := true;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    topic text,
+    payload jsonb,
+    key text DEFAULT NULL,
+    event_type text DEFAULT NULL,
+    headers jsonb DEFAULT '{}',
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    header record;
+    payload_bytes int;
+    message_bytes bigint;
+    max_bytes int;
+    new_id bigint;
+    ordered boolean;
+BEGIN
+    -- In Rust, one call: the topic's format and the operator's allow-list (outbox.allowed_topics),
+    -- the note that wakes outbox_wait at commit, and whether the key keeps its order.
+    ordered := @extschema@.outbox_enqueue_begin(topic, key);
+    IF payload IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = 'outbox_enqueue: payload must not be NULL (use ''null''::jsonb for a JSON null)';
+    END IF;
+    headers := coalesce(headers, '{}'::jsonb);
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+            DETAIL = format('headers is a JSON %s', jsonb_typeof(headers));
+    END IF;
+    IF headers <> '{}'::jsonb THEN
+        FOR header IN SELECT h.key, jsonb_typeof(h.value) AS kind FROM jsonb_each(headers) h LOOP
+            IF header.kind <> 'string' THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+                    DETAIL = format('header %L is a JSON %s', header.key, header.kind);
+            END IF;
+            IF header.key IN ('event_id', 'event_type', 'event_key', 'outbox_id') THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = format('outbox_enqueue: header %L is set by the relay and cannot be given in headers', header.key);
+            END IF;
+        END LOOP;
+    END IF;
+    -- 'infinity' would be stored and never become due.
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: deliver_at must be a finite timestamp (or NULL for now)',
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+    -- The limit guards the whole message the relay will send: payload, key and headers.
+    payload_bytes := octet_length(payload::text);
+    message_bytes := payload_bytes::bigint + coalesce(octet_length(key), 0)
+                     + CASE WHEN headers = '{}'::jsonb THEN 0 ELSE octet_length(headers::text) END;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    IF message_bytes > max_bytes THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('outbox_enqueue: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             message_bytes, payload_bytes, coalesce(octet_length(key), 0),
+                             message_bytes - payload_bytes - coalesce(octet_length(key), 0), max_bytes);
+    END IF;
+
+    IF ordered THEN
+        -- One statement (each costs an executor start): first the key's turn, an advisory lock
+        -- producers of this key hold until they commit, so the id drawn after it follows commit
+        -- order within the key (a sequence alone does not: docs/reference.md); then the event.
+        -- A key with tracked work (a key row: a retry, a held run, a delayed event) or an event
+        -- due later takes a tracked row, behind that work, and the key's row if the key was idle
+        -- (an active key has one, and its head decides when it is due); else the event goes to
+        -- the stream, where a claim keeps the key's order (outbox_stream_take), marked late when
+        -- its place in (txid, id) order may be before an earlier event of its key (asked once
+        -- the lock is held). This statement's snapshot predates the lock: a key row it misses or
+        -- still sees is settled at the claim.
+        WITH turn AS (
+            SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
+        ), route AS (
+            SELECT coalesce(deliver_at > now(), false)
+                   OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
+                               WHERE k.topic = outbox_enqueue.topic AND k.event_key = outbox_enqueue.key) AS tracked
+              FROM turn
+        ), tracked_event AS (
+            INSERT INTO @extschema@.outbox_tracked
+                (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+            SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true
+              FROM route WHERE route.tracked
+            RETURNING id
+        ), key_row AS (
+            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+            SELECT topic, key, greatest(now(), deliver_at) FROM tracked_event
+            ON CONFLICT DO NOTHING
+        ), stream_event AS (
+            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late)
+            SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
+                   @extschema@.outbox_xact_late()
+              FROM route WHERE NOT route.tracked
+            RETURNING id
+        )
+        SELECT e.id INTO new_id
+          FROM (SELECT t.id FROM tracked_event t UNION ALL SELECT x.id FROM stream_event x) e;
+    ELSIF deliver_at > now() THEN
+        -- Due later: a tracked row, claimed by its next_retry_time.
+        INSERT INTO @extschema@.outbox_tracked
+            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        VALUES
+            (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
+        RETURNING id INTO new_id;
+    ELSE
+        -- The common case: one append-only row, never written again (outbox_stream).
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, event_type, payload, headers)
+        VALUES (topic, key, event_type, payload, headers)
+        RETURNING id INTO new_id;
+    END IF;
+
+    -- Off by default: relays wait with outbox_wait. NOTIFY is for a listener of the application's
+    -- own, and makes notifying transactions commit one at a time (docs/reference.md, "Wake-up").
+    IF @extschema@.outbox_notify_enabled() THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN new_id;
+END
+$$;
+
+-- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks and errors
+-- (each error names the array position, counted from 1): the arrays are read in step, keys,
+-- event_types and headers being NULL or as long as payloads. Returns the ids in array order;
+-- within a key, array order is publish order.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue_many(
+    topic text,
+    payloads jsonb[],
+    keys text[] DEFAULT NULL,
+    event_types text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    fn constant text := 'outbox_enqueue_many';
+    n int := coalesce(cardinality(payloads), 0);
+    ordered_topic boolean;
+    late boolean;
+    due_later boolean := coalesce(deliver_at > now(), false);
+    bad record;
+    max_bytes int;
+BEGIN
+    -- The topic's checks and the wake-up note, once for the whole batch.
+    PERFORM @extschema@.outbox_enqueue_begin(topic, NULL);
+    ordered_topic := @extschema@.outbox_topic_ordered(topic);
+    IF payloads IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads must be an array of JSON values, not NULL', fn);
+    END IF;
+    IF array_ndims(payloads) > 1 OR array_ndims(keys) > 1 OR array_ndims(event_types) > 1
+       OR array_ndims(headers) > 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: the arrays must be one-dimensional', fn);
+    END IF;
+    SELECT a.name, a.len INTO bad
+      FROM (VALUES ('keys', cardinality(keys)), ('event_types', cardinality(event_types)),
+                   ('headers', cardinality(headers))) a(name, len)
+     WHERE a.len IS NOT NULL AND a.len <> n
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s has %s elements, payloads %s (give one per payload, or NULL)',
+                             fn, bad.name, bad.len, n);
+    END IF;
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: deliver_at must be a finite timestamp (or NULL for now)', fn),
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+
+    -- Every element is checked before anything is written; the first bad one is reported.
+    SELECT u.pos INTO bad FROM unnest(payloads) WITH ORDINALITY u(p, pos) WHERE u.p IS NULL LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads[%s] is NULL (use ''null''::jsonb for a JSON null)', fn, bad.pos);
+    END IF;
+    SELECT u.pos, jsonb_typeof(u.h) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+     WHERE u.h IS NOT NULL AND jsonb_typeof(u.h) <> 'object'
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('headers[%s] is a JSON %s', bad.pos, bad.kind);
+    END IF;
+    SELECT u.pos, e.key, jsonb_typeof(e.value) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+      CROSS JOIN LATERAL jsonb_each(u.h) e
+     WHERE u.h IS NOT NULL AND u.h <> '{}'::jsonb
+       AND (jsonb_typeof(e.value) <> 'string' OR e.key IN ('event_id', 'event_type', 'event_key', 'outbox_id'))
+     ORDER BY u.pos
+     LIMIT 1;
+    IF FOUND AND bad.kind <> 'string' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('header %L is a JSON %s', bad.key, bad.kind);
+    ELSIF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s]: header %L is set by the relay and cannot be given in headers', fn, bad.pos, bad.key);
+    END IF;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    SELECT m.pos, m.payload_bytes, m.key_bytes, m.header_bytes INTO bad
+      FROM (SELECT u.pos, octet_length(u.p::text) AS payload_bytes,
+                   coalesce(octet_length(u.k), 0) AS key_bytes,
+                   CASE WHEN coalesce(u.h, '{}'::jsonb) = '{}'::jsonb THEN 0 ELSE octet_length(u.h::text) END AS header_bytes
+              FROM unnest(payloads, keys, headers) WITH ORDINALITY u(p, k, h, pos)) m
+     WHERE m.payload_bytes::bigint + m.key_bytes + m.header_bytes > max_bytes
+     ORDER BY m.pos
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('%s: payloads[%s]: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             fn, bad.pos, bad.payload_bytes::bigint + bad.key_bytes + bad.header_bytes,
+                             bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
+    END IF;
+
+    IF ordered_topic THEN
+        -- Every key's turn (outbox_enqueue), taken in lock order so that two batches sharing
+        -- keys wait for each other instead of deadlocking.
+        PERFORM pg_advisory_xact_lock(l.id)
+           FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
+                   FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
+        -- Asked once the locks are held and before the inserts draw a txid (outbox_enqueue).
+        late := @extschema@.outbox_xact_late();
+    END IF;
+    -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
+    -- it: due later, or ordered with a key that has tracked work (read after the locks above), to
+    -- outbox_tracked, the rest to outbox_stream.
+    RETURN QUERY
+    WITH input AS MATERIALIZED (
+        SELECT nextval('@extschema@.outbox_event_id_seq') AS id, u.p, u.k, u.t,
+               coalesce(u.h, '{}'::jsonb) AS h, ordered_topic AND u.k IS NOT NULL AS ordered
+          FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
+         ORDER BY u.pos
+    ), routed AS MATERIALIZED (
+        SELECT i.*, due_later OR (i.ordered AND EXISTS (
+                   SELECT 1 FROM @extschema@.outbox_key k
+                    WHERE k.topic = outbox_enqueue_many.topic AND k.event_key = i.k)) AS tracked
+          FROM input i
+    ), tracked AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered
+          FROM routed i
+         WHERE i.tracked
+         ORDER BY i.id
+        RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
+    ), stream AS (
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers, late)
+        SELECT i.id, topic, i.k, CASE WHEN i.ordered THEN @extschema@.outbox_key_hash(topic, i.k) END,
+               i.t, i.p, i.h, CASE WHEN i.ordered THEN late END
+          FROM routed i
+         WHERE NOT i.tracked
+         ORDER BY i.id
+        RETURNING outbox_stream.id
+    ), key_row AS (
+        INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+        SELECT DISTINCT topic, t.event_key, greatest(now(), deliver_at) FROM tracked t WHERE t.ordered
+        ON CONFLICT DO NOTHING
+    )
+    SELECT e.id FROM (SELECT t.id FROM tracked t UNION ALL SELECT st.id FROM stream st) e ORDER BY e.id;
+
+    IF @extschema@.outbox_notify_enabled() AND n > 0 THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+-- The stream's part of a claim: up to max_events fresh events, recorded as the batch of this
+-- claim's token, their ids returned. PgQ's batch rule: the cursor hands out, in (txid, id) order,
+-- the events whose transaction its newer snapshot (cur_snap) sees finished and its older one
+-- (prev_snap) does not; once that window is used up, cur_snap becomes prev_snap and a fresh
+-- snapshot cur_snap. An id is drawn before its transaction commits, so no order by id alone can
+-- avoid passing an event that commits later; a snapshot can.
+--
+-- Ordered events keep their key's order (docs/reference.md, "Per-key order"). Within a key, id is
+-- commit order (drawn under the key's lock) but (txid, id) is not: a producer that wrote before
+-- enqueueing drew its txid before an earlier event of its key committed. So an ordered event goes
+-- out only with every earlier event of its key: those still ahead of the cursor go out with it,
+-- recorded in outbox_stream_early so that the cursor skips them later. And only while its key is
+-- not busy (events of it in another unsettled batch, or tracked work: a key row): a busy key's
+-- events become tracked rows instead, behind the work that holds the key.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    ver bigint;
+    prev_snap pg_snapshot;
+    cur_snap pg_snapshot;
+    pos_txid xid8;
+    pos_id bigint;
+    was text;
+    caller_lock_timeout text;
+    -- The cursor before a rotation, kept when the new window turns out empty.
+    kept_prev pg_snapshot;
+    kept_cur pg_snapshot;
+    kept_txid xid8;
+    kept_id bigint;
+    kept_hwm bigint;
+    hwm bigint;
+    walked_before_rotation bigint := -1;
+    -- Only ids travel through the loop; the claim reads the rows once, by primary key. ids holds
+    -- every event the cursor passed in this claim, early ones included (taken counts the rest);
+    -- hashes and lates run in step with it: each event's key_hash and late, NULL when unordered.
+    ids bigint[] := '{}';
+    hashes bigint[] := '{}';
+    lates boolean[] := '{}';
+    taken int := 0;
+    part_ids bigint[];
+    part_txids xid8[];
+    part_hashes bigint[];
+    part_lates boolean[];
+    need int;
+    early bigint[];
+    passed_early bigint[] := '{}';
+    window_done boolean := false;
+    x xid8;
+    fresh pg_snapshot;
+    lo_txid xid8;
+    lo_id bigint;
+    busy bigint[];
+    ahead bigint[];
+    pulled bigint[] := '{}';
+    pulled_hashes bigint[] := '{}';
+    diverted bigint[];
+    h bigint;
+    top_id bigint;
+    r record;
+BEGIN
+    -- One claim at a time reads the stream, until it commits (its position is only visible
+    -- then). Another claim waits for it: a relay's claim commits within milliseconds, and an
+    -- empty answer would tell a drain loop that nothing is left. But never more than a second:
+    -- behind a claim left open in a transaction, it takes no stream events and returns the rest
+    -- of its batch. An advisory lock writes no WAL, so an idle poll writes nothing at all.
+    IF NOT pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        caller_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '1s', true);
+        BEGIN
+            PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+            RETURN '{}';
+        END;
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+    END IF;
+    -- A statement after the lock: its snapshot sees the last holder's position.
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm
+      FROM @extschema@.outbox_stream_cursor c
+     ORDER BY c.version DESC
+     LIMIT 1;
+    was := format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm);
+    -- A cursor ahead of this database's transaction ids was restored into another cluster (the
+    -- SQL-only build's pg_dump carries it; the native build's does not): its snapshots say
+    -- nothing about the txids issued here, and would count new events as handed out.
+    IF pg_snapshot_xmax(cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        PERFORM @extschema@.outbox_stream_rebase(prev_snap, cur_snap, pos_txid, pos_id, hwm);
+        prev_snap := @extschema@.outbox_snapshot_of_others();
+        cur_snap := prev_snap;
+        pos_txid := '0';
+        pos_id := 0;
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        was := '';
+    END IF;
+    -- Events that went out before the cursor reached them: almost always none.
+    early := ARRAY(SELECT e.id FROM @extschema@.outbox_stream_early e);
+    FOR w IN 1..2 LOOP
+        window_done := false;
+        -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
+        -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
+        -- not a re-read of everything committed since it began.
+        IF pos_txid < pg_snapshot_xmax(prev_snap) THEN
+            FOR x IN SELECT t FROM pg_snapshot_xip(prev_snap) t
+                      WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
+                      ORDER BY t LOOP
+                LOOP
+                    need := max_events - taken;
+                    EXIT WHEN need <= 0;
+                    SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id),
+                           array_agg(e.late ORDER BY e.id)
+                      INTO part_ids, part_hashes, part_lates
+                      FROM (SELECT e.id, e.key_hash, e.late FROM @extschema@.outbox_stream e
+                             WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
+                             ORDER BY e.id
+                             LIMIT need) e;
+                    EXIT WHEN part_ids IS NULL;
+                    pos_txid := x;
+                    pos_id := part_ids[cardinality(part_ids)];
+                    ids := ids || part_ids;
+                    hashes := hashes || part_hashes;
+                    lates := lates || part_lates;
+                    taken := taken + cardinality(part_ids)
+                             - CASE WHEN cardinality(early) = 0 THEN 0
+                                    ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
+                    EXIT WHEN cardinality(part_ids) < need;
+                END LOOP;
+                EXIT WHEN taken >= max_events;
+            END LOOP;
+        END IF;
+        -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
+        -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
+        -- at cur_snap are skipped; the next window takes them by equality above.
+        LOOP
+            need := max_events - taken;
+            EXIT WHEN need <= 0;
+            lo_txid := pg_snapshot_xmax(prev_snap);
+            lo_id := 0;
+            IF (pos_txid, pos_id) > (lo_txid, lo_id) THEN
+                lo_txid := pos_txid;
+                lo_id := pos_id;
+            END IF;
+            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
+                   array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.late ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids, part_hashes, part_lates
+              FROM (SELECT e.id, e.txid, e.key_hash, e.late FROM @extschema@.outbox_stream e
+                     WHERE (e.txid, e.id) > (lo_txid, lo_id)
+                       AND e.txid < pg_snapshot_xmax(cur_snap)
+                       AND pg_visible_in_snapshot(e.txid, cur_snap)
+                     ORDER BY e.txid, e.id
+                     LIMIT need) e;
+            IF part_ids IS NULL THEN
+                window_done := true;
+                EXIT;
+            END IF;
+            pos_txid := part_txids[cardinality(part_txids)];
+            pos_id := part_ids[cardinality(part_ids)];
+            ids := ids || part_ids;
+            hashes := hashes || part_hashes;
+            lates := lates || part_lates;
+            taken := taken + cardinality(part_ids)
+                     - CASE WHEN cardinality(early) = 0 THEN 0
+                            ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
+            IF cardinality(part_ids) < need THEN
+                window_done := true;
+                EXIT;
+            END IF;
+        END LOOP;
+        EXIT WHEN taken >= max_events OR w = 2;
+        -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
+        -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
+        fresh := @extschema@.outbox_snapshot_of_others();
+        EXIT WHEN fresh::text = cur_snap::text;
+        kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
+        walked_before_rotation := cardinality(ids);
+        kept_hwm := hwm;
+        prev_snap := cur_snap;
+        cur_snap := fresh;
+        pos_txid := '0';
+        pos_id := 0;
+        -- Read after the snapshot: every event it sees existed by now.
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+    END LOOP;
+    -- A rotation into an empty window is not kept: the next claim's window, from the same
+    -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
+    IF cardinality(ids) = walked_before_rotation THEN
+        prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
+        hwm := kept_hwm;
+        window_done := true;
+    END IF;
+    IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm);
+        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
+        -- and a range would walk them all on every claim.
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
+    END IF;
+    -- The early events the cursor passed leave the walk, and their rows go.
+    IF cardinality(early) > 0 THEN
+        passed_early := ARRAY(SELECT p FROM unnest(ids) p WHERE p = ANY (early));
+    END IF;
+    IF cardinality(passed_early) > 0 THEN
+        DELETE FROM @extschema@.outbox_stream_early e WHERE e.id = ANY (passed_early);
+        SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}'),
+               coalesce(array_agg(t.l ORDER BY t.n), '{}')
+          INTO ids, hashes, lates
+          FROM unnest(ids, hashes, lates) WITH ORDINALITY t(id, h, l, n)
+         WHERE NOT t.id = ANY (passed_early);
+    END IF;
+
+    -- Ordered events: their keys' order (see above). Nothing to do for unordered ones.
+    IF cardinality(array_remove(hashes, NULL)) > 0 THEN
+        -- Busy keys: in another claim's unsettled batch (few rows), or with a key row (tracked
+        -- work: read only when there is any).
+        busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                       WHERE k = ANY (hashes));
+        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
+            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+        END IF;
+        -- Earlier events of a key still ahead of the cursor: the key's nearest lower event
+        -- outside this batch has not gone out (passed, early or tracked). None once the window
+        -- is used up: an earlier event of a key committed before the one handed out here, so
+        -- cur_snap sees it, and the cursor has passed everything cur_snap sees. None either for a
+        -- key without a late event here: an earlier event sorts after one of them in (txid, id)
+        -- order only if that one is late (outbox_xact_late). Below an event that went out, every
+        -- event of its key went out: this rule keeps it so.
+        IF NOT window_done THEN
+            ahead := ARRAY(
+                SELECT c.h
+                  FROM (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes, lates) t(id, h, l)
+                         WHERE t.h IS NOT NULL GROUP BY t.h HAVING bool_or(t.l IS NOT FALSE)) c
+                 CROSS JOIN LATERAL (
+                     SELECT p.id, p.txid FROM @extschema@.outbox_stream p
+                      WHERE p.key_hash = c.h AND p.id < c.top_id AND NOT p.id = ANY (ids)
+                      ORDER BY p.id DESC LIMIT 1) p
+                 WHERE NOT p.id = ANY (early)
+                   AND NOT @extschema@.outbox_stream_passed(p.txid, p.id, prev_snap, cur_snap, pos_txid, pos_id)
+                   AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = p.id));
+            -- Each such key brings its events that are ahead, from the nearest down to the
+            -- first that went out.
+            FOREACH h IN ARRAY ahead LOOP
+                top_id := (SELECT max(t.id) FROM unnest(ids, hashes) t(id, k) WHERE t.k = h);
+                FOR r IN SELECT p.id, p.txid FROM @extschema@.outbox_stream p
+                          WHERE p.key_hash = h AND p.id < top_id ORDER BY p.id DESC LOOP
+                    CONTINUE WHEN r.id = ANY (ids);
+                    EXIT WHEN r.id = ANY (early)
+                           OR @extschema@.outbox_stream_passed(r.txid, r.id, prev_snap, cur_snap, pos_txid, pos_id)
+                           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = r.id);
+                    pulled := pulled || r.id;
+                    pulled_hashes := pulled_hashes || h;
+                END LOOP;
+            END LOOP;
+            IF cardinality(pulled) > 0 THEN
+                INSERT INTO @extschema@.outbox_stream_early (id) SELECT unnest(pulled);
+                ids := ids || pulled;
+                hashes := hashes || pulled_hashes;
+            END IF;
+        END IF;
+        -- A busy key's events here become tracked rows, due now (a claim hands them out once
+        -- the key is free), with the key's row, inserted only for a key that has none. An
+        -- existing key row mostly stays as it is: it already says when the key's head needs a
+        -- look (a run in flight, a backoff, a dead head), and the rows queue behind that head.
+        -- Making it due early would let a claim look at a key while its run is in flight and,
+        -- racing that run's ack, keep it for a whole lease. This claim holds
+        -- the stream's lock, which other claims wait for, so it waits for no row lock (a conflict
+        -- with a key row being changed would wait), and only a holder of the stream's lock
+        -- deletes idle key rows (outbox_claim). The batches that hold the key learn that a key
+        -- waits for them (SKIP LOCKED), so that settling them makes it due at once.
+        IF cardinality(busy) > 0 THEN
+            diverted := ARRAY(SELECT t.id FROM unnest(ids, hashes) t(id, h) WHERE t.h = ANY (busy));
+            INSERT INTO @extschema@.outbox_tracked
+                (id, topic, event_key, event_type, payload, headers, status, retry_count,
+                 next_retry_time, created_at, updated_at, event_id, ordered)
+            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+                   stamp, s.created_at, stamp, s.event_id, true
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (diverted)
+             ORDER BY s.id
+            ON CONFLICT (id) DO NOTHING;
+            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+            SELECT DISTINCT s.topic, s.event_key, stamp
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (diverted)
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
+                                WHERE d.topic = s.topic AND d.event_key = s.event_key)
+             ORDER BY 1, 2
+            ON CONFLICT DO NOTHING;
+            -- A key the claim of tracked keys holds for the stream looks again within a second:
+            -- now, since its owed event just became a tracked row.
+            UPDATE @extschema@.outbox_key k SET due_at = stamp
+              FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+                     WHERE (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM @extschema@.outbox_stream s
+                                                       WHERE s.id = ANY (diverted))
+                       AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
+                     FOR UPDATE SKIP LOCKED) w
+             WHERE k.ctid = w.row_id;
+            UPDATE @extschema@.outbox_stream_batch b SET waiters = true
+             WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
+                                      WHERE o.keys && busy AND NOT o.waiters
+                                      FOR UPDATE SKIP LOCKED);
+            SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}')
+              INTO ids, hashes
+              FROM unnest(ids, hashes) WITH ORDINALITY t(id, h, n)
+             WHERE (t.h = ANY (busy)) IS NOT TRUE;
+        END IF;
+    END IF;
+    IF cardinality(ids) > 0 THEN
+        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending, keys)
+        VALUES (token, owner, stamp, ARRAY(SELECT t FROM unnest(ids) t ORDER BY t),
+                ARRAY(SELECT DISTINCT t FROM unnest(hashes) t WHERE t IS NOT NULL));
+    END IF;
+    RETURN ids;
+END
+$$;
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_xact_late() FROM PUBLIC;
