@@ -744,3 +744,61 @@ async fn a_partial_ack_settles_only_the_ids_it_names_even_beside_a_null() {
     .await;
     assert_eq!(n, 2, "the rest is still the claim's to settle");
 }
+
+/// A claim returns every row of its batch, in id order, whether the stream ids are consecutive
+/// (read as one primary-key range) or spread out: here an event whose transaction stayed open
+/// while 30 later ones were enqueued and half of them claimed.
+#[tokio::test]
+async fn a_claim_returns_its_stream_rows_whether_their_ids_are_consecutive_or_spread() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let long = db.connect().await;
+    long.batch_execute("BEGIN").await.unwrap();
+    let early: i64 = scalar(
+        &long,
+        "SELECT outbox_enqueue('orders', '{\"n\": 0}'::jsonb)",
+        &[],
+    )
+    .await;
+    let mut later = Vec::new();
+    for n in 1..=30 {
+        later.push(
+            scalar::<i64>(
+                &c,
+                "SELECT outbox_enqueue('orders', jsonb_build_object('n', $1::int))",
+                &[&n],
+            )
+            .await,
+        );
+    }
+    let (token, ids) = claim(&c, "relay-a", 25).await;
+    assert_eq!(
+        ids,
+        later[..25],
+        "consecutive ids, the open transaction's left out"
+    );
+    let acked: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, $2)", &[&token, &ids]).await;
+    assert_eq!(acked, 25);
+    long.batch_execute("COMMIT").await.unwrap();
+
+    let rows = c
+        .query(
+            "SELECT id, payload->>'n', claim_token, status::text FROM outbox_claim('relay-a', 10)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let got: Vec<(i64, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut want = vec![(early, "0".to_string())];
+    want.extend(
+        later[25..]
+            .iter()
+            .zip(26..)
+            .map(|(&id, n)| (id, n.to_string())),
+    );
+    assert_eq!(got, want, "the spread batch: every row, in id order");
+    assert!(rows
+        .iter()
+        .all(|r| r.get::<_, String>(3) == "SENDING"
+            && r.get::<_, i64>(2) == rows[0].get::<_, i64>(2)));
+}
