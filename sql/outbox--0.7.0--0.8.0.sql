@@ -845,7 +845,8 @@ BEGIN
           FROM (SELECT r.* FROM @extschema@.outbox_stream r
                  WHERE r.id BETWEEN lo_id AND hi_id
                  OFFSET 0) s -- a fence: the id list filters the range, it does not drive the scan
-         WHERE lo_id IS NOT NULL AND s.id = ANY (stream_ids)
+          JOIN unnest(stream_ids) u(id) ON u.id = s.id -- hashed, not a search of the list per row
+         WHERE lo_id IS NOT NULL
         UNION ALL
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,

@@ -205,7 +205,8 @@ pub async fn latency(
         let acks: std::collections::HashMap<i64, f64> = env
             .monitor
             .query(
-                format!("SELECT id, (extract(epoch FROM acked_at) * 1e6)::float8 FROM ({ACKED}) e").as_str(),
+                format!("SELECT id, (extract(epoch FROM acked_at) * 1e6)::float8 FROM ({ACKED}) e")
+                    .as_str(),
                 &[&topic],
             )
             .await?
