@@ -476,6 +476,8 @@ DECLARE
     kept_id bigint;
     kept_hwm bigint;
     hwm bigint;
+    -- outbox_stream_cursor.batch_floor: the other claims' unsettled batches are at or above it.
+    floor bigint;
     walked_before_rotation bigint := -1;
     -- Only ids travel through the loop; the claim reads the rows once, by primary key. ids holds
     -- every event the cursor passed in this claim, early ones included (taken counts the rest);
@@ -522,12 +524,12 @@ BEGIN
         PERFORM set_config('lock_timeout', caller_lock_timeout, true);
     END IF;
     -- A statement after the lock: its snapshot sees the last holder's position.
-    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm
-      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm, c.batch_floor
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm, floor
       FROM @extschema@.outbox_stream_cursor c
      ORDER BY c.version DESC
      LIMIT 1;
-    was := format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm);
+    was := format('%s/%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm, floor);
     -- A cursor ahead of this database's transaction ids was restored into another cluster (the
     -- SQL-only build's pg_dump carries it; the native build's does not): its snapshots say
     -- nothing about the txids issued here, and would count new events as handed out.
@@ -635,13 +637,6 @@ BEGIN
         hwm := kept_hwm;
         window_done := true;
     END IF;
-    IF format('%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm) <> was THEN
-        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm)
-        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm);
-        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
-        -- and a range would walk them all on every claim.
-        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
-    END IF;
     -- The early events the cursor passed leave the walk, and their rows go.
     IF cardinality(early) > 0 THEN
         passed_early := ARRAY(SELECT p FROM unnest(ids) p WHERE p = ANY (early));
@@ -660,7 +655,7 @@ BEGIN
         -- Busy keys: in another claim's unsettled batch (few rows), or with a key row (tracked
         -- work: read only when there is any).
         busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
-                       WHERE k = ANY (hashes));
+                       WHERE b.claim_token >= floor AND k = ANY (hashes));
         IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
             busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
                                     JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
@@ -745,7 +740,7 @@ BEGIN
              WHERE k.ctid = w.row_id;
             UPDATE @extschema@.outbox_stream_batch b SET waiters = true
              WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
-                                      WHERE o.keys && busy AND NOT o.waiters
+                                      WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
                                       FOR UPDATE SKIP LOCKED);
             SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}')
               INTO ids, hashes
@@ -757,6 +752,22 @@ BEGIN
         INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending, keys)
         VALUES (token, owner, stamp, ARRAY(SELECT t FROM unnest(ids) t ORDER BY t),
                 ARRAY(SELECT DISTINCT t FROM unnest(hashes) t WHERE t IS NOT NULL));
+        -- The floor moves up to the oldest unsettled batch, read by primary key from the old
+        -- floor (the batches settled since are the dead rows it steps over, few). least(): a
+        -- claim draws its token before it waits for the stream's lock, so a later token may have
+        -- written its batch first; this claim's batch is then below the floor it read.
+        floor := least(token, (SELECT min(b.claim_token) FROM @extschema@.outbox_stream_batch b
+                                WHERE b.claim_token >= floor));
+    END IF;
+    -- The new position (and floor), after the batch: both commit together. A claim that took no
+    -- event writes none, so a poll of an idle outbox writes nothing.
+    IF format('%s/%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm, floor) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm,
+                                                      batch_floor)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm, floor);
+        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
+        -- and a range would walk them all on every claim.
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
     END IF;
     RETURN ids;
 END
@@ -911,9 +922,14 @@ BEGIN
     -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
     skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
 
-    busy_hashes := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k);
-    SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id INTO cur
+    -- One statement, so the batches and the cursor that counts them agree (outbox_stream_take
+    -- writes a batch and the floor below it in one transaction).
+    SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id,
+           ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                  WHERE b.claim_token >= v.batch_floor) AS busy
+      INTO cur
       FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
+    busy_hashes := cur.busy;
 
     -- The due ordered keys, oldest due first, each with its unfinished events from its head in
     -- commit (= id) order: as far as they are runnable (WAIT and due), and the head in any case.

@@ -132,7 +132,11 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
     pos_id    bigint NOT NULL,
     -- The largest stream id when cur_snap was taken: every event cur_snap sees has an id at most
     -- this (see outbox_stream_take, a cursor restored into another cluster).
-    id_hwm    bigint NOT NULL DEFAULT 0
+    id_hwm    bigint NOT NULL DEFAULT 0,
+    -- No unsettled outbox_stream_batch has a claim token below this one. Claims read the batches
+    -- from it on, by primary key: a held snapshot keeps one dead batch row per settled claim, and
+    -- reading them all made every claim slower the longer the snapshot was held.
+    batch_floor bigint NOT NULL DEFAULT 0
 );
 -- The current snapshot as another session would take it: this transaction, if it has an id, is
 -- listed as in progress. A snapshot leaves its own transaction out, so the cursor would count

@@ -516,6 +516,80 @@ async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
     );
 }
 
+/// The stream cursor's batch floor: the newest cursor version's `batch_floor`.
+async fn batch_floor(c: &Client) -> i64 {
+    scalar(
+        c,
+        "SELECT batch_floor FROM outbox_stream_cursor ORDER BY version DESC LIMIT 1",
+        &[],
+    )
+    .await
+}
+
+/// Claims read the stream's batches from the cursor's floor on (the oldest unsettled batch), not
+/// the whole table: the claim that writes a batch moves the floor up past settled ones, and never
+/// above an unsettled one, whatever order the tokens were drawn in.
+#[tokio::test]
+async fn the_batch_floor_follows_the_oldest_unsettled_claim_and_keys_below_it_stay_busy() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    // Tokens from 1001 on, so that tokens below them are free for the claim drawn below the floor.
+    c.batch_execute("SELECT setval('outbox_claim_token_seq', 1000)")
+        .await
+        .unwrap();
+    let a1 = enqueue(&c, "a").await;
+    let (ids_a, token_a) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids_a, [a1]);
+    assert_eq!(batch_floor(&c).await, token_a, "the only unsettled batch");
+    let b1 = enqueue(&c, "b").await;
+    let (ids_b, token_b) = claim(&c, "relay-b", 10).await;
+    assert_eq!(ids_b, [b1]);
+    assert_eq!(
+        batch_floor(&c).await,
+        token_a,
+        "relay-a's batch is still unsettled"
+    );
+    assert_eq!(
+        settle(&c, "outbox_ack", "relay-a", token_a, &ids_a).await,
+        1
+    );
+    let c1 = enqueue(&c, "c").await;
+    let (ids_c, token_c) = claim(&c, "relay-c", 10).await;
+    assert_eq!(ids_c, [c1]);
+    assert_eq!(
+        batch_floor(&c).await,
+        token_b,
+        "up to relay-b's, the oldest unsettled"
+    );
+
+    // A claim whose token is below the floor (here the sequence is set back; in production a
+    // claim draws its token, then waits for the stream's lock while a later token writes first)
+    // lowers the floor to its own batch, so its keys stay busy for the claims after it.
+    c.batch_execute("SELECT setval('outbox_claim_token_seq', 1)")
+        .await
+        .unwrap();
+    let d1 = enqueue(&c, "d").await;
+    let (ids_d, token_d) = claim(&c, "relay-d", 10).await;
+    assert_eq!(ids_d, [d1]);
+    assert!(
+        token_d < token_b,
+        "token {token_d} was drawn below the floor {token_b}"
+    );
+    assert_eq!(batch_floor(&c).await, token_d);
+    let d2 = enqueue(&c, "d").await;
+    let (ids, _) = claim(&c, "relay-e", 10).await;
+    assert!(ids.is_empty(), "key d is busy in relay-d's claim: {ids:?}");
+    assert_eq!(
+        settle(&c, "outbox_ack", "relay-d", token_d, &ids_d).await,
+        1
+    );
+    let (ids, _) = claim(&c, "relay-e", 10).await;
+    assert_eq!(ids, [d2], "due once relay-d's claim is settled");
+    for (owner, token, ids) in [("relay-b", token_b, &ids_b), ("relay-c", token_c, &ids_c)] {
+        assert_eq!(settle(&c, "outbox_ack", owner, token, ids).await, 1);
+    }
+}
+
 /// A key's event in a tracked row (here: due later) never overtakes an earlier event of the key
 /// that still waits in the stream.
 #[tokio::test]

@@ -107,19 +107,44 @@ async fn update_from_0_7_0_with_events_in_flight() {
     update_with_events_in_flight("0.7.0").await;
 }
 
-/// 0.7.0's keyed events in the stream across the update: a claim holds the first event of two
-/// keys, and the rest wait in the stream with no late mark (NULL, which the claim reads as late).
-/// After the update the held claim settles, the rest go out in key order, and a fresh keyed event
-/// is marked.
+#[tokio::test]
+async fn update_from_0_8_0_with_events_in_flight() {
+    update_with_events_in_flight("0.8.0").await;
+}
+
 #[tokio::test]
 async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
+    update_with_keyed_stream_events_waiting("0.7.0").await;
+}
+
+#[tokio::test]
+async fn update_from_0_8_0_with_keyed_stream_events_waiting() {
+    update_with_keyed_stream_events_waiting("0.8.0").await;
+}
+
+/// The newest stream cursor version's batch floor (0.9.0).
+async fn batch_floor(c: &Client) -> i64 {
+    scalar(
+        c,
+        "SELECT batch_floor FROM outbox_stream_cursor ORDER BY version DESC LIMIT 1",
+        &[],
+    )
+    .await
+}
+
+/// Keyed events in the stream across the update: a claim holds the first event of two keys, after
+/// claims settled before it, and the rest wait in the stream (from 0.7.0 with no late mark: NULL,
+/// which the claim reads as late). After the update the floor of the stream's batches is 0, below
+/// the held claim, whose keys stay busy; it settles, the rest go out in key order, the floor
+/// follows the unsettled claim, and a fresh keyed event is marked.
+async fn update_with_keyed_stream_events_waiting(from: &str) {
     if build::sql_only() {
-        println!("skipped: this tree cannot make a SQL-only 0.7.0 install to update from");
+        println!("skipped: this tree cannot make a SQL-only {from} install to update from");
         return;
     }
     let db = TestDb::empty();
     let c = db.connect().await;
-    c.batch_execute("CREATE EXTENSION outbox VERSION '0.7.0'")
+    c.batch_execute(&format!("CREATE EXTENSION outbox VERSION '{from}'"))
         .await
         .unwrap();
     let enqueue = |key: &'static str| {
@@ -154,6 +179,13 @@ async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
             assert_eq!(n as usize, ids.len(), "{owner} acks {ids:?}");
         }
     };
+    // Settled claims before the held one: their batch rows are gone.
+    for key in ["a", "b"] {
+        let id = enqueue(key).await;
+        let (ids, token) = claim("relay-w", 10).await;
+        assert_eq!(ids, [id]);
+        ack("relay-w", token, ids).await;
+    }
     let mut by_key: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     for key in ["a", "b", "a", "b", "a"] {
         by_key.entry(key).or_default().push(enqueue(key).await);
@@ -164,13 +196,20 @@ async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
     c.batch_execute("ALTER EXTENSION outbox UPDATE")
         .await
         .unwrap();
-    let unmarked: i64 = scalar(
-        &c,
-        "SELECT count(*) FROM outbox_stream WHERE late IS NULL",
-        &[],
-    )
-    .await;
-    assert_eq!(unmarked, 5, "rows from before the update have no mark");
+    if from == "0.7.0" {
+        let unmarked: i64 = scalar(
+            &c,
+            "SELECT count(*) FROM outbox_stream WHERE late IS NULL",
+            &[],
+        )
+        .await;
+        assert_eq!(unmarked, 7, "rows from before the update have no mark");
+    }
+    assert_eq!(
+        batch_floor(&c).await,
+        0,
+        "the update's floor is below every batch"
+    );
 
     let (ids, _) = claim("relay-y", 10).await;
     assert!(
@@ -190,6 +229,11 @@ async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         }
+        assert_eq!(
+            Some(batch_floor(&c).await),
+            token,
+            "relay-y's claim is the only unsettled one"
+        );
         ack("relay-y", token, ids.clone()).await;
         arrived.extend(ids);
     }
@@ -207,7 +251,7 @@ async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
         &[],
     )
     .await;
-    assert_eq!(success, 5);
+    assert_eq!(success, 7);
 
     // A fresh event of an idle key (a and b keep their key rows until a claim finds them idle) on
     // the updated database: its own insert drew its transaction's txid, so it is not late.
@@ -253,8 +297,8 @@ async fn update_with_events_in_flight(from: &str) {
         .unwrap();
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
     // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
-    // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0
-    // and 0.7.0 the same as 0.5.0.
+    // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0,
+    // 0.7.0 and 0.8.0 the same as 0.5.0.
     let returning = match from {
         "0.3.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
@@ -263,7 +307,7 @@ async fn update_with_events_in_flight(from: &str) {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[])"
         }
-        "0.5.0" | "0.6.0" | "0.7.0" => {
+        "0.5.0" | "0.6.0" | "0.7.0" | "0.8.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
              outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)"
@@ -400,8 +444,8 @@ async fn update_with_events_in_flight(from: &str) {
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
-    // In 0.8.0: 38 functions, 58 columns, 12 indexes, 6 tables and views, the view's definition,
-    // 1 trigger, the enum and 6 pg_dump rows (123 in all).
+    // In 0.9.0: 38 functions, 59 columns, 12 indexes, 6 tables and views, the view's definition,
+    // 1 trigger, the enum and 6 pg_dump rows (124 in all).
     assert!(
         installed.len() > 110,
         "the catalog query found too little to compare: {installed:?}"
@@ -410,6 +454,7 @@ async fn update_with_events_in_flight(from: &str) {
         "column outbox_tracked 1 id",
         "column outbox_stream 2 txid",
         "column outbox_stream_cursor 2 prev_snap",
+        "column outbox_stream_cursor 7 batch_floor",
         "column outbox_stream_batch 4 pending",
         "column outbox_key 1 topic",
         "column outbox_event 7 status",
