@@ -1384,6 +1384,9 @@ BEGIN
         SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending
           FROM @extschema@.outbox_stream_batch b
          WHERE b.claimed_at < stamp - lease
+           -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+           AND b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                  ORDER BY v.version DESC LIMIT 1)
          ORDER BY b.claim_token
          FOR UPDATE SKIP LOCKED
     ), gone AS (
@@ -1597,15 +1600,19 @@ BEGIN
     -- to find nothing: ids follow time closely enough for retention.
     IF done < max_rows THEN
         WITH c AS (
-            SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
+            SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id, v.batch_floor
               FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
+        ), unsettled AS MATERIALIZED (
+            -- The ids of unsettled batches, read once from the floor on.
+            SELECT p.id FROM c, @extschema@.outbox_stream_batch b, unnest(b.pending) AS p(id)
+             WHERE b.claim_token >= c.batch_floor
         ), old AS MATERIALIZED (
             SELECT h.id
               FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
                      ORDER BY e.id LIMIT max_rows - done) h, c
              WHERE h.created_at < now() - older_than
                AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id)
-               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE h.id = ANY (b.pending))
+               AND NOT EXISTS (SELECT 1 FROM unsettled u WHERE u.id = h.id)
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
         )
         DELETE FROM @extschema@.outbox_stream e WHERE e.id = ANY (ARRAY(SELECT old.id FROM old));
@@ -1693,7 +1700,9 @@ BEGIN
     SELECT sending + coalesce(sum(cardinality(b.pending)), 0),
            greatest(oldest_lease_age, stamp - min(b.claimed_at))
       INTO sending, oldest_lease_age
-      FROM @extschema@.outbox_stream_batch b;
+      FROM @extschema@.outbox_stream_batch b
+     WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                              ORDER BY v.version DESC LIMIT 1);
     SELECT count(*) INTO failed FROM @extschema@.outbox_tracked e WHERE e.status = 'FAIL';
     -- Keys held back by a dead head, and since when that head has been dead.
     SELECT count(*), stamp - min(h.updated_at)

@@ -4,6 +4,7 @@
 --   reading the whole table: a held snapshot keeps one dead batch row per settled claim, and
 --   every claim read them all (the 10-minute held-snapshot run of 0.8.0: p99 x2.94 keyed, x3.39
 --   unkeyed). The claim that writes a batch moves the floor up to the oldest unsettled one.
+--   outbox_reclaim, outbox_purge and outbox_stats read the batches from the floor on too.
 -- Events in flight stay where they are: the column starts at 0, below every batch.
 \echo Use "ALTER EXTENSION outbox UPDATE TO '0.9.0'" to load this file. \quit
 
@@ -570,6 +571,280 @@ BEGIN
          WHERE lo_id IS NULL AND s.id = ANY (stream_ids)
     ) e
     ORDER BY e.id;
+END
+$$;
+
+-- Expired claims back to WAIT (or FAIL): returns each reclaimed row with its new state and the
+-- owner whose lease expired, so the caller can log and count the dead letters it made.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_reclaim_returning(lease interval DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    done int;
+    moved_rows int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    lease := coalesce(lease, make_interval(secs => cfg.lease_ms / 1000.0));
+    -- The upper bound keeps stamp - lease inside timestamptz's range (else 22008 from deep inside).
+    IF lease <= interval '0' OR lease > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_reclaim: lease must be a positive interval of at most 100 years',
+            DETAIL = format('lease = %s', lease);
+    END IF;
+    -- Guarded by status and claimed_at in the same statement: a row acked, nacked or renewed
+    -- while this runs no longer matches and is left alone. A reclaim counts as a failed attempt,
+    -- so a poison event that kills its relay every time still ends as a dead letter.
+    -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
+    -- (waiting in claimed_at order against acks in id order could deadlock).
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
+         WHERE x.status = 'SENDING' AND x.claimed_at < stamp - lease
+         ORDER BY x.id
+         FOR UPDATE SKIP LOCKED
+    ), reclaimed AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp,
+               last_error = format('lease expired: claimed by %s at %s, not settled within %s',
+                                   e.claim_owner, e.claimed_at, lease),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM reclaimed d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
+      FROM reclaimed r JOIN expired x ON x.id = r.id
+     ORDER BY r.id;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream batches past their lease: their events become tracked copies (same id and
+    -- event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending
+          FROM @extschema@.outbox_stream_batch b
+         WHERE b.claimed_at < stamp - lease
+           -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+           AND b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                  ORDER BY v.version DESC LIMIT 1)
+         ORDER BY b.claim_token
+         FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM @extschema@.outbox_stream_batch b
+         USING expired x
+         WHERE b.claim_token = x.claim_token
+    ), held AS (
+        SELECT p.id, x.claim_owner, x.claimed_at
+          FROM expired x CROSS JOIN LATERAL unnest(x.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked AS m
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp,
+               format('lease expired: claimed by %s at %s, not settled within %s',
+                      h.claim_owner, h.claimed_at, lease),
+               s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         ORDER BY s.id
+        RETURNING m.id, m.topic, m.status, m.retry_count
+    ), key_rows AS (
+        -- The ordered ones' key rows, as outbox_stream_key_rows writes them.
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+        SELECT DISTINCT s.topic, s.event_key, stamp
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         WHERE s.key_hash IS NOT NULL
+         ORDER BY 1, 2
+        ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+    )
+    SELECT mv.id, mv.topic, mv.status, mv.retry_count, h.claim_owner
+      FROM moved mv JOIN held h ON h.id = mv.id
+     ORDER BY mv.id;
+    GET DIAGNOSTICS moved_rows = ROW_COUNT;
+    done := done + moved_rows;
+    IF done > 0 AND cfg.notify THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_purge(older_than interval DEFAULT '7 days', max_rows int DEFAULT 10000)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Planned per call: with the real cutoff the planner walks the SUCCESS index; a generic plan
+-- (unknown cutoff) may scan the whole history instead (test: purge_reads_only_the_rows_it_deletes).
+SET plan_cache_mode = force_custom_plan
+-- The DELETE takes its row locks through the primary key, in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+DECLARE
+    done bigint;
+    stream_done bigint;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_purge');
+    IF older_than IS NULL OR older_than < interval '0' OR older_than > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_purge: older_than must be an interval from zero to 100 years',
+            DETAIL = format('older_than = %s', coalesce(older_than::text, 'NULL'));
+    END IF;
+    IF max_rows IS NULL OR max_rows < 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_purge: max_rows must be at least 1',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    -- Only SUCCESS rows, re-checked in the DELETE itself; FAIL rows wait for an operator.
+    -- The oldest first through the partial index on SUCCESS rows by age, so the cost follows
+    -- the rows deleted. No SELECT ... FOR UPDATE first (a WAL record per row): the DELETE locks
+    -- the rows itself, in id order through the primary key (status::text keeps the planner off
+    -- the SUCCESS index, whose order is the rows' age), and nothing but another purge locks a
+    -- SUCCESS row. Two purges at once: the second waits for the first's rows, finds them gone
+    -- and deletes the rest of its pick.
+    WITH old AS MATERIALIZED (
+        SELECT s.id FROM @extschema@.outbox_tracked s
+         WHERE s.status = 'SUCCESS' AND s.updated_at < now() - older_than
+         ORDER BY s.updated_at
+         LIMIT max_rows
+    )
+    , gone AS (
+        DELETE FROM @extschema@.outbox_tracked e
+         WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS'
+        RETURNING e.id
+    ), originals AS (
+        -- A stream event's first row goes with its tracked copy (a retry, a busy key's event).
+        DELETE FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (ARRAY(SELECT g.id FROM gone g))
+        RETURNING s.id
+    ), went_early AS (
+        DELETE FROM @extschema@.outbox_stream_early x
+         WHERE x.id = ANY (ARRAY(SELECT o.id FROM originals o))
+    )
+    SELECT count(*) INTO done FROM gone;
+    -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
+    -- older than the cutoff. Among the oldest max_rows ids only, so a purge never walks a backlog
+    -- to find nothing: ids follow time closely enough for retention.
+    IF done < max_rows THEN
+        WITH c AS (
+            SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id, v.batch_floor
+              FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
+        ), unsettled AS MATERIALIZED (
+            -- The ids of unsettled batches, read once from the floor on.
+            SELECT p.id FROM c, @extschema@.outbox_stream_batch b, unnest(b.pending) AS p(id)
+             WHERE b.claim_token >= c.batch_floor
+        ), old AS MATERIALIZED (
+            SELECT h.id
+              FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
+                     ORDER BY e.id LIMIT max_rows - done) h, c
+             WHERE h.created_at < now() - older_than
+               AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id)
+               AND NOT EXISTS (SELECT 1 FROM unsettled u WHERE u.id = h.id)
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
+        )
+        DELETE FROM @extschema@.outbox_stream e WHERE e.id = ANY (ARRAY(SELECT old.id FROM old));
+        GET DIAGNOSTICS stream_done = ROW_COUNT;
+        done := done + stream_done;
+    END IF;
+    RETURN done;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_stats(
+    OUT due_wait bigint,
+    OUT delayed_wait bigint,
+    OUT sending bigint,
+    OUT failed bigint,
+    OUT succeeded bigint,
+    OUT oldest_due_age interval,
+    OUT oldest_lease_age interval,
+    OUT blocked_keys bigint,
+    OUT oldest_blocked_age interval
+)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    est real;
+    est_min real;
+    stream_wait bigint;
+    stream_oldest timestamptz;
+BEGIN
+    -- Loads the library (and so the outbox.* settings) for relays that read them after this call.
+    PERFORM @extschema@.outbox_config();
+    -- Every count below reads a partial index whose size follows the backlog, not the history
+    -- (WAIT rows: the unordered ones' and the ordered keys' index).
+    SELECT count(*) FILTER (WHERE w.next_retry_time <= stamp),
+           count(*) FILTER (WHERE w.next_retry_time > stamp),
+           stamp - min(w.next_retry_time) FILTER (WHERE w.next_retry_time <= stamp)
+      INTO due_wait, delayed_wait, oldest_due_age
+      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
+             WHERE e.status = 'WAIT' AND NOT e.ordered
+            UNION ALL
+            SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
+             WHERE e.ordered AND e.status <> 'SUCCESS' AND e.status = 'WAIT') w;
+    -- Stream events past the cursor (committed ones: a plain read sees no other), read as
+    -- outbox_stream_take reads them, so the cost follows the backlog.
+    SELECT count(*), min(w.created_at) INTO stream_wait, stream_oldest
+      FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
+      CROSS JOIN LATERAL (
+          SELECT e.created_at FROM @extschema@.outbox_stream e
+           WHERE (e.txid, e.id) >
+                 (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
+                       THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
+                  CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap) THEN c.pos_id ELSE 0 END)
+          UNION ALL
+          SELECT e.created_at FROM pg_snapshot_xip(c.prev_snap) x
+            JOIN @extschema@.outbox_stream e ON e.txid = x
+           WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)
+      ) w;
+    due_wait := due_wait + stream_wait;
+    oldest_due_age := CASE WHEN stream_oldest IS NULL THEN oldest_due_age
+                           ELSE greatest(oldest_due_age, stamp - stream_oldest) END;
+    SELECT count(*), stamp - min(e.claimed_at)
+      INTO sending, oldest_lease_age
+      FROM @extschema@.outbox_tracked e WHERE e.status = 'SENDING';
+    SELECT sending + coalesce(sum(cardinality(b.pending)), 0),
+           greatest(oldest_lease_age, stamp - min(b.claimed_at))
+      INTO sending, oldest_lease_age
+      FROM @extschema@.outbox_stream_batch b
+     WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                              ORDER BY v.version DESC LIMIT 1);
+    SELECT count(*) INTO failed FROM @extschema@.outbox_tracked e WHERE e.status = 'FAIL';
+    -- Keys held back by a dead head, and since when that head has been dead.
+    SELECT count(*), stamp - min(h.updated_at)
+      INTO blocked_keys, oldest_blocked_age
+      FROM @extschema@.outbox_key k
+      CROSS JOIN LATERAL (
+          SELECT e.updated_at FROM @extschema@.outbox_tracked e
+           WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
+             AND e.status <> 'SUCCESS'
+           ORDER BY e.id
+           LIMIT 1
+      ) h
+     WHERE k.due_at = 'infinity';
+    -- SUCCESS rows are the history: count them exactly while the table is small (< 8 MB),
+    -- estimate from the planner's statistics beyond that.
+    SELECT sum(greatest(c.reltuples, 0)), min(c.reltuples) INTO est, est_min
+      FROM pg_class c
+     WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass, '@extschema@.outbox_stream'::regclass);
+    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
+       + pg_relation_size('@extschema@.outbox_stream'::regclass) < 8 * 1024 * 1024 OR est_min < 0 THEN
+        SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
+    ELSE
+        succeeded := greatest(est::bigint - due_wait - delayed_wait - sending - failed, 0);
+    END IF;
 END
 $$;
 
