@@ -46,6 +46,11 @@ pub struct Interval {
     pub wait_max: i64,
     /// The extension's tables at the interval's end.
     pub rels: ExtRels,
+    /// Server-wide checkpoints during the interval: how many started, and the buffers written by
+    /// those that ended in it (`pg_stat_bgwriter` counts a checkpoint's buffers when it ends,
+    /// after its sync). Their stalls hit the control as much as the held run.
+    pub ckpt_started: i64,
+    pub ckpt_buffers: i64,
 }
 
 pub struct HeldRun {
@@ -142,6 +147,17 @@ async fn drain_loop(c: Client, done: Arc<AtomicBool>, abort: Arc<AtomicBool>) ->
 }
 
 /// WAIT rows now (`outbox_stats()`: due + delayed).
+/// Checkpoints started so far and buffers written by finished ones (`pg_stat_bgwriter`).
+async fn checkpoints(c: &Client) -> Result<(i64, i64)> {
+    let r = c
+        .query_one(
+            "SELECT checkpoints_timed + checkpoints_req, buffers_checkpoint FROM pg_stat_bgwriter",
+            &[],
+        )
+        .await?;
+    Ok((r.get(0), r.get(1)))
+}
+
 async fn wait_count(c: &Client) -> Result<i64> {
     Ok(c.query_one(
         "SELECT (due_wait + delayed_wait)::bigint FROM outbox_stats()",
@@ -193,6 +209,7 @@ async fn one(
         None => None,
     };
     let start_rels = ext_rels::snapshot(&monitor).await?;
+    let start_ckpt = checkpoints(&monitor).await?;
     let total = (rate * secs).round().max(1.0) as i64;
     let producers = ((rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS);
     let mut clients = Vec::new();
@@ -219,7 +236,7 @@ async fn one(
 
     // Samples: the WAIT count every second, the tables at each interval's end.
     let mut waits: Vec<(f64, i64)> = Vec::new();
-    let mut snaps: Vec<(f64, ExtRels)> = Vec::new();
+    let mut snaps: Vec<(f64, ExtRels, (i64, i64))> = Vec::new();
     let mut tick = 1u64;
     loop {
         let t = tick as f64;
@@ -229,7 +246,11 @@ async fn one(
         tokio::time::sleep_until(start + Duration::from_secs(tick)).await;
         waits.push((t, wait_count(&monitor).await?));
         if tick.is_multiple_of(step_secs) || t + 1.0 > secs + 1e-9 {
-            snaps.push((t, ext_rels::snapshot(&monitor).await?));
+            snaps.push((
+                t,
+                ext_rels::snapshot(&monitor).await?,
+                checkpoints(&monitor).await?,
+            ));
         }
         tick += 1;
     }
@@ -302,6 +323,7 @@ async fn one(
     let mut intervals = Vec::new();
     let mut snaps = snaps.into_iter().peekable();
     let mut rels = start_rels.clone();
+    let mut ckpt = start_ckpt;
     let mut prev_end = 0.0;
     for (i, h) in hists.into_iter().enumerate() {
         let to_s = ((i + 1) as f64 * step).min(secs);
@@ -312,12 +334,14 @@ async fn one(
             .max()
             .unwrap_or(0);
         // The tables as sampled at (or just before) the interval's end.
-        while let Some((t, _)) = snaps.peek() {
+        let ckpt_before = ckpt;
+        while let Some((t, _, _)) = snaps.peek() {
             if *t > to_s + 1e-9 {
                 break;
             }
-            if let Some((_, s)) = snaps.next() {
+            if let Some((_, s, c)) = snaps.next() {
                 rels = s;
+                ckpt = c;
             }
         }
         intervals.push(Interval {
@@ -325,6 +349,8 @@ async fn one(
             hist: h,
             wait_max,
             rels: rels.clone(),
+            ckpt_started: ckpt.0 - ckpt_before.0,
+            ckpt_buffers: ckpt.1 - ckpt_before.1,
         });
         prev_end = to_s;
     }
@@ -384,6 +410,7 @@ fn interval_table(run: &HeldRun) -> String {
         "events sent".into(),
         "enqueue→ack p50 / p99 / max ms".into(),
         "WAIT max".into(),
+        "checkpoints started / buffers written by those ending".into(),
         format!("n_dead_tup ({})", tables.join(" / ")),
         format!("heap ({})", tables.join(" / ")),
     ];
@@ -420,6 +447,7 @@ fn interval_table(run: &HeldRun) -> String {
                 )
             },
             num(i.wait_max as f64),
+            format!("{} / {}", i.ckpt_started, num(i.ckpt_buffers as f64)),
             per_table(&|t| num(t.dead as f64)),
             per_table(&|t| bytes(t.heap)),
         ];
@@ -492,8 +520,15 @@ pub fn markdown(r: &Results) -> String {
          `outbox_stats()` WAIT counts (due + delayed) sampled each second. n_dead_tup comes from \
          `pg_stat_user_tables` (busy sessions report their counts about once a second, so it may \
          lag by that much); sizes are `pg_table_size` and each index's `pg_relation_size`, at \
-         the end of the interval. The first and last minute overlap when a run is shorter than \
-         two minutes.\n\n",
+         the end of the interval. **Checkpoints** are the server's (`pg_stat_bgwriter`): how \
+         many started in the interval, and the buffers written by those that ended in it (counted \
+         at the end, after the sync). Each run starts right after a forced checkpoint (the \
+         server log shows `checkpoint starting: immediate force wait` as the run's fresh \
+         database is set up), so with `checkpoint_timeout` 300 s and \
+         `checkpoint_completion_target` 0.9 a timed one starts \
+         about 300 s in and ends about 570 s in, inside the last minute, in the control as in \
+         the held run. The first and last minute overlap when a run is shorter than two \
+         minutes.\n\n",
         num(first.rate),
         first.secs,
         first.wake,
@@ -638,6 +673,8 @@ pub fn json(r: &Results) -> Value {
                         "to_secs": i.to_s,
                         "enqueue_to_ack_us": quantiles(&i.hist),
                         "wait_max": i.wait_max,
+                        "checkpoints_started": i.ckpt_started,
+                        "checkpoint_buffers_written": i.ckpt_buffers,
                         "relations": i.rels.json(),
                     })).collect::<Vec<_>>(),
                 })
