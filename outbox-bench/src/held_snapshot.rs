@@ -46,9 +46,9 @@ pub struct Interval {
     pub wait_max: i64,
     /// The extension's tables at the interval's end.
     pub rels: ExtRels,
-    /// Server-wide checkpoints during the interval: how many started, and the buffers written by
-    /// those that ended in it (`pg_stat_bgwriter` counts a checkpoint's buffers when it ends,
-    /// after its sync). Their stalls hit the control as much as the held run.
+    /// Server-wide checkpoints during the interval: how many started, and the buffers they wrote
+    /// in it (`pg_stat_bgwriter`, reported by the checkpointer as it goes). Their stalls hit the
+    /// control as much as the held run.
     pub ckpt_started: i64,
     pub ckpt_buffers: i64,
 }
@@ -147,7 +147,7 @@ async fn drain_loop(c: Client, done: Arc<AtomicBool>, abort: Arc<AtomicBool>) ->
 }
 
 /// WAIT rows now (`outbox_stats()`: due + delayed).
-/// Checkpoints started so far and buffers written by finished ones (`pg_stat_bgwriter`).
+/// Checkpoints started so far and the buffers they wrote (`pg_stat_bgwriter`).
 async fn checkpoints(c: &Client) -> Result<(i64, i64)> {
     let r = c
         .query_one(
@@ -410,7 +410,7 @@ fn interval_table(run: &HeldRun) -> String {
         "events sent".into(),
         "enqueue→ack p50 / p99 / max ms".into(),
         "WAIT max".into(),
-        "checkpoints started / buffers written by those ending".into(),
+        "checkpoints started / buffers they wrote".into(),
         format!("n_dead_tup ({})", tables.join(" / ")),
         format!("heap ({})", tables.join(" / ")),
     ];
@@ -521,14 +521,13 @@ pub fn markdown(r: &Results) -> String {
          `pg_stat_user_tables` (busy sessions report their counts about once a second, so it may \
          lag by that much); sizes are `pg_table_size` and each index's `pg_relation_size`, at \
          the end of the interval. **Checkpoints** are the server's (`pg_stat_bgwriter`): how \
-         many started in the interval, and the buffers written by those that ended in it (counted \
-         at the end, after the sync). Each run starts right after a forced checkpoint (the \
+         many started in the interval, and the buffers checkpoints wrote in it (as the \
+         checkpointer reports them). Each run starts right after a forced checkpoint (the \
          server log shows `checkpoint starting: immediate force wait` as the run's fresh \
          database is set up), so with `checkpoint_timeout` 300 s and \
-         `checkpoint_completion_target` 0.9 a timed one starts \
-         about 300 s in and ends about 570 s in, inside the last minute, in the control as in \
-         the held run. The first and last minute overlap when a run is shorter than two \
-         minutes.\n\n",
+         `checkpoint_completion_target` 0.9 a timed one writes from about 300 s to about 570 s \
+         in, and the next starts inside the last minute, in the control as in the held run. The \
+         first and last minute overlap when a run is shorter than two minutes.\n\n",
         num(first.rate),
         first.secs,
         first.wake,
