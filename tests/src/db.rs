@@ -306,6 +306,16 @@ pub async fn scalar<T: FromSqlOwned>(
         .get(0)
 }
 
+/// The stream's batch floor (0.9.0): the newest cursor version's `batch_floor`.
+pub async fn batch_floor(c: &Client) -> i64 {
+    scalar(
+        c,
+        "SELECT batch_floor FROM outbox_stream_cursor ORDER BY version DESC LIMIT 1",
+        &[],
+    )
+    .await
+}
+
 /// Whether backend `pid` waits for a lock: `None` once the backend is gone (its client closed,
 /// e.g. a task that dropped it after its call returned), so callers never race its exit.
 pub async fn lock_wait(c: &Client, pid: i32) -> Option<bool> {

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use outbox_tests::build;
-use outbox_tests::db::{lock_wait, scalar, TestDb};
+use outbox_tests::db::{batch_floor, lock_wait, scalar, TestDb};
 use tokio_postgres::Client;
 
 async fn enqueue(c: &Client, key: &str) -> i64 {
@@ -514,16 +514,6 @@ async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
         ids, later,
         "due at once when the claim holding the key is settled"
     );
-}
-
-/// The stream cursor's batch floor: the newest cursor version's `batch_floor`.
-async fn batch_floor(c: &Client) -> i64 {
-    scalar(
-        c,
-        "SELECT batch_floor FROM outbox_stream_cursor ORDER BY version DESC LIMIT 1",
-        &[],
-    )
-    .await
 }
 
 /// Claims read the stream's batches from the cursor's floor on (the oldest unsettled batch), not

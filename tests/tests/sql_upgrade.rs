@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use outbox_tests::build;
-use outbox_tests::db::{psql_admin, scalar, TestDb};
+use outbox_tests::db::{batch_floor, psql_admin, scalar, TestDb};
 use outbox_tests::in_flight;
 use tokio_postgres::Client;
 
@@ -120,16 +120,6 @@ async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
 #[tokio::test]
 async fn update_from_0_8_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.8.0").await;
-}
-
-/// The newest stream cursor version's batch floor (0.9.0).
-async fn batch_floor(c: &Client) -> i64 {
-    scalar(
-        c,
-        "SELECT batch_floor FROM outbox_stream_cursor ORDER BY version DESC LIMIT 1",
-        &[],
-    )
-    .await
 }
 
 /// Keyed events in the stream across the update: a claim holds the first event of two keys, after
