@@ -709,6 +709,73 @@ async fn stats_count_every_state_and_report_ages() {
     assert!(s.get::<_, f64>(6) >= 0.0 && s.get::<_, f64>(6) < 60.0);
 }
 
+/// Past 8 MB outbox_stats estimates the delivered history (SUCCESS) from the planner's statistics
+/// instead of counting it, also when a table was never analyzed (reltuples -1): here the tracked
+/// table, which never holds a row while no key is busy and nothing fails. Before 0.10.0 that one
+/// table sent every call to the exact count, which read the whole stream: a relay calls it every
+/// 5 s, and the 10-minute bench's once-a-second sampler ended up using most of a core.
+#[tokio::test]
+async fn stats_estimate_the_history_past_8_mb_even_with_a_table_never_analyzed() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let total = 40_000i64;
+    c.execute(
+        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g, 'note', repeat('x', 100)))) \
+         FROM generate_series(1, $1::bigint) g",
+        &[&total],
+    )
+    .await
+    .unwrap();
+    let mut drained = 0i64;
+    loop {
+        let n: i64 = scalar(
+            &c,
+            "SELECT coalesce(sum(a.n), 0)::bigint FROM (SELECT outbox_ack('r', c.claim_token, array_agg(c.id)) AS n \
+             FROM outbox_claim('r', 1000) c GROUP BY c.claim_token) a",
+            &[],
+        )
+        .await;
+        if n == 0 {
+            break;
+        }
+        drained += n;
+    }
+    assert_eq!(drained, total);
+    c.batch_execute("ANALYZE outbox_stream").await.unwrap();
+    let tracked_tuples: f32 = scalar(
+        &c,
+        "SELECT reltuples FROM pg_class WHERE oid = 'outbox_tracked'::regclass",
+        &[],
+    )
+    .await;
+    assert_eq!(tracked_tuples, -1.0, "the tracked table was never analyzed");
+    let stream_pages: i64 =
+        scalar(&c, "SELECT pg_relation_size('outbox_stream') / 8192", &[]).await;
+    assert!(
+        stream_pages >= 1024,
+        "the stream is past 8 MB: {stream_pages} pages"
+    );
+
+    let plan: serde_json::Value = scalar(
+        &c,
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM outbox_stats()",
+        &[],
+    )
+    .await;
+    let top = &plan[0]["Plan"];
+    let buffers =
+        top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap();
+    assert!(
+        buffers < stream_pages / 4,
+        "outbox_stats read {buffers} buffers over a stream of {stream_pages} pages: it counted the history"
+    );
+    let succeeded: i64 = scalar(&c, "SELECT succeeded FROM outbox_stats()", &[]).await;
+    assert!(
+        (succeeded - total).abs() <= total / 10,
+        "succeeded {succeeded} is an estimate of the {total} delivered events"
+    );
+}
+
 #[tokio::test]
 async fn a_partial_ack_settles_only_the_ids_it_names_even_beside_a_null() {
     let db = TestDb::create();
