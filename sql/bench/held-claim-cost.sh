@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/env.sh
+source sql/bench/hold-snapshot.sh
 db=outbox_held_claim_bench
 out=docs/HELD-CLAIM-COST.md
 current=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -34,13 +35,7 @@ measure() {
   local version=$1 keyed=$2 rounds=$3
   psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
   psql -X -q -d "$db" -c "CREATE EXTENSION outbox VERSION '$version'" >/dev/null
-  # The held snapshot: taken by a read, kept until the session is killed.
-  psql -X -q -d "$db" -c "BEGIN ISOLATION LEVEL REPEATABLE READ" -c "SELECT count(*) FROM pg_class" \
-    -c "SELECT pg_sleep(3600)" >/dev/null 2>&1 &
-  holder=$!
-  until [[ $(psql -X -A -t -d "$db" -c "SELECT count(*) FROM pg_stat_activity
-                WHERE datname = current_database() AND backend_xmin IS NOT NULL
-                  AND query LIKE 'SELECT pg_sleep%'") == 1 ]]; do sleep 0.1; done
+  hold_snapshot "$db"
   local enqueue
   enqueue=$(enqueue_sql "$keyed")
   if ((rounds > 0)); then
