@@ -1660,10 +1660,7 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     -- Below this size (both tables together, or one table) a count is cheap.
     small constant bigint := 8 * 1024 * 1024;
-    tracked_rows real;
-    stream_rows real;
-    tracked_bytes bigint := pg_relation_size('@extschema@.outbox_tracked'::regclass);
-    stream_bytes bigint := pg_relation_size('@extschema@.outbox_stream'::regclass);
+    est bigint;
     stream_wait bigint;
     stream_oldest timestamptz;
 BEGIN
@@ -1722,24 +1719,23 @@ BEGIN
      WHERE k.due_at = 'infinity';
     -- SUCCESS rows are the history: count them exactly while the tables are small, estimate
     -- from the planner's statistics (reltuples) beyond that.
-    IF tracked_bytes + stream_bytes < small THEN
+    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
+       + pg_relation_size('@extschema@.outbox_stream'::regclass) < small THEN
         SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
     ELSE
-        SELECT c.reltuples INTO tracked_rows FROM pg_class c WHERE c.oid = '@extschema@.outbox_tracked'::regclass;
-        SELECT c.reltuples INTO stream_rows FROM pg_class c WHERE c.oid = '@extschema@.outbox_stream'::regclass;
         -- A table never vacuumed nor analyzed has no estimate (-1): count its rows while it is
         -- small, else take it as empty until autovacuum has seen it. Before 0.10.0 such a table
         -- sent every call to the exact count over outbox_event: a tracked table that never had
         -- a row (no busy key, no failure) made each call read the whole stream's history.
-        IF tracked_rows < 0 THEN
-            tracked_rows := CASE WHEN tracked_bytes < small
-                                 THEN (SELECT count(*) FROM @extschema@.outbox_tracked) ELSE 0 END;
-        END IF;
-        IF stream_rows < 0 THEN
-            stream_rows := CASE WHEN stream_bytes < small
-                                THEN (SELECT count(*) FROM @extschema@.outbox_stream) ELSE 0 END;
-        END IF;
-        succeeded := greatest((tracked_rows + stream_rows)::bigint - due_wait - delayed_wait - sending - failed, 0);
+        SELECT sum(CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
+                        WHEN pg_relation_size(c.oid) >= small THEN 0
+                        WHEN c.oid = '@extschema@.outbox_tracked'::regclass
+                        THEN (SELECT count(*) FROM @extschema@.outbox_tracked)
+                        ELSE (SELECT count(*) FROM @extschema@.outbox_stream) END)
+          INTO est
+          FROM pg_class c
+         WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass, '@extschema@.outbox_stream'::regclass);
+        succeeded := greatest(est - due_wait - delayed_wait - sending - failed, 0);
     END IF;
 END
 $$;
