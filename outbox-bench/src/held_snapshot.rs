@@ -59,6 +59,8 @@ pub struct HeldRun {
     pub keyed: bool,
     pub rate: f64,
     pub secs: f64,
+    /// The load before the measured part (and before the held transaction opens), s.
+    pub warmup_secs: f64,
     pub interval_secs: f64,
     pub wake: String,
     pub sent: i64,
@@ -203,36 +205,28 @@ async fn one(
         .query_one("SELECT outbox_wake_mode()", &[])
         .await?
         .get(0);
-    let holder = if held {
-        let h = db.client().await?;
-        h.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox_event")
-            .await
-            .context("opening the held transaction")?;
-        Some(h)
-    } else {
-        None
-    };
-    let holder_pid = match &holder {
-        Some(h) => Some(crate::db::backend_pid(h).await?),
-        None => None,
-    };
-    let start_rels = ext_rels::snapshot(&monitor).await?;
-    let start_ckpt = checkpoints(&monitor).await?;
+    // The load runs `held_warmup` before the measured part, and the held transaction opens when
+    // the measured part starts: its first minute is then an outbox in steady state, and, since
+    // CREATE DATABASE forces a checkpoint, neither measured minute holds the end of a timed
+    // checkpoint (see `markdown`).
+    let warm = (rate * p.held_warmup.as_secs_f64()).round() as i64;
     let total = (rate * secs).round().max(1.0) as i64;
     let producers = ((rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS);
     let mut clients = Vec::new();
     for _ in 0..producers {
         clients.push(db.client().await?);
     }
+    let holder = if held { Some(db.client().await?) } else { None };
     let done = Arc::new(AtomicBool::new(false));
     let abort = Arc::new(AtomicBool::new(false));
     let drain = tokio::spawn(drain_loop(
         db.client().await?,
-        total as usize,
+        (warm + total) as usize,
         done.clone(),
         abort.clone(),
     ));
-    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let load_start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let start = load_start + Duration::from_secs_f64(warm as f64 / rate);
     let mut tasks = Vec::new();
     for (k, c) in clients.into_iter().enumerate() {
         tasks.push(tokio::spawn(latency::producer(
@@ -240,12 +234,27 @@ async fn one(
             TOPIC.to_string(),
             k as i64,
             producers as i64,
-            total,
+            warm + total,
             rate,
-            start,
+            load_start,
             keyed,
         )));
     }
+    tokio::time::sleep_until(start).await;
+    if let Some(h) = &holder {
+        // As pg_dump would: a snapshot, and a share lock on every table behind the view.
+        h.batch_execute(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1 FROM outbox_event LIMIT 1",
+        )
+        .await
+        .context("opening the held transaction")?;
+    }
+    let holder_pid = match &holder {
+        Some(h) => Some(crate::db::backend_pid(h).await?),
+        None => None,
+    };
+    let start_rels = ext_rels::snapshot(&monitor).await?;
+    let start_ckpt = checkpoints(&monitor).await?;
 
     // Samples: the WAIT count every second, the tables at each interval's end.
     let mut waits: Vec<(f64, i64)> = Vec::new();
@@ -267,7 +276,7 @@ async fn one(
         }
         tick += 1;
     }
-    let mut commits: Vec<Commit> = Vec::with_capacity(total as usize);
+    let mut commits: Vec<Commit> = Vec::with_capacity((warm + total) as usize);
     for t in tasks {
         commits.extend(t.await??);
     }
@@ -308,11 +317,15 @@ async fn one(
     let n_int = (secs / step).ceil().max(1.0) as usize;
     let mut hists: Vec<Histogram<u64>> = (0..n_int).map(|_| hist()).collect();
     let (mut first, mut last) = (hist(), hist());
-    let mut acked = 0i64;
-    for (_, issued, _, id, _) in &commits {
+    let (mut acked, mut warm_acked) = (0i64, 0i64);
+    for (seq, issued, _, id, _) in &commits {
         let Some(at) = out.acked_at.get(id) else {
             continue;
         };
+        if *seq < warm {
+            warm_acked += 1;
+            continue;
+        }
         acked += 1;
         let us = at.saturating_duration_since(*issued).as_micros() as u64;
         let off = issued.saturating_duration_since(t0).as_secs_f64();
@@ -325,9 +338,10 @@ async fn one(
             last.saturating_record(us);
         }
     }
-    if acked < total || out.short_acks > 0 {
+    if acked < total || warm_acked < warm || out.short_acks > 0 {
         failures.push(format!(
-            "long transactions ({}, {}): {acked} of {total} events acked ({} claimed but not acked)",
+            "long transactions ({}, {}): {acked} of {total} events acked, {warm_acked} of the \
+             {warm} sent before ({} claimed but not acked)",
             if keyed { "keyed" } else { "unkeyed" },
             if held { "held" } else { "control" },
             out.short_acks
@@ -372,6 +386,7 @@ async fn one(
         keyed,
         rate,
         secs,
+        warmup_secs: warm as f64 / rate,
         interval_secs: step,
         wake,
         sent: total,
@@ -527,25 +542,35 @@ pub fn markdown(r: &Results) -> String {
          claim it waits in `outbox_wait('{WAIT}')`), so the figures are the database's share of \
          the relay's latency. **enqueue→ack**: from the producer issuing its statement to the claim \
          loop seeing `outbox_ack` return, one clock, for the events sent in each interval. The \
-         held run opens `BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM \
-         outbox_event` on another connection before the load starts and rolls it back after the \
-         drain; the control runs the same without it. **WAIT max**: the largest of the \
+         load starts {:.0} s before the measured part, at the same rate; then the held run opens \
+         `BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1 FROM outbox_event LIMIT 1` (a \
+         snapshot and a share lock on the tables behind the view, as pg_dump takes) on another \
+         connection, keeps it through the measured part and the drain, and rolls it back; the \
+         control runs the same without it. Times in the tables count from the measured part's \
+         start. **WAIT max**: the largest of the \
          `outbox_stats()` WAIT counts (due + delayed) sampled each second. n_dead_tup comes from \
          `pg_stat_user_tables` (busy sessions report their counts about once a second, so it may \
          lag by that much); sizes are `pg_table_size` and each index's `pg_relation_size`, at \
          the end of the interval. **Checkpoints** are the server's (`pg_stat_bgwriter`): how \
          many started in the interval, and the buffers checkpoints wrote in it (as the \
-         checkpointer reports them). Each run starts right after a forced checkpoint (the \
-         server log shows `checkpoint starting: immediate force wait` as the run's fresh \
-         database is set up), so with `checkpoint_timeout` 300 s and \
-         `checkpoint_completion_target` 0.9 a timed one writes from about 300 s to about 570 s \
-         in, and the next starts inside the last minute, in the control as in the held run. The \
-         first and last minute overlap when a run is shorter than two minutes.\n\n",
+         checkpointer reports them). **Why the load starts early:** setting up the run's fresh \
+         database forces a checkpoint (the server log shows `checkpoint starting: immediate \
+         force wait`), and with `checkpoint_timeout` 300 s and `checkpoint_completion_target` \
+         0.9 a timed one then writes from 300 s to about 570 s after it and ends with a sync of \
+         every file it wrote, which stalls every commit's WAL flush on this machine's disk. \
+         Started with the transaction, a 10-minute run put that sync in its last minute and \
+         never in its first, whatever the transaction did. Started 150 s early (the long \
+         profile; the shorter ones end before a timed checkpoint), the timed \
+         checkpoints end near 420 s and 720 s of the measured part, outside both of the minutes \
+         the goal compares; their stalls still show in the interval table. The first minute is \
+         also an outbox in steady state rather than a fresh database. The first and last minute \
+         overlap when a run is shorter than two minutes.\n\n",
         num(first.rate),
         first.secs,
         first.wake,
         ((first.rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS),
         defaults::BATCH_SIZE,
+        first.warmup_secs,
     );
     s += &summary_table(&r.held);
     for run in &r.held {
@@ -669,6 +694,7 @@ pub fn json(r: &Results) -> Value {
                     "offered_rate": run.rate,
                     "achieved_rate": run.achieved_rate,
                     "secs": run.secs,
+                    "warmup_secs": run.warmup_secs,
                     "wake_up_mode": run.wake,
                     "sent": run.sent,
                     "acked": run.acked,

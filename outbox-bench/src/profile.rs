@@ -59,10 +59,12 @@ pub struct Profile {
     pub lifecycle_events: i64,
     pub lifecycle_keyed: bool,
     /// Long transactions (issue 9): offered events/s, duration of each run (held, control),
-    /// reporting interval.
+    /// reporting interval, and the load before the measured part (the transaction opens after
+    /// it; see held_snapshot.rs).
     pub held_rate: f64,
     pub held_time: Duration,
     pub held_interval: Duration,
+    pub held_warmup: Duration,
 }
 
 impl Profile {
@@ -115,6 +117,7 @@ impl Profile {
             held_rate: 2_000.0,
             held_time: Duration::from_secs(120),
             held_interval: Duration::from_secs(10),
+            held_warmup: Duration::from_secs(20),
         }
     }
 
@@ -139,6 +142,7 @@ impl Profile {
             ordering_cap: Duration::from_secs(300),
             held_time: Duration::from_secs(600),
             held_interval: Duration::from_secs(30),
+            held_warmup: Duration::from_secs(150),
             ..Profile::quick()
         }
     }
@@ -190,6 +194,7 @@ impl Profile {
             held_rate: 200.0,
             held_time: Duration::from_secs(3),
             held_interval: Duration::from_secs(1),
+            held_warmup: Duration::from_secs(1),
         }
     }
 }
