@@ -515,7 +515,29 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
         async move {
             enqueue(client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
             let counts = wait_counts(client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
-            assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", relay.logs());
+            // Who holds what, should it fail: this step flaked once under CI load with its
+            // event SENDING for the whole minute and no publish error in this relay's log.
+            let rows: Vec<String> = client
+                .query(
+                    "SELECT format('%s %s owner=%s claimed_at=%s token=%s retries=%s error=%s',
+                                   id, status, claim_owner, claimed_at, claim_token, retry_count,
+                                   last_error)
+                       FROM outbox_event ORDER BY id",
+                    &[],
+                )
+                .await
+                .expect("events")
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            assert_eq!(
+                counts["SUCCESS"],
+                n,
+                "{counts:?}\n{}\nrelay pid {}:\n{}",
+                rows.join("\n"),
+                relay.pid(),
+                relay.logs()
+            );
         }
     };
 
