@@ -1,6 +1,7 @@
 //! Long transactions (issue 9; report section 10): an open-loop producer at a fixed rate while one
-//! claim loop drains to a null sink, with a REPEATABLE READ transaction held open on another
-//! connection from start to end, and the same without it as the control. Per interval:
+//! claim loop drains to a null sink; after a warm-up at the same rate, a REPEATABLE READ
+//! transaction opens on another connection and stays open through the measured part, and the
+//! same without it is the control. Per interval of the measured part:
 //! enqueue→ack latency of the events sent in it, the WAIT backlog, dead tuples and the size of
 //! every index of the extension's tables.
 
@@ -190,14 +191,15 @@ async fn one(
     let step_secs = p.held_interval.as_secs().max(1);
     let step = step_secs as f64;
     progress!(
-        "  {}, {}: {} events/s for {secs:.0} s",
+        "  {}, {}: {} events/s for {:.0} s, then {secs:.0} s measured",
         if keyed { "keyed" } else { "unkeyed" },
         if held {
             "held REPEATABLE READ transaction"
         } else {
             "control"
         },
-        num(rate)
+        num(rate),
+        p.held_warmup.as_secs_f64()
     );
     let db = TestDb::create_on(server, "outbox_bench_held");
     let monitor = db.client().await?;
