@@ -779,6 +779,129 @@ async fn stats_estimate_the_history_past_8_mb_even_with_a_table_never_analyzed()
     );
 }
 
+/// Claims and settles with `settle` ('ack' or 'nack') every event a claim hands out, 1,000 at a
+/// time; returns how many.
+async fn settle_all(c: &Client, settle: &str) -> i64 {
+    let sql = format!(
+        "SELECT coalesce(sum(a.n), 0)::bigint FROM (SELECT {} AS n \
+         FROM outbox_claim('r', 1000) c GROUP BY c.claim_token) a",
+        match settle {
+            "ack" => "outbox_ack('r', c.claim_token, array_agg(c.id))",
+            _ => "outbox_nack('r', c.claim_token, array_agg(c.id), 'broker down')",
+        }
+    );
+    let mut settled = 0i64;
+    loop {
+        let n: i64 = scalar(c, &sql, &[]).await;
+        if n == 0 {
+            return settled;
+        }
+        settled += n;
+    }
+}
+
+/// outbox_wait looks at the queue with outbox_work_due() between empty claims (every
+/// outbox.wait_poll_interval, 10 ms, without the library): a look must cost a few index probes
+/// whatever the delivered history, the events in backoff and the keys that wait for a backoff.
+/// Before 0.11.0 the stream's probe was an EXISTS that the planner ran as a sequential scan from
+/// the stream's first page (it guesses that a third of the stream lies past the cursor), so an
+/// idle outbox read its whole history at every look (1.46 million delivered events: 350 ms and
+/// 38,800 buffers, which stalled the 10-minute bench's claim loop), and the backoff probe, bounded
+/// by clock_timestamp(), read every event in backoff. Here 0.10.0 reads about 2,500 buffers.
+#[tokio::test]
+async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_backoffs() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let delivered = 40_000i64;
+    c.execute(
+        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g, 'note', repeat('x', 100)))) \
+         FROM generate_series(1, $1::bigint) g",
+        &[&delivered],
+    )
+    .await
+    .unwrap();
+    assert_eq!(settle_all(&c, "ack").await, delivered);
+    // In backoff (the first retry waits 5 s): unkeyed events, and keyed ones, a key each.
+    let backoff = 20_000i64;
+    let keys = 5_000i64;
+    c.execute(
+        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g))) FROM generate_series(1, $1::bigint) g",
+        &[&backoff],
+    )
+    .await
+    .unwrap();
+    c.execute(
+        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g), key => 'order-' || g)) \
+         FROM generate_series(1, $1::bigint) g",
+        &[&keys],
+    )
+    .await
+    .unwrap();
+    assert_eq!(settle_all(&c, "nack").await, backoff + keys);
+    c.batch_execute("ANALYZE outbox_stream; ANALYZE outbox_tracked; ANALYZE outbox_key")
+        .await
+        .unwrap();
+    let (stream_pages, waiting_keys): (i64, i64) = {
+        let r = c
+            .query_one(
+                "SELECT pg_relation_size('outbox_stream') / 8192, (SELECT count(*) FROM outbox_key)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert!(
+        stream_pages >= 1024,
+        "the stream holds the history: {stream_pages} pages"
+    );
+    assert_eq!(waiting_keys, keys, "every key waits for its head's backoff");
+
+    let due: bool = scalar(&c, "SELECT outbox_work_due()", &[]).await;
+    assert!(
+        !due,
+        "nothing is due: everything is delivered or in backoff"
+    );
+    let plan: serde_json::Value = scalar(
+        &c,
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT outbox_work_due()",
+        &[],
+    )
+    .await;
+    let top = &plan[0]["Plan"];
+    let buffers =
+        top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap();
+    assert!(
+        buffers <= 100,
+        "a look at the queue read {buffers} buffers (stream of {stream_pages} pages, {backoff} events \
+         and {keys} keys in backoff): a probe scanned instead of stopping at its first entry"
+    );
+
+    // And it still sees work: a fresh event, a key whose backoff is over, then an event whose
+    // backoff is over.
+    let fresh = enqueue(&c, "orders").await;
+    let due: bool = scalar(&c, "SELECT outbox_work_due()", &[]).await;
+    assert!(due, "a fresh event {fresh} is due");
+    assert_eq!(settle_all(&c, "ack").await, 1);
+    for (due_at, expected) in [("now()", true), ("now() + interval '1 hour'", false)] {
+        c.batch_execute(&format!(
+            "UPDATE outbox_key SET due_at = {due_at} WHERE event_key = 'order-1'"
+        ))
+        .await
+        .unwrap();
+        let due: bool = scalar(&c, "SELECT outbox_work_due()", &[]).await;
+        assert_eq!(due, expected, "a key due at {due_at}");
+    }
+    c.execute(
+        "UPDATE outbox_tracked SET next_retry_time = now() WHERE id = (SELECT min(id) FROM outbox_tracked WHERE NOT ordered)",
+        &[],
+    )
+    .await
+    .unwrap();
+    let due: bool = scalar(&c, "SELECT outbox_work_due()", &[]).await;
+    assert!(due, "an event whose backoff is over is due");
+}
+
 #[tokio::test]
 async fn a_partial_ack_settles_only_the_ids_it_names_even_beside_a_null() {
     let db = TestDb::create();
