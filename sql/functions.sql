@@ -851,10 +851,11 @@ AS $$
                        OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.prev_snap) x
                                     JOIN @extschema@.outbox_stream e ON e.txid = x
                                    WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)))
-        OR (SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
-             WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp()
-        OR (SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.due_at > '-infinity')
-           <= clock_timestamp()
+        -- (No such row: min is NULL, and the look must say false, not NULL.)
+        OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
+                      WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
+        OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.due_at > '-infinity')
+                    <= clock_timestamp(), false)
         OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
                     WHERE k.due_at = '-infinity'
                       AND EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e

@@ -812,6 +812,9 @@ async fn settle_all(c: &Client, settle: &str) -> i64 {
 async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_backoffs() {
     let db = TestDb::create();
     let c = db.connect().await;
+    // An empty outbox: false, not NULL (outbox_wait takes NULL for an error).
+    let due: Option<bool> = scalar(&c, "SELECT outbox_work_due()", &[]).await;
+    assert_eq!(due, Some(false), "nothing is due in an empty outbox");
     let delivered = 40_000i64;
     c.execute(
         "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g, 'note', repeat('x', 100)))) \
@@ -821,6 +824,12 @@ async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_back
     .await
     .unwrap();
     assert_eq!(settle_all(&c, "ack").await, delivered);
+    let due: Option<bool> = scalar(&c, "SELECT outbox_work_due()", &[]).await;
+    assert_eq!(
+        due,
+        Some(false),
+        "nothing is due once everything is delivered"
+    );
     // In backoff (the first retry waits 5 s): unkeyed events, and keyed ones, a key each.
     let backoff = 20_000i64;
     let keys = 5_000i64;
