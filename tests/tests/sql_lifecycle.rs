@@ -709,76 +709,6 @@ async fn stats_count_every_state_and_report_ages() {
     assert!(s.get::<_, f64>(6) >= 0.0 && s.get::<_, f64>(6) < 60.0);
 }
 
-/// Past 8 MB outbox_stats estimates the delivered history (SUCCESS) from the planner's statistics
-/// instead of counting it, also when a table was never analyzed (reltuples -1): here the tracked
-/// table, which never holds a row while no key is busy and nothing fails. Before 0.10.0 that one
-/// table sent every call to the exact count, which read the whole stream: a relay calls it every
-/// 5 s, and the 10-minute bench's once-a-second sampler ended up using most of a core.
-#[tokio::test]
-async fn stats_estimate_the_history_past_8_mb_even_with_a_table_never_analyzed() {
-    let db = TestDb::create();
-    let c = db.connect().await;
-    let total = 40_000i64;
-    c.execute(
-        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g, 'note', repeat('x', 100)))) \
-         FROM generate_series(1, $1::bigint) g",
-        &[&total],
-    )
-    .await
-    .unwrap();
-    let mut drained = 0i64;
-    loop {
-        let n: i64 = scalar(
-            &c,
-            "SELECT coalesce(sum(a.n), 0)::bigint FROM (SELECT outbox_ack('r', c.claim_token, array_agg(c.id)) AS n \
-             FROM outbox_claim('r', 1000) c GROUP BY c.claim_token) a",
-            &[],
-        )
-        .await;
-        if n == 0 {
-            break;
-        }
-        drained += n;
-    }
-    assert_eq!(drained, total);
-    c.batch_execute("ANALYZE outbox_stream").await.unwrap();
-    let tracked_tuples: f32 = scalar(
-        &c,
-        "SELECT reltuples FROM pg_class WHERE oid = 'outbox_tracked'::regclass",
-        &[],
-    )
-    .await;
-    assert_eq!(tracked_tuples, -1.0, "the tracked table was never analyzed");
-    let stream_pages: i64 =
-        scalar(&c, "SELECT pg_relation_size('outbox_stream') / 8192", &[]).await;
-    assert!(
-        stream_pages >= 1024,
-        "the stream is past 8 MB: {stream_pages} pages"
-    );
-
-    // A session's first call also fills its catalog caches (~1,600 buffers, even on an empty
-    // outbox): measure the second.
-    let _: i64 = scalar(&c, "SELECT succeeded FROM outbox_stats()", &[]).await;
-    let plan: serde_json::Value = scalar(
-        &c,
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM outbox_stats()",
-        &[],
-    )
-    .await;
-    let top = &plan[0]["Plan"];
-    let buffers =
-        top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap();
-    assert!(
-        buffers < stream_pages / 4,
-        "outbox_stats read {buffers} buffers over a stream of {stream_pages} pages: it counted the history"
-    );
-    let succeeded: i64 = scalar(&c, "SELECT succeeded FROM outbox_stats()", &[]).await;
-    assert!(
-        (succeeded - total).abs() <= total / 10,
-        "succeeded {succeeded} is an estimate of the {total} delivered events"
-    );
-}
-
 /// Claims and settles with `settle` ('ack' or 'nack') every event a claim hands out, 1,000 at a
 /// time; returns how many.
 async fn settle_all(c: &Client, settle: &str) -> i64 {
@@ -800,6 +730,76 @@ async fn settle_all(c: &Client, settle: &str) -> i64 {
     }
 }
 
+/// A delivered history past 8 MB: 40,000 events enqueued, claimed and acked; returns how many.
+async fn deliver_history(c: &Client) -> i64 {
+    let total = 40_000i64;
+    c.execute(
+        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g, 'note', repeat('x', 100)))) \
+         FROM generate_series(1, $1::bigint) g",
+        &[&total],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        settle_all(c, "ack").await,
+        total,
+        "every event is delivered"
+    );
+    total
+}
+
+/// The shared buffers (hit or read) one run of `sql` touches, from EXPLAIN (ANALYZE, BUFFERS).
+async fn buffers_read(c: &Client, sql: &str) -> i64 {
+    let plan: serde_json::Value = scalar(
+        c,
+        &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
+        &[],
+    )
+    .await;
+    let top = &plan[0]["Plan"];
+    top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap()
+}
+
+/// Past 8 MB outbox_stats estimates the delivered history (SUCCESS) from the planner's statistics
+/// instead of counting it, also when a table was never analyzed (reltuples -1): here the tracked
+/// table, which never holds a row while no key is busy and nothing fails. Before 0.10.0 that one
+/// table sent every call to the exact count, which read the whole stream: a relay calls it every
+/// 5 s, and the 10-minute bench's once-a-second sampler ended up using most of a core.
+#[tokio::test]
+async fn stats_estimate_the_history_past_8_mb_even_with_a_table_never_analyzed() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let total = deliver_history(&c).await;
+    c.batch_execute("ANALYZE outbox_stream").await.unwrap();
+    let tracked_tuples: f32 = scalar(
+        &c,
+        "SELECT reltuples FROM pg_class WHERE oid = 'outbox_tracked'::regclass",
+        &[],
+    )
+    .await;
+    assert_eq!(tracked_tuples, -1.0, "the tracked table was never analyzed");
+    let stream_pages: i64 =
+        scalar(&c, "SELECT pg_relation_size('outbox_stream') / 8192", &[]).await;
+    assert!(
+        stream_pages >= 1024,
+        "the stream is past 8 MB: {stream_pages} pages"
+    );
+
+    // A session's first call also fills its catalog caches (~1,600 buffers, even on an empty
+    // outbox): measure the second.
+    let _: i64 = scalar(&c, "SELECT succeeded FROM outbox_stats()", &[]).await;
+    let buffers = buffers_read(&c, "SELECT * FROM outbox_stats()").await;
+    assert!(
+        buffers < stream_pages / 4,
+        "outbox_stats read {buffers} buffers over a stream of {stream_pages} pages: it counted the history"
+    );
+    let succeeded: i64 = scalar(&c, "SELECT succeeded FROM outbox_stats()", &[]).await;
+    assert!(
+        (succeeded - total).abs() <= total / 10,
+        "succeeded {succeeded} is an estimate of the {total} delivered events"
+    );
+}
+
 /// outbox_wait looks at the queue with outbox_work_due() between empty claims (every
 /// outbox.wait_poll_interval, 10 ms, without the library): a look must cost a few index probes
 /// whatever the delivered history, the events in backoff and the keys that wait for a backoff.
@@ -815,15 +815,7 @@ async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_back
     // An empty outbox: false, not NULL (outbox_wait takes NULL for an error).
     let due: Option<bool> = scalar(&c, "SELECT outbox_work_due()", &[]).await;
     assert_eq!(due, Some(false), "nothing is due in an empty outbox");
-    let delivered = 40_000i64;
-    c.execute(
-        "SELECT count(outbox_enqueue('orders', jsonb_build_object('n', g, 'note', repeat('x', 100)))) \
-         FROM generate_series(1, $1::bigint) g",
-        &[&delivered],
-    )
-    .await
-    .unwrap();
-    assert_eq!(settle_all(&c, "ack").await, delivered);
+    deliver_history(&c).await;
     let due: Option<bool> = scalar(&c, "SELECT outbox_work_due()", &[]).await;
     assert_eq!(
         due,
@@ -871,15 +863,7 @@ async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_back
         !due,
         "nothing is due: everything is delivered or in backoff"
     );
-    let plan: serde_json::Value = scalar(
-        &c,
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT outbox_work_due()",
-        &[],
-    )
-    .await;
-    let top = &plan[0]["Plan"];
-    let buffers =
-        top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap();
+    let buffers = buffers_read(&c, "SELECT outbox_work_due()").await;
     assert!(
         buffers <= 100,
         "a look at the queue read {buffers} buffers (stream of {stream_pages} pages, {backoff} events \
