@@ -829,9 +829,9 @@ $$;
 -- - the stream's is a scalar subquery in index order, not EXISTS: the planner drops an EXISTS'
 --   ORDER BY and LIMIT, and, guessing that a third of the stream lies past the cursor, scanned the
 --   table from its first page (0.7.0 to 0.10.0: the whole delivered history on an idle outbox);
--- - the backoff and key probes take the earliest time from its index (min), then compare: as
---   EXISTS with clock_timestamp(), which cannot bound an index scan, they read every event and
---   every key in backoff.
+-- - the backoff and key probes read the earliest time from their indexes (min), then compare it
+--   with the clock: an EXISTS with clock_timestamp(), which cannot bound an index scan, read
+--   every event in backoff (0.10.0 and before).
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
