@@ -510,13 +510,24 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
         )
     };
     let client = db.connect().await;
+    // Each relay is stopped the graceful way (SIGTERM) before the next event is enqueued: a
+    // SIGKILLed relay's last claim still runs in PostgreSQL after the process is gone, and takes
+    // an event committed meanwhile for a dead owner until the lease (10 min) ends. That race, not SASL, made this test fail under CI load (stop 22 and stop 24).
+    let stop = |mut relay: Relay| {
+        let status = relay.terminate(Duration::from_secs(30));
+        assert!(
+            status.as_ref().is_ok_and(|s| s.success()),
+            "the relay stops cleanly on SIGTERM: {status:?}\n{}",
+            relay.logs()
+        );
+    };
     let delivered = |relay: Relay, n: i64| {
         let client = &client;
         async move {
             enqueue(client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
             let counts = wait_counts(client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
-            // Who holds what, should it fail: this step flaked once under CI load with its
-            // event SENDING for the whole minute and no publish error in this relay's log.
+            // Who holds what, should it fail (this told the SIGKILL race above: the stuck event's
+            // owner was the previous relay's).
             let rows: Vec<String> = client
                 .query(
                     "SELECT format('%s %s owner=%s claimed_at=%s token=%s retries=%s error=%s',
@@ -538,6 +549,7 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
                 relay.pid(),
                 relay.logs()
             );
+            stop(relay);
         }
     };
 
@@ -550,7 +562,7 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
         "a failed SCRAM login is logged:\n{}",
         wrong.logs()
     );
-    drop(wrong);
+    stop(wrong);
 
     delivered(run(props("scram", scram(&listener.password))), 1).await;
     // OAUTHBEARER the way platforms run it: OIDC client credentials, the token fetched by
