@@ -1093,6 +1093,14 @@ BEGIN
             lo_id := NULL;
         END IF;
     END IF;
+    -- A claim whose client is gone would hold its events for a dead owner until the lease ends:
+    -- PostgreSQL runs a statement to its end after its client died (a relay SIGKILLed with this
+    -- claim in flight), and commits it. Roll it back instead; nobody is there to see the error.
+    IF (cardinality(tracked_ids) > 0 OR cardinality(stream_ids) > 0)
+       AND NOT @extschema@.outbox_client_connected() THEN
+        RAISE EXCEPTION USING ERRCODE = 'connection_failure',
+            MESSAGE = 'outbox_claim: the client disconnected; the claim is rolled back';
+    END IF;
     -- Rows in publish (= id, within a key commit) order: UPDATE ... RETURNING has none.
     RETURN QUERY
     SELECT e.* FROM (

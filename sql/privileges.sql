@@ -29,6 +29,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
     @extschema@.outbox_enqueue_begin(text, text),
     @extschema@.outbox_xact_late(),
+    @extschema@.outbox_client_connected(),
     @extschema@.outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz),
     @extschema@.outbox_work_due(),
     @extschema@.outbox_wait(interval),

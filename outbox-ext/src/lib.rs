@@ -8,6 +8,7 @@
 
 use pgrx::prelude::*;
 
+mod client;
 mod guc;
 mod producer;
 mod wake;
@@ -31,6 +32,7 @@ extension_sql_file!(
     name = "functions",
     requires = [
         "schema",
+        client::outbox_client_connected,
         guc::outbox_config,
         guc::outbox_max_payload_bytes,
         guc::outbox_notify_enabled,

@@ -350,6 +350,14 @@ LANGUAGE sql VOLATILE PARALLEL UNSAFE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT pg_current_xact_id_if_assigned() IS NOT NULL $$;
 
+-- Whether the session's client is still connected (client.rs): outbox_claim rolls back a claim
+-- whose client died while it ran. SQL cannot look at the socket, so here it always says yes, and
+-- such a claim waits out its lease (docs/sql-only.md).
+CREATE FUNCTION @extschema@.outbox_client_connected() RETURNS boolean
+LANGUAGE sql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT true $$;
+
 -- How outbox_wait is woken: always 'polling' here (the native build says 'commit' when preloaded).
 CREATE FUNCTION @extschema@.outbox_wake_mode() RETURNS text
 LANGUAGE sql STRICT STABLE PARALLEL SAFE

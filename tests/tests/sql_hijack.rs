@@ -680,6 +680,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_status_after_failure", "4, 3"),
         ("outbox_enqueue_begin", "'orders', 'k-1'"),
         ("outbox_xact_late", ""),
+        ("outbox_client_connected", ""),
         (
             "outbox_enqueue_many",
             "'orders', ARRAY['{}'::jsonb], ARRAY['k-1']",

@@ -988,3 +988,86 @@ async fn a_claim_returns_its_stream_rows_whether_their_ids_are_consecutive_or_sp
         .all(|r| r.get::<_, String>(3) == "SENDING"
             && r.get::<_, i64>(2) == rows[0].get::<_, i64>(2)));
 }
+
+/// A claim that PostgreSQL runs after its client died: a relay SIGKILLed with a claim in flight
+/// (the server learns of the closed connection only when it answers, and would commit the
+/// statement). Here a real `psql` whose statement sleeps before it claims is killed with SIGKILL
+/// during the sleep. The native build rolls the claim back (`outbox_client_connected`), so the
+/// event is due at once instead of held for the dead owner until the lease ends; the SQL-only
+/// build cannot see the socket and commits it (docs/sql-only.md).
+#[tokio::test]
+async fn a_claim_whose_client_died_while_it_ran_holds_nothing() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    assert!(
+        scalar::<bool>(&c, "SELECT outbox_client_connected()", &[]).await,
+        "a live session's client is connected"
+    );
+    let id = enqueue(&c, "orders").await;
+
+    let app = format!("dead_claimer_{}", std::process::id());
+    let mut victim = std::process::Command::new("psql")
+        .arg(format!("{} application_name={app}", db.url()))
+        .args(["-X", "-q", "-c"])
+        .arg("DO $$ BEGIN PERFORM pg_sleep(2); PERFORM outbox_claim('dead-claimer', 10); END $$")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("psql");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let pid = loop {
+        let sleeping: Option<i32> = scalar(
+            &c,
+            "SELECT (SELECT pid FROM pg_stat_activity
+                      WHERE application_name = $1 AND wait_event = 'PgSleep' LIMIT 1)",
+            &[&app],
+        )
+        .await;
+        if let Some(pid) = sleeping {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "psql never started its sleep"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    victim.kill().expect("SIGKILL psql");
+    victim.wait().expect("reap psql");
+
+    // The backend wakes up, runs the claim, and ends once it finds its client gone.
+    loop {
+        let alive: bool = scalar(
+            &c,
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)",
+            &[&pid],
+        )
+        .await;
+        if !alive {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead client's backend never ended"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    let (status, retries, owner) = status_of(&c, id).await;
+    if outbox_tests::build::sql_only() {
+        assert_eq!(
+            (status.as_str(), owner.as_deref()),
+            ("SENDING", Some("dead-claimer")),
+            "the SQL-only build commits the dead client's claim"
+        );
+    } else {
+        assert_eq!(
+            (status.as_str(), retries, owner),
+            ("WAIT", 0, None),
+            "the dead client's claim was rolled back"
+        );
+        let (_, ids) = claim(&c, "alive", 10).await;
+        assert_eq!(ids, vec![id], "a live relay gets the event at once");
+    }
+}

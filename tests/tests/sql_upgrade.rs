@@ -123,6 +123,11 @@ async fn update_from_0_10_0_with_events_in_flight() {
 }
 
 #[tokio::test]
+async fn update_from_0_11_0_with_events_in_flight() {
+    update_with_events_in_flight("0.11.0").await;
+}
+
+#[tokio::test]
 async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.7.0").await;
 }
@@ -140,6 +145,11 @@ async fn update_from_0_9_0_with_keyed_stream_events_waiting() {
 #[tokio::test]
 async fn update_from_0_10_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.10.0").await;
+}
+
+#[tokio::test]
+async fn update_from_0_11_0_with_keyed_stream_events_waiting() {
+    update_with_keyed_stream_events_waiting("0.11.0").await;
 }
 
 /// Keyed events in the stream across the update: a claim holds the first event of two keys, after
@@ -316,7 +326,7 @@ async fn update_with_events_in_flight(from: &str) {
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
     // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
     // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0,
-    // 0.7.0, 0.8.0, 0.9.0 and 0.10.0 the same as 0.5.0.
+    // 0.7.0 to 0.11.0 the same as 0.5.0.
     let returning = match from {
         "0.3.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
@@ -325,7 +335,7 @@ async fn update_with_events_in_flight(from: &str) {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[])"
         }
-        "0.5.0" | "0.6.0" | "0.7.0" | "0.8.0" | "0.9.0" | "0.10.0" => {
+        "0.5.0" | "0.6.0" | "0.7.0" | "0.8.0" | "0.9.0" | "0.10.0" | "0.11.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
              outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)"
@@ -462,7 +472,7 @@ async fn update_with_events_in_flight(from: &str) {
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
-    // In 0.11.0 (as in 0.9.0 and 0.10.0): 38 functions, 59 columns, 12 indexes, 6 tables and views, the view's definition,
+    // In 0.12.0: 39 functions (0.9.0 to 0.11.0: 38), 59 columns, 12 indexes, 6 tables and views, the view's definition,
     // 1 trigger, the enum and 6 pg_dump rows (124 in all).
     assert!(
         installed.len() > 110,
