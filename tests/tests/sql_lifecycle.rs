@@ -1009,7 +1009,8 @@ async fn a_claim_whose_client_died_while_it_ran_holds_nothing() {
     let mut victim = std::process::Command::new("psql")
         .arg(format!("{} application_name={app}", db.url()))
         .args(["-X", "-q", "-c"])
-        .arg("DO $$ BEGIN PERFORM pg_sleep(2); PERFORM outbox_claim('dead-claimer', 10); END $$")
+        // Seconds of sleep: the kill must land before the claim starts, even on a loaded machine.
+        .arg("DO $$ BEGIN PERFORM pg_sleep(4); PERFORM outbox_claim('dead-claimer', 10); END $$")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
