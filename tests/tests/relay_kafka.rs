@@ -511,8 +511,10 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
     };
     let client = db.connect().await;
     // Each relay is stopped the graceful way (SIGTERM) before the next event is enqueued: a
-    // SIGKILLed relay's last claim still runs in PostgreSQL after the process is gone, and takes
-    // an event committed meanwhile for a dead owner until the lease (10 min) ends. That race, not SASL, made this test fail under CI load (stop 22 and stop 24).
+    // SIGKILLed relay's last claim still runs in PostgreSQL after the process is gone, and could
+    // take an event committed meanwhile for a dead owner until the lease (10 min) ends (the native
+    // build rolls such a claim back since 0.12.0; the SQL-only build cannot). A CI failure of this
+    // test showed its event held by the previous, already killed relay.
     let stop = |mut relay: Relay| {
         let status = relay.terminate(Duration::from_secs(30));
         assert!(
@@ -526,8 +528,7 @@ async fn the_relay_authenticates_with_sasl_scram_and_oauthbearer_oidc() {
         async move {
             enqueue(client, "orders", "A", "T", &a_payload(), &BTreeMap::new()).await;
             let counts = wait_counts(client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
-            // Who holds what, should it fail (this told the SIGKILL race above: the stuck event's
-            // owner was the previous relay's).
+            // Who holds what, should it fail.
             let rows: Vec<String> = client
                 .query(
                     "SELECT format('%s %s owner=%s claimed_at=%s token=%s retries=%s error=%s',

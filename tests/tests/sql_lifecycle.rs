@@ -41,6 +41,26 @@ async fn status_of(c: &Client, id: i64) -> (String, i32, Option<String>) {
     (r.get(0), r.get(1), r.get(2))
 }
 
+/// Runs `sql` until it returns a non-NULL value (within 30 s), and returns it.
+async fn poll<T: tokio_postgres::types::FromSqlOwned>(
+    c: &Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    what: &str,
+) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Some(v) = scalar::<Option<T>>(c, sql, params).await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 30 s for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// Makes a WAIT row due now, as if its backoff had elapsed. Only tracked rows (retried, delayed,
 /// ordered events) have a next_retry_time: a fresh unordered event is a stream row, always due.
 async fn make_due(c: &Client, id: i64) {
@@ -1016,44 +1036,25 @@ async fn a_claim_whose_client_died_while_it_ran_holds_nothing() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("psql");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let pid = loop {
-        let sleeping: Option<i32> = scalar(
-            &c,
-            "SELECT (SELECT pid FROM pg_stat_activity
-                      WHERE application_name = $1 AND wait_event = 'PgSleep' LIMIT 1)",
-            &[&app],
-        )
-        .await;
-        if let Some(pid) = sleeping {
-            break pid;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "psql never started its sleep"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let pid: i32 = poll(
+        &c,
+        "SELECT (SELECT pid FROM pg_stat_activity
+                  WHERE application_name = $1 AND wait_event = 'PgSleep' LIMIT 1)",
+        &[&app],
+        "psql's backend sleeping",
+    )
+    .await;
     victim.kill().expect("SIGKILL psql");
     victim.wait().expect("reap psql");
 
     // The backend wakes up, runs the claim, and ends once it finds its client gone.
-    loop {
-        let alive: bool = scalar(
-            &c,
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)",
-            &[&pid],
-        )
-        .await;
-        if !alive {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the dead client's backend never ended"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let _: bool = poll(
+        &c,
+        "SELECT (SELECT true WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1))",
+        &[&pid],
+        "the dead client's backend ending",
+    )
+    .await;
 
     let (status, retries, owner) = status_of(&c, id).await;
     if outbox_tests::build::sql_only() {
