@@ -1342,8 +1342,38 @@ BEGIN
 END
 $$;
 
--- Expired claims back to WAIT (or FAIL): returns each reclaimed row with its new state and the
--- owner whose lease expired, so the caller can log and count the dead letters it made.
+-- A claimer says it is alive until now + timeout, and beats again before then (the relay every
+-- sixth of its timeout). Once an owner's expiry has passed without a new beat, outbox_reclaim
+-- takes back the claims it made before that expiry, whatever their lease. A timeout of zero says
+-- the owner stops: what it still holds goes at the next reclaim. A later beat revives the owner,
+-- and its claims that were not reclaimed yet are its own again. Returns the expiry.
+CREATE FUNCTION @extschema@.outbox_heartbeat(owner text, timeout interval DEFAULT '30 seconds')
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    -- Wall clock, as the claim's claimed_at: a beat inside a long transaction is still now.
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    PERFORM @extschema@.outbox_check_owner('outbox_heartbeat', owner);
+    -- The upper bound keeps stamp + timeout inside timestamptz's range.
+    IF timeout IS NULL OR timeout < interval '0' OR timeout > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_heartbeat: timeout must be an interval from 0 to 100 years',
+            DETAIL = format('timeout = %s', coalesce(timeout::text, 'NULL'));
+    END IF;
+    INSERT INTO @extschema@.outbox_owner AS o (owner, started_at, beat_at, expires_at)
+    VALUES (owner, stamp, stamp, stamp + timeout)
+    ON CONFLICT ON CONSTRAINT outbox_owner_pkey
+    DO UPDATE SET beat_at = excluded.beat_at, expires_at = excluded.expires_at;
+    RETURN stamp + timeout;
+END
+$$;
+
+-- Expired claims back to WAIT (or FAIL): claims past their lease, and claims whose owner's
+-- heartbeat ran out (outbox_heartbeat). Returns each reclaimed row with its new state and the
+-- owner that held it, so the caller can log and count the dead letters it made.
 CREATE FUNCTION @extschema@.outbox_reclaim_returning(lease interval DEFAULT NULL)
 RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -1354,6 +1384,8 @@ DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
     moved_rows int;
+    gone_owners text[];
+    gone_at timestamptz[];
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
     SELECT * INTO cfg FROM @extschema@.outbox_config();
@@ -1369,10 +1401,19 @@ BEGIN
     -- so a poison event that kills its relay every time still ends as a dead letter.
     -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
     -- (waiting in claimed_at order against acks in id order could deadlock).
+    -- Owners whose heartbeat ran out (outbox_heartbeat), with when it did: their claims made
+    -- before then go now (gone_at[array_position(gone_owners, owner)], NULL for any other owner).
+    -- Few rows, read whole.
+    SELECT coalesce(array_agg(o.owner), '{}'), coalesce(array_agg(o.expires_at), '{}')
+      INTO gone_owners, gone_at
+      FROM @extschema@.outbox_owner o
+     WHERE o.expires_at < stamp;
     RETURN QUERY
     WITH expired AS MATERIALIZED (
         SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
-         WHERE x.status = 'SENDING' AND x.claimed_at < stamp - lease
+         WHERE x.status = 'SENDING'
+           AND (x.claimed_at < stamp - lease
+                OR x.claimed_at <= gone_at[array_position(gone_owners, x.claim_owner)])
          ORDER BY x.id
          FOR UPDATE SKIP LOCKED
     ), reclaimed AS (
@@ -1380,10 +1421,18 @@ BEGIN
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
                next_retry_time = stamp,
-               last_error = format('lease expired: claimed by %s at %s, not settled within %s',
-                                   e.claim_owner, e.claimed_at, lease),
+               last_error = CASE WHEN e.claimed_at < stamp - lease
+                                 THEN format('lease expired: claimed by %s at %s, not settled within %s',
+                                             e.claim_owner, e.claimed_at, lease)
+                                 ELSE format('owner gone: claimed by %s at %s, whose heartbeat ran out at %s',
+                                             e.claim_owner, e.claimed_at,
+                                             gone_at[array_position(gone_owners, e.claim_owner)])
+                            END,
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
-         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING' AND e.claimed_at < stamp - lease
+         -- Locked above, so still as expired saw them; the state is checked again all the same.
+         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING'
+           AND (e.claimed_at < stamp - lease
+                OR e.claimed_at <= gone_at[array_position(gone_owners, e.claim_owner)])
         RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
     ), woken AS (
         -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
@@ -1400,9 +1449,17 @@ BEGIN
     -- event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
     RETURN QUERY
     WITH expired AS MATERIALIZED (
-        SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending
+        SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending,
+               CASE WHEN b.claimed_at < stamp - lease
+                    THEN format('lease expired: claimed by %s at %s, not settled within %s',
+                                b.claim_owner, b.claimed_at, lease)
+                    ELSE format('owner gone: claimed by %s at %s, whose heartbeat ran out at %s',
+                                b.claim_owner, b.claimed_at,
+                                gone_at[array_position(gone_owners, b.claim_owner)])
+               END AS why
           FROM @extschema@.outbox_stream_batch b
-         WHERE b.claimed_at < stamp - lease
+         WHERE (b.claimed_at < stamp - lease
+                OR b.claimed_at <= gone_at[array_position(gone_owners, b.claim_owner)])
            -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
            AND b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
                                   ORDER BY v.version DESC LIMIT 1)
@@ -1413,16 +1470,14 @@ BEGIN
          USING expired x
          WHERE b.claim_token = x.claim_token
     ), held AS (
-        SELECT p.id, x.claim_owner, x.claimed_at
+        SELECT p.id, x.claim_owner, x.why
           FROM expired x CROSS JOIN LATERAL unnest(x.pending) AS p(id)
     ), moved AS (
         INSERT INTO @extschema@.outbox_tracked AS m
             (id, topic, event_key, event_type, payload, headers, status, retry_count,
              next_retry_time, last_error, created_at, updated_at, event_id, ordered)
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
-               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp,
-               format('lease expired: claimed by %s at %s, not settled within %s',
-                      h.claim_owner, h.claimed_at, lease),
+               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp, h.why,
                s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
           FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
          ORDER BY s.id
@@ -1441,6 +1496,12 @@ BEGIN
      ORDER BY mv.id;
     GET DIAGNOSTICS moved_rows = ROW_COUNT;
     done := done + moved_rows;
+    -- Owners gone for longer than a lease hold nothing the lease has not taken back (a claim
+    -- skipped above as locked included): their rows go, so the table stays as small as the
+    -- set of live claimers.
+    IF cardinality(gone_owners) > 0 THEN
+        DELETE FROM @extschema@.outbox_owner o WHERE o.expires_at < stamp - lease;
+    END IF;
     IF done > 0 AND cfg.notify THEN
         PERFORM pg_notify('outbox', '');
     END IF;

@@ -3,7 +3,7 @@
 -- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
 REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
     @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch, @extschema@.outbox_stream_early,
-    @extschema@.outbox_key FROM PUBLIC;
+    @extschema@.outbox_key, @extschema@.outbox_owner FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_config(),
@@ -42,6 +42,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_nack(text, bigint, bigint[], text),
     @extschema@.outbox_renew(text, bigint, bigint[]),
     @extschema@.outbox_release(text, bigint, bigint[], interval, text),
+    @extschema@.outbox_heartbeat(text, interval),
     @extschema@.outbox_reclaim_returning(interval),
     @extschema@.outbox_reclaim(interval),
     @extschema@.outbox_requeue(bigint[]),

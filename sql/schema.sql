@@ -172,6 +172,20 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     waiters     boolean NOT NULL DEFAULT false
 );
 
+-- One row per claimer that says it is alive (outbox_heartbeat; the relay beats every few seconds).
+-- A claim its owner made before its heartbeat ran out is reclaimed as soon as it has, not after
+-- the lease: a relay killed with events in flight holds them for its heartbeat timeout (30 s by
+-- default) rather than 10 minutes. A claimer that never beats keeps the lease alone. Runtime
+-- state: not dumped, and outbox_reclaim deletes the rows of owners gone for longer than a lease.
+CREATE TABLE @extschema@.outbox_owner (
+    owner      text PRIMARY KEY,
+    -- Its first heartbeat since its row was last deleted.
+    started_at timestamptz NOT NULL,
+    beat_at    timestamptz NOT NULL,
+    -- beat_at + the timeout the owner gave: past it, the owner counts as gone.
+    expires_at timestamptz NOT NULL
+);
+
 -- Stream events handed out (or made tracked rows) before the cursor reached them: an ordered
 -- event whose transaction drew its txid before an earlier event of its key committed sits after
 -- it in (txid, id) order, and goes out with it. The cursor skips them, and drops their row, when

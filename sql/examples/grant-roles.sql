@@ -5,7 +5,7 @@
 --        -f sql/examples/grant-roles.sql
 --
 -- producer: may only enqueue (no reading payloads, no claiming).
--- relay:    claims, acks, nacks, renews, releases, reclaims and reads stats.
+-- relay:    claims, acks, nacks, renews, releases, beats, reclaims and reads stats.
 -- admin:    everything the relay may, plus dead letters, blocked keys, requeue, skip and purge.
 -- Assumes the extension lives in schema public; otherwise replace public below.
 GRANT USAGE ON SCHEMA public TO :"producer", :"relay", :"admin";
@@ -22,6 +22,7 @@ GRANT EXECUTE ON FUNCTION
     public.outbox_nack_returning(text, bigint, bigint[], text),
     public.outbox_renew(text, bigint, bigint[]),
     public.outbox_release(text, bigint, bigint[], interval, text),
+    public.outbox_heartbeat(text, interval),
     public.outbox_reclaim(interval),
     public.outbox_reclaim_returning(interval),
     public.outbox_stats(),

@@ -501,6 +501,11 @@ async fn lifecycle(
 
     api.set_role(relay).await;
     let owner = "relay-1";
+    api.call("outbox_heartbeat", "$1, '30 seconds'", &[&owner])
+        .await;
+    // An owner that said it stops: the reclaims below read and then delete its row.
+    api.call("outbox_heartbeat", "'relay-gone', '0 seconds'", &[])
+        .await;
     let (token, ids) = api.claim(owner).await;
     api.expect(ids.len() == 3, &format!("claimed {ids:?}, want 3 events"));
     let renewed = api
@@ -633,6 +638,8 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_renew", "'', 1, '{1}'"),
         ("outbox_release", "'relay-1', 1, '{1}', '-1 second'"),
         ("outbox_reclaim", "'-1 second'"),
+        ("outbox_heartbeat", "'relay-1', '-1 second'"),
+        ("outbox_heartbeat", "'', '1 second'"),
         ("outbox_requeue", "NULL"),
         ("outbox_purge", "'-1 second'"),
         ("outbox_purge", "'1 second', 0"),

@@ -1073,3 +1073,165 @@ async fn a_claim_whose_client_died_while_it_ran_holds_nothing() {
         assert_eq!(ids, vec![id], "a live relay gets the event at once");
     }
 }
+
+async fn heartbeat(c: &Client, owner: &str, timeout: &str) {
+    c.execute(
+        "SELECT outbox_heartbeat($1, $2::text::interval)",
+        &[&owner, &timeout],
+    )
+    .await
+    .unwrap();
+}
+
+/// (id, status, retry_count, expired_owner) of each row a reclaim with a 10-minute lease took.
+async fn reclaim_10_minutes(c: &Client) -> Vec<(i64, String, i32, Option<String>)> {
+    c.query(
+        "SELECT id, status::text, retry_count, expired_owner \
+         FROM outbox_reclaim_returning('10 minutes') ORDER BY id",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+    .collect()
+}
+
+#[tokio::test]
+async fn a_claim_whose_owner_stopped_beating_is_reclaimed_long_before_its_lease() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    // A tracked row, an unordered stream event and an ordered one: every kind a claim holds.
+    let tracked = enqueue_tracked(&c, "orders").await;
+    let stream = enqueue(&c, "orders").await;
+    let keyed: i64 = scalar(
+        &c,
+        "SELECT outbox_enqueue('orders', '{\"n\":2}'::jsonb, key => 'order-7')",
+        &[],
+    )
+    .await;
+    heartbeat(&c, "relay-dead", "1 second").await;
+    heartbeat(&c, "relay-live", "1 second").await;
+    let (dead_token, mut held) = claim(&c, "relay-dead", 10).await;
+    held.sort();
+    assert_eq!(held, vec![tracked, stream, keyed]);
+    let other = enqueue(&c, "orders").await;
+    assert_eq!(claim(&c, "relay-live", 10).await.1, vec![other]);
+
+    // relay-live keeps beating, relay-dead does not: a second later its heartbeat has run out.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    heartbeat(&c, "relay-live", "1 second").await;
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    heartbeat(&c, "relay-live", "1 second").await;
+    let dead = Some("relay-dead".to_string());
+    assert_eq!(
+        reclaim_10_minutes(&c).await,
+        vec![
+            (tracked, "WAIT".into(), 1, dead.clone()),
+            (stream, "WAIT".into(), 1, dead.clone()),
+            (keyed, "WAIT".into(), 1, dead.clone()),
+        ],
+        "the claims of the owner that stopped beating, as one failed attempt each, with a 10-minute lease"
+    );
+    assert_eq!(
+        status_of(&c, other).await,
+        ("SENDING".into(), 0, Some("relay-live".into())),
+        "a live owner's claim stays its own"
+    );
+    let err: String = scalar(
+        &c,
+        "SELECT last_error FROM outbox_event WHERE id = $1",
+        &[&stream],
+    )
+    .await;
+    assert!(
+        err.starts_with("owner gone: claimed by relay-dead") && err.contains("heartbeat ran out"),
+        "{err}"
+    );
+    // If relay-dead was only slow, its late ack is a no-op: the events are someone else's now.
+    let acked: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('relay-dead', $1, $2)",
+        &[&dead_token.unwrap(), &held],
+    )
+    .await;
+    assert_eq!(acked, 0, "a reclaimed claim's ack settles nothing");
+    let (_, mut again) = claim(&c, "relay-b", 10).await;
+    again.sort();
+    assert_eq!(again, held, "due at once for the next claim");
+}
+
+#[tokio::test]
+async fn a_heartbeat_covers_only_the_claims_made_before_it_ran_out_and_a_new_beat_revives_them() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    // An owner that said it stops (timeout 0) and then claims: that claim keeps its lease.
+    heartbeat(&c, "relay-x", "0 seconds").await;
+    let late = enqueue(&c, "orders").await;
+    assert_eq!(claim(&c, "relay-x", 10).await.1, vec![late]);
+    assert_eq!(reclaim_10_minutes(&c).await, vec![]);
+    assert_eq!(
+        status_of(&c, late).await,
+        ("SENDING".into(), 0, Some("relay-x".into()))
+    );
+    // It stops again, after the claim: now the claim goes.
+    heartbeat(&c, "relay-x", "0 seconds").await;
+    assert_eq!(
+        reclaim_10_minutes(&c).await,
+        vec![(late, "WAIT".into(), 1, Some("relay-x".into()))]
+    );
+
+    // An owner whose heartbeat ran out and that beats again before a reclaim: alive, its claim
+    // stays.
+    heartbeat(&c, "relay-y", "1 second").await;
+    let slow = enqueue(&c, "orders").await;
+    assert_eq!(claim(&c, "relay-y", 10).await.1, vec![late, slow]);
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    heartbeat(&c, "relay-y", "1 hour").await;
+    assert_eq!(reclaim_10_minutes(&c).await, vec![]);
+    assert_eq!(
+        status_of(&c, late).await,
+        ("SENDING".into(), 1, Some("relay-y".into()))
+    );
+    assert_eq!(
+        status_of(&c, slow).await,
+        ("SENDING".into(), 0, Some("relay-y".into()))
+    );
+}
+
+#[tokio::test]
+async fn reclaim_forgets_owners_gone_longer_than_the_lease_and_bad_heartbeats_are_refused() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    heartbeat(&c, "relay-gone", "0 seconds").await;
+    heartbeat(&c, "relay-live", "1 hour").await;
+    let expires: bool = scalar(
+        &c,
+        "SELECT outbox_heartbeat('relay-other', '30 seconds') \
+         BETWEEN clock_timestamp() + interval '29 seconds' AND clock_timestamp() + interval '30 seconds'",
+        &[],
+    )
+    .await;
+    assert!(expires, "the heartbeat returns its expiry");
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let n: i32 = scalar(&c, "SELECT outbox_reclaim('10 milliseconds')", &[]).await;
+    assert_eq!(n, 0);
+    let owners: Vec<String> = scalar(
+        &c,
+        "SELECT array_agg(owner ORDER BY owner) FROM outbox_owner",
+        &[],
+    )
+    .await;
+    assert_eq!(owners, vec!["relay-live", "relay-other"]);
+
+    for (sql, needle) in [
+        ("SELECT outbox_heartbeat('relay-1', '-1 second')", "timeout must be"),
+        ("SELECT outbox_heartbeat('relay-1', NULL)", "timeout must be"),
+        ("SELECT outbox_heartbeat('', '1 second')", "owner must be"),
+        ("SELECT outbox_heartbeat(NULL)", "owner must be"),
+    ] {
+        outbox_tests::db::rejects(&c, sql, &[], "22023", needle).await;
+    }
+    let owners: i64 = scalar(&c, "SELECT count(*) FROM outbox_owner", &[]).await;
+    assert_eq!(owners, 2, "a refused heartbeat writes nothing");
+}

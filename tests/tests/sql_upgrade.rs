@@ -128,6 +128,11 @@ async fn update_from_0_11_0_with_events_in_flight() {
 }
 
 #[tokio::test]
+async fn update_from_0_12_0_with_events_in_flight() {
+    update_with_events_in_flight("0.12.0").await;
+}
+
+#[tokio::test]
 async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.7.0").await;
 }
@@ -150,6 +155,11 @@ async fn update_from_0_10_0_with_keyed_stream_events_waiting() {
 #[tokio::test]
 async fn update_from_0_11_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.11.0").await;
+}
+
+#[tokio::test]
+async fn update_from_0_12_0_with_keyed_stream_events_waiting() {
+    update_with_keyed_stream_events_waiting("0.12.0").await;
 }
 
 /// Keyed events in the stream across the update: a claim holds the first event of two keys, after
@@ -325,8 +335,8 @@ async fn update_with_events_in_flight(from: &str) {
         .unwrap();
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
     // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
-    // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0,
-    // 0.7.0 to 0.11.0 the same as 0.5.0.
+    // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0 to
+    // 0.12.0 the same as 0.5.0.
     let returning = match from {
         "0.3.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
@@ -335,7 +345,7 @@ async fn update_with_events_in_flight(from: &str) {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[])"
         }
-        "0.5.0" | "0.6.0" | "0.7.0" | "0.8.0" | "0.9.0" | "0.10.0" | "0.11.0" => {
+        "0.5.0" | "0.6.0" | "0.7.0" | "0.8.0" | "0.9.0" | "0.10.0" | "0.11.0" | "0.12.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
              outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)"
@@ -366,7 +376,8 @@ async fn update_with_events_in_flight(from: &str) {
     .await;
     assert_eq!(version, CURRENT);
     // outbox_claim and outbox_dead_letters are dropped and created anew by 0.6.0 -> 0.7.0, which
-    // replays their grants: the role keeps them from every release.
+    // replays their grants: the role keeps them from every release. 0.12.0 -> 0.13.0 grants the
+    // heartbeat to whoever may claim.
     for f in [
         "outbox_claim(text, integer)",
         "outbox_dead_letters(integer, bigint)",
@@ -378,6 +389,7 @@ async fn update_with_events_in_flight(from: &str) {
         "outbox_wait(interval)",
         "outbox_wake_mode()",
         "outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)",
+        "outbox_heartbeat(text, interval)",
     ] {
         let may: bool = scalar(
             &c,
@@ -393,7 +405,7 @@ async fn update_with_events_in_flight(from: &str) {
          outbox_stats(), outbox_requeue(bigint[]), outbox_blocked_keys(int), outbox_skip(bigint[]), \
          outbox_claim(text, int), outbox_dead_letters(int, bigint), \
          outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz), \
-         outbox_wait(interval), outbox_wake_mode(), \
+         outbox_wait(interval), outbox_wake_mode(), outbox_heartbeat(text, interval), \
          outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz) FROM {}",
         role.0
     ))
@@ -472,8 +484,8 @@ async fn update_with_events_in_flight(from: &str) {
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
-    // In 0.12.0: 39 functions (0.9.0 to 0.11.0: 38), 59 columns, 12 indexes, 6 tables and views, the view's definition,
-    // 1 trigger, the enum and 6 pg_dump rows (124 in all).
+    // In 0.13.0: 40 functions (0.12.0: 39), 63 columns (0.12.0: 59), 13 indexes, 7 tables and views, the view's
+    // definition, 1 trigger, the enum and 6 pg_dump rows (131 in all).
     assert!(
         installed.len() > 110,
         "the catalog query found too little to compare: {installed:?}"
@@ -485,17 +497,20 @@ async fn update_with_events_in_flight(from: &str) {
         "column outbox_stream_cursor 7 batch_floor",
         "column outbox_stream_batch 4 pending",
         "column outbox_key 1 topic",
+        "column outbox_owner 4 expires_at",
         "column outbox_event 7 status",
         "index outbox_tracked_key_pending_idx",
         "index outbox_stream_txid_idx",
         "index outbox_stream_cursor_pkey",
         "index outbox_stream_batch_pkey",
         "index outbox_key_due_idx",
+        "index outbox_owner_pkey",
         "table options outbox_tracked",
         "table options outbox_stream",
         "table options outbox_stream_cursor",
         "table options outbox_stream_batch",
         "table options outbox_key",
+        "table options outbox_owner",
         "table options outbox_event",
         "view outbox_event",
         "trigger outbox_stream outbox_stream_restamp",
