@@ -141,9 +141,16 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_SEND_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub send_timeout: Duration,
 
-    /// How often expired leases are reclaimed.
-    #[arg(long, env = "OUTBOX_RECLAIM_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    /// How often expired leases, and claims of relays whose heartbeat ran out, are reclaimed.
+    #[arg(long, env = "OUTBOX_RECLAIM_INTERVAL", default_value = "15s", value_parser = parse_duration)]
     pub reclaim_interval: Duration,
+
+    /// A relay that has not said it is alive (outbox_heartbeat, every sixth of this) for this
+    /// long counts as gone: any relay's reclaim then takes back its claims without waiting for
+    /// their lease. Below --lease; 0 turns heartbeats off (the lease alone) [default: 30s, or
+    /// lease/4 when shorter].
+    #[arg(long, env = "OUTBOX_HEARTBEAT_TIMEOUT", value_parser = parse_duration)]
+    pub heartbeat_timeout: Option<Duration>,
 
     /// How often outbox_stats() is read for the backlog gauges.
     #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = parse_duration)]
@@ -171,7 +178,8 @@ pub struct RunArgs {
     pub pool_timeout: Option<Duration>,
 
     /// After SIGTERM (or a failed task), the longest wait for the rounds in flight to settle;
-    /// then the relay exits 1 anyway (rows still claimed are reclaimed after the lease).
+    /// then the relay exits 1 anyway (rows still claimed are reclaimed at the next reclaim, or
+    /// after the lease with heartbeats off).
     #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "25s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
 }
@@ -228,6 +236,20 @@ impl RunArgs {
                 return Err(Fatal::usage(format!("{name} must be greater than 0")));
             }
         }
+        if let Some(d) = self.heartbeat_timeout.filter(|d| !d.is_zero()) {
+            if d >= self.lease {
+                return Err(Fatal::usage(format!(
+                    "--heartbeat-timeout ({}) must be below --lease ({}), or 0 to turn heartbeats off",
+                    humantime::format_duration(d),
+                    humantime::format_duration(self.lease)
+                )));
+            }
+            if d < Duration::from_millis(600) {
+                return Err(Fatal::usage(
+                    "--heartbeat-timeout must be at least 600ms (one beat every 100ms), or 0 to turn heartbeats off",
+                ));
+            }
+        }
         if let Some(o) = &self.owner {
             if o.is_empty() || o.len() > 200 || o.chars().any(char::is_control) {
                 return Err(Fatal::usage(
@@ -261,6 +283,12 @@ impl RunArgs {
     pub fn pool_timeout(&self) -> Duration {
         self.pool_timeout
             .unwrap_or_else(|| self.within_lease(defaults::POOL_TIMEOUT))
+    }
+
+    /// `--heartbeat-timeout`, or its default bounded by the lease; zero: no heartbeats.
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.heartbeat_timeout
+            .unwrap_or_else(|| self.within_lease(defaults::HEARTBEAT_TIMEOUT))
     }
 
     fn within_lease(&self, d: Duration) -> Duration {
@@ -452,6 +480,7 @@ mod tests {
         assert_eq!(a.lease, defaults::LEASE);
         assert_eq!(a.send_timeout, defaults::SEND_TIMEOUT);
         assert_eq!(a.reclaim_interval, defaults::RECLAIM_INTERVAL);
+        assert_eq!(a.heartbeat_timeout(), defaults::HEARTBEAT_TIMEOUT);
         assert_eq!(a.stats_interval, defaults::STATS_INTERVAL);
         assert_eq!(a.live_timeout(), defaults::LIVE_TIMEOUT);
         assert_eq!(a.statement_timeout(), defaults::STATEMENT_TIMEOUT);
@@ -481,6 +510,33 @@ mod tests {
             Command::Run(a) => a,
             _ => unreachable!(),
         }
+    }
+
+    #[test]
+    fn the_heartbeat_timeout_is_below_the_lease_or_off() {
+        assert_eq!(
+            run_args(&["--lease", "40s"]).heartbeat_timeout(),
+            Duration::from_secs(10),
+            "the default is bounded by the lease"
+        );
+        assert!(run_args(&["--lease", "40s", "--heartbeat-timeout", "39s"])
+            .validate()
+            .is_ok());
+        let e = run_args(&["--lease", "40s", "--heartbeat-timeout", "40s"])
+            .validate()
+            .expect_err("error");
+        assert!(
+            e.message.contains("--heartbeat-timeout") && e.message.contains("--lease"),
+            "{}",
+            e.message
+        );
+        let e = run_args(&["--heartbeat-timeout", "500ms"])
+            .validate()
+            .expect_err("error");
+        assert!(e.message.contains("at least 600ms"), "{}", e.message);
+        let off = run_args(&["--heartbeat-timeout", "0s"]);
+        assert!(off.validate().is_ok());
+        assert!(off.heartbeat_timeout().is_zero());
     }
 
     #[test]

@@ -40,8 +40,16 @@ pub const BREAKER_BACKOFF_MAX: Duration = Duration::from_secs(15);
 /// take them (`outbox_release` delay): no attempt is counted, the delay only stops a hot loop.
 pub const RELEASE_DELAY: Duration = Duration::from_secs(1);
 
-/// `--reclaim-interval`: how often expired leases are reclaimed.
-pub const RECLAIM_INTERVAL: Duration = Duration::from_secs(60);
+/// `--reclaim-interval`: how often expired leases, and claims of relays whose heartbeat ran out,
+/// are reclaimed. With [`HEARTBEAT_TIMEOUT`] it bounds how long a killed relay's events wait.
+pub const RECLAIM_INTERVAL: Duration = Duration::from_secs(15);
+
+/// `--heartbeat-timeout`: a relay that has not said it is alive for this long counts as gone, and
+/// its claims are reclaimed without waiting for their lease. It beats every sixth of it.
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Beats per `--heartbeat-timeout`: five can fail in a row before the relay counts as gone.
+pub const BEATS_PER_HEARTBEAT_TIMEOUT: u32 = 6;
 
 /// `--stats-interval`: how often `outbox_stats()` feeds the gauges.
 pub const STATS_INTERVAL: Duration = Duration::from_secs(5);

@@ -1,4 +1,5 @@
-//! The relay's background work beside the claim loops: reclaiming expired leases (then waking the
+//! The relay's background work beside the claim loops: saying it is alive (heartbeats),
+//! reclaiming expired leases and the claims of relays that stopped beating (then waking the
 //! claim loops), reading `outbox_stats()` into the backlog gauges, and asking the broker for
 //! metadata so readiness knows whether it answers even when no event is sent. Transient database errors
 //! are logged and retried at the next interval; a configuration error ends the task (and the
@@ -11,6 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::claim::Relay;
+use crate::defaults;
 use crate::error::DbError;
 
 pub async fn reclaim_loop(
@@ -29,7 +31,7 @@ pub async fn reclaim_loop(
                 relay.metrics.reclaimed.inc_by(rows.len() as u64);
                 tracing::info!(
                     reclaimed = rows.len(),
-                    "reclaimed events whose lease ({}) expired",
+                    "reclaimed events whose lease ({}) expired or whose relay stopped beating",
                     humantime::format_duration(lease)
                 );
                 // A reclaim counts as a failed attempt: a poison event that kills its relay
@@ -44,7 +46,7 @@ pub async fn reclaim_loop(
                         outbox_id = r.id,
                         topic = %r.topic,
                         attempts = r.retry_count,
-                        "dead letter: event {} for topic {} failed {} times: lease expired (held by {})",
+                        "dead letter: event {} for topic {} failed {} times: reclaimed from {} (lease expired or heartbeat ran out)",
                         r.id,
                         r.topic,
                         r.retry_count,
@@ -59,6 +61,31 @@ pub async fn reclaim_loop(
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// Says every sixth of `timeout` that this relay is alive for `timeout` more (outbox_heartbeat):
+/// once it stops (killed, cut off), any relay's reclaim takes back its claims instead of waiting
+/// for their lease. Runs until `cancel`, which the relay fires only after its claim loops have
+/// settled, so that no claim is taken from under a round that is still settling. A failed beat
+/// is logged and retried at the next tick: beats missing for the whole timeout only cost
+/// duplicates (another relay publishes the events again, and this relay's acks settle nothing),
+/// never a lost event.
+pub async fn heartbeat_loop(relay: Arc<Relay>, timeout: Duration, cancel: CancellationToken) {
+    let every = timeout / defaults::BEATS_PER_HEARTBEAT_TIMEOUT;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let res = relay.store.heartbeat(&relay.owner, timeout).await;
+        relay.metrics.db_result(&res);
+        if let Err(e) = res {
+            tracing::warn!(
+                "heartbeat failed: {e}; after {} without one, other relays reclaim this relay's claims",
+                humantime::format_duration(timeout)
+            );
         }
     }
 }

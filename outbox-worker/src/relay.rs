@@ -14,7 +14,7 @@ use crate::db;
 use crate::error::DbError;
 use crate::health::Health;
 use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
-use crate::maintenance::{broker_watch, reclaim_loop, stats_loop};
+use crate::maintenance::{broker_watch, heartbeat_loop, reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
 use crate::publisher::Publisher;
 use crate::store::{Settings, Store};
@@ -55,8 +55,9 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let mut target = db::config(&args.db)?;
     db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
     let desc = target.desc.clone();
-    // One connection per claim loop, one for the reclaimer, one for the stats poller.
-    let store = Store::open(target.clone(), args.concurrency + 2, args.pool_timeout()).await?;
+    // One connection per claim loop, one for the reclaimer, one for the stats poller, and one
+    // for the heartbeat: a beat never waits behind a round.
+    let store = Store::open(target.clone(), args.concurrency + 3, args.pool_timeout()).await?;
     let Settings {
         max_retry,
         max_claim,
@@ -94,6 +95,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         concurrency = args.concurrency,
         poll_interval = %humantime::format_duration(args.poll_interval),
         lease = %humantime::format_duration(args.lease),
+        heartbeat_timeout = %humantime::format_duration(args.heartbeat_timeout()),
         send_timeout = %humantime::format_duration(args.send_timeout),
         statement_timeout = %humantime::format_duration(args.statement_timeout()),
         max_retry,
@@ -123,6 +125,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         poll_interval: args.poll_interval,
         rounds: rounds_tx,
     });
+
+    // The first beat before the first claim, so that every claim is covered; a relay that may
+    // not beat (no EXECUTE on outbox_heartbeat) stops here with one line.
+    let heartbeat_timeout = heartbeat_timeout(&relay, args.heartbeat_timeout()).await?;
+    let beat_cancel = CancellationToken::new();
+    let beats = heartbeat_timeout
+        .map(|timeout| tokio::spawn(heartbeat_loop(relay.clone(), timeout, beat_cancel.clone())));
 
     let (wake_tx, wake_rx) = watch::channel(0u64);
     let mut tasks = Tasks::new(cancel.clone());
@@ -180,6 +189,15 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     // Until a signal, or a task's failure, cancels them all; either way every claim loop
     // settles its round before it stops.
     let mut result = tasks.join().await;
+    // Rounds have settled: the last beat says this relay stops, so whatever a round could not
+    // settle (the shutdown deadline, a failed ack) is reclaimed at the next reclaim of any relay.
+    beat_cancel.cancel();
+    if let Some(beats) = beats {
+        let _ = beats.await;
+        if let Err(e) = relay.store.heartbeat(&relay.owner, Duration::ZERO).await {
+            tracing::warn!("could not say this relay stops (outbox_heartbeat): {e}");
+        }
+    }
     // Held until every claim loop has stopped: with no sender left, a loop's wait for a wake-up
     // would end at once and fall back to a plain sleep that ignores the shutdown.
     drop(wake_tx);
@@ -198,6 +216,45 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         tracing::info!("relay stopped: in-flight events settled");
     }
     result
+}
+
+/// The first heartbeat: the timeout to keep beating with, None when heartbeats are off or the
+/// extension has none (a warning says that the lease alone then frees a dead relay's claims).
+/// Retried like the settings; a configuration error (42501: no EXECUTE) ends the start.
+async fn heartbeat_timeout(relay: &Relay, timeout: Duration) -> Result<Option<Duration>, Fatal> {
+    if timeout.is_zero() {
+        return Ok(None);
+    }
+    if !relay.store.has_heartbeat() {
+        tracing::warn!(
+            "the outbox extension predates outbox_heartbeat ({}): if this relay dies, its claims wait for their lease",
+            crate::store::HEARTBEAT_VERSION
+        );
+        return Ok(None);
+    }
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let e = match relay.store.heartbeat(&relay.owner, timeout).await {
+            Ok(()) => return Ok(Some(timeout)),
+            Err(e) => e,
+        };
+        let message = format!(
+            "cannot call {}() ({}): {e}",
+            relay.store.func("heartbeat"),
+            relay.store.desc()
+        );
+        if !e.is_retriable() {
+            return Err(Fatal::usage(format!(
+                "{message}; grant it to the relay's role (sql/examples/grant-roles.sql) or run with --heartbeat-timeout 0"
+            )));
+        }
+        if attempt >= 3 {
+            return Err(Fatal::runtime(message));
+        }
+        tracing::warn!("{message}; retrying");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// `outbox.max_retry` and `outbox.max_claim`. Retried: a connection terminated right at start-up

@@ -9,7 +9,7 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 
-use crate::db::{connect_failure, extension, Target};
+use crate::db::{connect_failure, extension, version_at_least, Target};
 use crate::error::DbError;
 use crate::Fatal;
 
@@ -89,7 +89,7 @@ pub struct Reclaimed {
     /// FAIL: retries exhausted, a dead letter.
     pub dead_letter: bool,
     pub retry_count: i32,
-    /// The relay whose lease expired.
+    /// The relay that held it (its lease expired or its heartbeat ran out).
     pub expired_owner: Option<String>,
 }
 
@@ -175,12 +175,17 @@ struct Sql {
     release: String,
     renew: String,
     reclaim: String,
+    /// None when the extension predates outbox_heartbeat (0.13.0).
+    heartbeat: Option<String>,
     stats: String,
     settings: String,
 }
 
+/// The first extension version with `outbox_heartbeat`.
+pub const HEARTBEAT_VERSION: &str = "0.13.0";
+
 impl Sql {
-    fn new(schema: &str) -> Sql {
+    fn new(schema: &str, version: &str) -> Sql {
         let f = |name: &str| format!("{schema}.outbox_{name}");
         Sql {
             claim: format!(
@@ -206,6 +211,9 @@ impl Sql {
                  FROM {}($1::text::interval)",
                 f("reclaim_returning")
             ),
+            heartbeat: version_at_least(version, HEARTBEAT_VERSION)
+                .unwrap_or(false)
+                .then(|| format!("SELECT {}($1, $2::text::interval)", f("heartbeat"))),
             stats: Stats::sql(schema),
             // Calling outbox_stats() first loads the extension library, which defines the settings.
             settings: format!(
@@ -255,7 +263,7 @@ impl Store {
         ext.check_version(&desc)?;
         drop(client);
         let schema = ext.schema;
-        let sql = Sql::new(&schema);
+        let sql = Sql::new(&schema, &ext.version);
         Ok(Store {
             pool,
             schema,
@@ -411,6 +419,28 @@ impl Store {
                 call: "outbox_reclaim_returning",
                 source,
             })
+    }
+
+    /// Whether the extension has `outbox_heartbeat` ([`HEARTBEAT_VERSION`]).
+    pub fn has_heartbeat(&self) -> bool {
+        self.sql.heartbeat.is_some()
+    }
+
+    /// `outbox_heartbeat(owner, timeout)`: this owner is alive until now + `timeout` (zero: it
+    /// stops, and what it still holds may be reclaimed now). A no-op on an extension without it.
+    pub async fn heartbeat(&self, owner: &str, timeout: Duration) -> Result<(), DbError> {
+        let Some(sql) = &self.sql.heartbeat else {
+            return Ok(());
+        };
+        self.client()
+            .await?
+            .execute(
+                sql,
+                &[&owner, &format!("{} milliseconds", timeout.as_millis())],
+            )
+            .await
+            .map_err(DbError::Query)?;
+        Ok(())
     }
 
     /// `outbox_stats()`.

@@ -1,5 +1,7 @@
-//! Faults: graceful stop during a burst, a crashed relay whose claims another relay reclaims, an
-//! unknown topic, a paused and a restarted broker (broker outages and dead letters: relay_outage.rs).
+//! Faults: graceful stop during a burst, a crashed relay whose claims another relay reclaims (after
+//! the lease, or at once when the crashed relay stops beating), a relay stuck on the broker that
+//! keeps its claims, an unknown topic, a paused and a restarted broker (broker outages and dead
+//! letters: relay_outage.rs).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -138,6 +140,190 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
         .collect();
     let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
     assert_eq!(got, all, "every event arrives (at least once)");
+}
+
+/// SENDING rows held by `owner`.
+async fn held_by(client: &tokio_postgres::Client, owner: &str) -> Vec<i64> {
+    client
+        .query(
+            "SELECT id FROM outbox_event WHERE status::text = 'SENDING' AND claim_owner = $1 ORDER BY id",
+            &[&owner],
+        )
+        .await
+        .expect("query")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_relay_claims_go_back_when_its_heartbeat_runs_out_not_its_lease() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let n = 300i64;
+    enqueue_burst(&client, "orders", n).await;
+
+    // A claims while the broker is frozen, then is SIGKILLed (the OOM killer, a lost node).
+    broker.freeze();
+    let mut a = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--owner",
+            "relay-a",
+            "--batch-size",
+            "100",
+            "--send-timeout",
+            "30s",
+            "--lease",
+            "10m",
+            "--heartbeat-timeout",
+            "2s",
+        ],
+    );
+    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] > 0).await;
+    assert!(c["SENDING"] > 0, "A claimed nothing: {}", a.logs());
+    a.signal(libc::SIGKILL);
+    a.wait_exit(Duration::from_secs(5)).expect("A killed");
+    let held = held_by(&client, "relay-a").await;
+    assert!(!held.is_empty());
+    broker.thaw();
+
+    // B has the same 10-minute lease: only A's silence can free A's claims within the test.
+    let killed_at = Instant::now();
+    let b = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--owner",
+            "relay-b",
+            "--lease",
+            "10m",
+            "--heartbeat-timeout",
+            "2s",
+            "--reclaim-interval",
+            "300ms",
+            "--poll-interval",
+            "200ms",
+        ],
+    );
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+    assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", b.logs());
+    let reclaimed = b.wait_metric("outbox_reclaimed_total", Duration::from_secs(5), |v| {
+        v >= held.len() as f64
+    });
+    assert_eq!(
+        reclaimed,
+        Some(held.len() as f64),
+        "B reclaimed what A held"
+    );
+    let why: Vec<String> = client
+        .query(
+            "SELECT DISTINCT split_part(last_error, ' at ', 1) FROM outbox_event WHERE id = ANY($1)",
+            &[&held],
+        )
+        .await
+        .expect("query")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        why,
+        vec!["owner gone: claimed by relay-a"],
+        "reclaimed because A stopped beating"
+    );
+    eprintln!(
+        "A's {} claims delivered {:.1} s after it was killed (heartbeat timeout 2 s, lease 10 min)",
+        held.len(),
+        killed_at.elapsed().as_secs_f64()
+    );
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
+    assert_eq!(got, all, "every event arrives (at least once)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stuck_on_the_broker_keeps_its_claims_while_it_beats_and_says_when_it_stops() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let n = 50i64;
+    enqueue_burst(&client, "orders", n).await;
+
+    broker.freeze();
+    let mut a = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--owner",
+            "relay-a",
+            "--send-timeout",
+            "30s",
+            "--lease",
+            "10m",
+            "--heartbeat-timeout",
+            "1s",
+        ],
+    );
+    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] > 0).await;
+    assert!(c["SENDING"] > 0, "A claimed nothing: {}", a.logs());
+    let held = held_by(&client, "relay-a").await;
+    let b = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--owner",
+            "relay-b",
+            "--lease",
+            "10m",
+            "--heartbeat-timeout",
+            "1s",
+            "--reclaim-interval",
+            "200ms",
+        ],
+    );
+    // Five heartbeat timeouts with a publish stuck in A: its beats go on, its claims stay.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        held_by(&client, "relay-a").await,
+        held,
+        "a live relay's claims were taken: {}",
+        b.logs()
+    );
+    assert_eq!(b.metric("outbox_reclaimed_total"), Some(0.0));
+
+    broker.thaw();
+    let counts = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] == n).await;
+    assert_eq!(counts["SUCCESS"], n, "{counts:?}\n{}", a.logs());
+    // A clean stop ends with a beat that says A is gone: anything it could not settle would be
+    // reclaimed at once.
+    let status = a.terminate(Duration::from_secs(30)).expect("A stops");
+    assert!(status.success(), "{status:?}\n{}", a.logs());
+    let gone: bool = client
+        .query_one(
+            "SELECT expires_at <= clock_timestamp() FROM outbox_owner WHERE owner = 'relay-a'",
+            &[],
+        )
+        .await
+        .expect("A's heartbeat row")
+        .get(0);
+    assert!(gone, "A's last beat says it stopped");
+    let alive: bool = client
+        .query_one(
+            "SELECT expires_at > clock_timestamp() FROM outbox_owner WHERE owner = 'relay-b'",
+            &[],
+        )
+        .await
+        .expect("B's heartbeat row")
+        .get(0);
+    assert!(alive, "B still beats");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

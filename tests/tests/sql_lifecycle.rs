@@ -1225,8 +1225,14 @@ async fn reclaim_forgets_owners_gone_longer_than_the_lease_and_bad_heartbeats_ar
     assert_eq!(owners, vec!["relay-live", "relay-other"]);
 
     for (sql, needle) in [
-        ("SELECT outbox_heartbeat('relay-1', '-1 second')", "timeout must be"),
-        ("SELECT outbox_heartbeat('relay-1', NULL)", "timeout must be"),
+        (
+            "SELECT outbox_heartbeat('relay-1', '-1 second')",
+            "timeout must be",
+        ),
+        (
+            "SELECT outbox_heartbeat('relay-1', NULL)",
+            "timeout must be",
+        ),
         ("SELECT outbox_heartbeat('', '1 second')", "owner must be"),
         ("SELECT outbox_heartbeat(NULL)", "owner must be"),
     ] {
