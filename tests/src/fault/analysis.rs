@@ -190,14 +190,24 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         rep.duplicated_events += 1;
         rep.duplicates += n - 1;
         let (retry, err) = last_error.get(id).cloned().unwrap_or((0, String::new()));
-        let cause = if let Some(rest) = err.strip_prefix("lease expired: claimed by ") {
+        // Reclaimed: its lease expired, or its owner's heartbeat ran out (0.13.0).
+        let reclaimed = err
+            .strip_prefix("lease expired: claimed by ")
+            .map(|rest| ("lease expired", rest))
+            .or_else(|| {
+                err.strip_prefix("owner gone: claimed by ")
+                    .map(|rest| ("heartbeat ran out", rest))
+            });
+        let cause = if let Some((how, rest)) = reclaimed {
             let owner = rest.split_whitespace().next().unwrap_or("");
             if r.zombie_owner.as_deref() == Some(owner) {
-                "lease expired while its worker was the SIGSTOPped zombie".to_string()
+                format!("{how} while its worker was the SIGSTOPped zombie")
             } else if r.killed_owners.contains(owner) {
-                "lease expired after its worker was SIGKILLed (or exited)".to_string()
+                format!("{how} after its worker was SIGKILLed (or exited)")
             } else {
-                "lease expired while its worker lived (a lost ack, or a publish slower than the lease)".to_string()
+                format!(
+                    "{how} while its worker lived (a lost ack, or a publish slower than the lease)"
+                )
             }
         } else if !err.is_empty() {
             "publish reported failed (timeout during the outage/restart) after the broker had stored it".to_string()

@@ -4,8 +4,9 @@
 //! poison topic that does not exist on the broker) while K `outbox-worker` processes relay them to
 //! a local Apache Kafka broker. Meanwhile the runner injects faults:
 //! - SIGKILL of a random worker every `kill_every`, restarted at once under a new owner name;
-//! - a zombie: SIGSTOP of a worker holding claims; once the lease expired the runner reclaims
-//!   its rows and keeps them open until it was SIGCONTed and its late acks met the fence;
+//! - a zombie: SIGSTOP of a worker holding claims; once its heartbeat ran out (or its lease
+//!   expired) the runner reclaims its rows and keeps them open until it was SIGCONTed and its
+//!   late acks met the fence;
 //! - a broker outage: SIGSTOP of the broker for `outage` (longer than the send timeout), SIGCONT;
 //! - a broker restart: SIGTERM of the broker while the workers keep running, then the same
 //!   broker started again on the same ports and data (what it acknowledged must still be there);
@@ -16,7 +17,7 @@
 //! = the poison events exactly, every turn to SUCCESS made by the claim's holder (the ack audit),
 //! no relay exit the runner did not cause, exit 0 on SIGTERM, every message's topic and payload
 //! match its event. Duplicates are counted and attributed to a cause where the final row tells it
-//! (lease expiry after a kill, the zombie, a publish that failed after the broker had stored it).
+//! (a reclaim after a kill or of the zombie, a publish that failed after the broker had stored it).
 //!
 //! Modules: `profile` (sizes, schedule, seed), `producer`, `runner` and `zombie` (the faults),
 //! `audit` (who acked what), `scrape` (what each relay counted, from its /metrics), `analysis`
