@@ -1371,6 +1371,48 @@ BEGIN
 END
 $$;
 
+-- The claimers, for operators (outbox-worker relays): every owner with a heartbeat row or a
+-- claim, whether it is alive (NULL: it never beat, so its claims go back after their lease only),
+-- and how many events it holds since when.
+CREATE FUNCTION @extschema@.outbox_owners(max_rows int DEFAULT 100)
+RETURNS TABLE (owner text, alive boolean, started_at timestamptz, beat_at timestamptz,
+               expires_at timestamptz, held bigint, oldest_claim timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_owners: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    RETURN QUERY
+    WITH claims AS (
+        SELECT t.claim_owner AS who, count(*) AS n, min(t.claimed_at) AS since
+          FROM @extschema@.outbox_tracked t
+         WHERE t.status = 'SENDING'
+         GROUP BY t.claim_owner
+        UNION ALL
+        -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+        SELECT b.claim_owner, sum(cardinality(b.pending)), min(b.claimed_at)
+          FROM @extschema@.outbox_stream_batch b
+         WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                  ORDER BY v.version DESC LIMIT 1)
+         GROUP BY b.claim_owner
+    ), holders AS (
+        SELECT c.who, sum(c.n)::bigint AS n, min(c.since) AS since FROM claims c GROUP BY c.who
+    )
+    SELECT coalesce(o.owner, h.who), o.expires_at >= stamp, o.started_at, o.beat_at, o.expires_at,
+           coalesce(h.n, 0), h.since
+      FROM @extschema@.outbox_owner o
+      FULL JOIN holders h ON h.who = o.owner
+     ORDER BY 1
+     LIMIT max_rows;
+END
+$$;
+
 -- Expired claims back to WAIT (or FAIL): claims past their lease, and claims whose owner's
 -- heartbeat ran out (outbox_heartbeat). Returns each reclaimed row with its new state and the
 -- owner that held it, so the caller can log and count the dead letters it made.

@@ -3,7 +3,8 @@
 --   timeout (table outbox_owner). outbox_reclaim also takes back the claims an owner made before
 --   its heartbeat ran out, whatever their lease: a relay killed with events in flight (OOM
 --   killer, lost node) held them for the whole lease (10 minutes), and an ordered key behind
---   them waited as long. Owners that never beat keep the lease alone.
+--   them waited as long. Owners that never beat keep the lease alone. outbox_owners() lists the
+--   claimers for operators: alive or not, and what each holds.
 -- Events in flight are not touched: their owners have no heartbeat row, so only their lease
 -- applies until their relays (0.13.0) beat.
 \echo Use "ALTER EXTENSION outbox UPDATE TO '0.13.0'" to load this file. \quit
@@ -44,6 +45,48 @@ BEGIN
     ON CONFLICT ON CONSTRAINT outbox_owner_pkey
     DO UPDATE SET beat_at = excluded.beat_at, expires_at = excluded.expires_at;
     RETURN stamp + timeout;
+END
+$$;
+
+-- The claimers, for operators (outbox-worker relays): every owner with a heartbeat row or a
+-- claim, whether it is alive (NULL: it never beat, so its claims go back after their lease only),
+-- and how many events it holds since when.
+CREATE FUNCTION @extschema@.outbox_owners(max_rows int DEFAULT 100)
+RETURNS TABLE (owner text, alive boolean, started_at timestamptz, beat_at timestamptz,
+               expires_at timestamptz, held bigint, oldest_claim timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_owners: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    RETURN QUERY
+    WITH claims AS (
+        SELECT t.claim_owner AS who, count(*) AS n, min(t.claimed_at) AS since
+          FROM @extschema@.outbox_tracked t
+         WHERE t.status = 'SENDING'
+         GROUP BY t.claim_owner
+        UNION ALL
+        -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+        SELECT b.claim_owner, sum(cardinality(b.pending)), min(b.claimed_at)
+          FROM @extschema@.outbox_stream_batch b
+         WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                  ORDER BY v.version DESC LIMIT 1)
+         GROUP BY b.claim_owner
+    ), holders AS (
+        SELECT c.who, sum(c.n)::bigint AS n, min(c.since) AS since FROM claims c GROUP BY c.who
+    )
+    SELECT coalesce(o.owner, h.who), o.expires_at >= stamp, o.started_at, o.beat_at, o.expires_at,
+           coalesce(h.n, 0), h.since
+      FROM @extschema@.outbox_owner o
+      FULL JOIN holders h ON h.who = o.owner
+     ORDER BY 1
+     LIMIT max_rows;
 END
 $$;
 
@@ -185,21 +228,28 @@ END
 $$;
 
 
-REVOKE ALL ON FUNCTION @extschema@.outbox_heartbeat(text, interval) FROM PUBLIC;
+REVOKE ALL ON FUNCTION @extschema@.outbox_heartbeat(text, interval), @extschema@.outbox_owners(int)
+FROM PUBLIC;
 
--- Whoever may claim may say it is alive (sql/examples/grant-roles.sql grants both to the relay).
+-- Whoever may claim may say it is alive, and whoever may list blocked keys may list the relays
+-- (sql/examples/grant-roles.sql grants them so to the relay and the admin).
 DO $$
 DECLARE
     g record;
 BEGIN
     FOR g IN
-        SELECT a.grantee::regrole AS grantee
+        SELECT a.grantee::regrole AS grantee, p.proname
           FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
-         WHERE p.oid = '@extschema@.outbox_claim(text, int)'::pg_catalog.regprocedure
+         WHERE p.oid IN ('@extschema@.outbox_claim(text, int)'::pg_catalog.regprocedure,
+                         '@extschema@.outbox_blocked_keys(int)'::pg_catalog.regprocedure)
            AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0
            AND a.grantee <> p.proowner
     LOOP
-        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_heartbeat(text, interval) TO %s', g.grantee);
+        IF g.proname = 'outbox_claim' THEN
+            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_heartbeat(text, interval) TO %s', g.grantee);
+        ELSE
+            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_owners(int) TO %s', g.grantee);
+        END IF;
     END LOOP;
 END
 $$;

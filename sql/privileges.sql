@@ -49,6 +49,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_purge(interval, int),
     @extschema@.outbox_dead_letters(int, bigint),
     @extschema@.outbox_blocked_keys(int),
+    @extschema@.outbox_owners(int),
     @extschema@.outbox_skip(bigint[]),
     @extschema@.outbox_stats()
 FROM PUBLIC;

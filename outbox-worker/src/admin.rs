@@ -1,5 +1,5 @@
-//! Operator commands: stats, dead-letters, blocked, requeue, skip, purge (through the extension's
-//! functions), and
+//! Operator commands: stats, dead-letters, blocked, relays, requeue, skip, purge (through the
+//! extension's functions), and
 //! tail (reads a topic back from Kafka).
 
 use std::io::Write;
@@ -12,7 +12,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use serde_json::json;
 
 use crate::cli::{
-    BlockedArgs, DeadLettersArgs, PurgeArgs, RequeueArgs, SkipArgs, StatsArgs, TailArgs,
+    BlockedArgs, DeadLettersArgs, PurgeArgs, RelaysArgs, RequeueArgs, SkipArgs, StatsArgs, TailArgs,
 };
 use crate::db::{admin_session, db_error};
 use crate::store::Stats;
@@ -160,6 +160,59 @@ pub async fn blocked(args: BlockedArgs) -> Result<(), Fatal> {
         let _ = writeln!(
             out,
             "({} blocked keys; `requeue HEAD_ID` resumes a key in order, `skip HEAD_ID` lets it go on without its head)",
+            rows.len()
+        );
+    }
+    Ok(())
+}
+
+/// The claim owners (outbox_owners): alive, gone (their claims are reclaimed at the next reclaim)
+/// or without a heartbeat (their claims wait for the lease), and what each holds.
+pub async fn relays(args: RelaysArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let rows = client
+        .query(
+            &format!(
+                "SELECT owner, CASE WHEN alive THEN 'alive' WHEN NOT alive THEN 'gone'                  ELSE 'no heartbeat' END AS state, held,                  extract(epoch FROM clock_timestamp() - beat_at)::float8 AS beat_age,                  extract(epoch FROM clock_timestamp() - oldest_claim)::float8 AS claim_age,                  to_char(started_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS started_at                  FROM {schema}.outbox_owners($1)"
+            ),
+            &[&args.limit],
+        )
+        .await
+        .map_err(|e| failed("outbox_owners()", &e))?;
+    let secs = |v: Option<f64>| v.map_or("-".to_string(), |s| format!("{s:.1}s"));
+    let mut out = std::io::stdout().lock();
+    if !args.json {
+        let _ = writeln!(
+            out,
+            "{:<40} {:<12} {:>8} {:>10} {:>12}  started_at",
+            "owner", "state", "held", "last_beat", "oldest_claim"
+        );
+    }
+    for r in &rows {
+        let (owner, state, held): (String, String, i64) =
+            (r.get("owner"), r.get("state"), r.get("held"));
+        let (beat_age, claim_age): (Option<f64>, Option<f64>) =
+            (r.get("beat_age"), r.get("claim_age"));
+        let started: Option<String> = r.get("started_at");
+        if args.json {
+            let v = json!({"owner": owner, "state": state, "held": held,
+                           "last_beat_age_seconds": beat_age,
+                           "oldest_claim_age_seconds": claim_age, "started_at": started});
+            let _ = writeln!(out, "{v}");
+        } else {
+            let _ = writeln!(
+                out,
+                "{owner:<40} {state:<12} {held:>8} {:>10} {:>12}  {}",
+                secs(beat_age),
+                secs(claim_age),
+                started.unwrap_or_else(|| "-".into())
+            );
+        }
+    }
+    if !args.json {
+        let _ = writeln!(
+            out,
+            "({} relays; a gone relay's claims go back at the next reclaim, one without heartbeat waits for the lease)",
             rows.len()
         );
     }

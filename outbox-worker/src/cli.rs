@@ -52,6 +52,8 @@ pub enum Command {
     Blocked(BlockedArgs),
     /// Let the keys of these dead letters go on without them (they stay dead letters).
     Skip(SkipArgs),
+    /// List the relays (claim owners): alive or gone by their heartbeat, and what each holds.
+    Relays(RelaysArgs),
     /// Delete delivered (SUCCESS) rows older than a given age.
     Purge(PurgeArgs),
     /// Print the messages of a Kafka topic (all partitions, from the beginning).
@@ -400,6 +402,18 @@ pub struct BlockedArgs {
     pub db: DbArgs,
     /// At most this many keys.
     #[arg(long, env = "OUTBOX_BLOCKED_LIMIT", default_value_t = defaults::DEAD_LETTERS_LIMIT)]
+    pub limit: i32,
+    /// Print JSON lines instead of a table.
+    #[arg(long, env = "OUTBOX_JSON")]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RelaysArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// At most this many relays.
+    #[arg(long, env = "OUTBOX_RELAYS_LIMIT", default_value_t = defaults::DEAD_LETTERS_LIMIT)]
     pub limit: i32,
     /// Print JSON lines instead of a table.
     #[arg(long, env = "OUTBOX_JSON")]

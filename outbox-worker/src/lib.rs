@@ -83,6 +83,7 @@ pub fn execute(cli: Cli) -> ExitCode {
             Command::Requeue(a) => admin::requeue(a).await,
             Command::Blocked(a) => admin::blocked(a).await,
             Command::Skip(a) => admin::skip(a).await,
+            Command::Relays(a) => admin::relays(a).await,
             Command::Purge(a) => admin::purge(a).await,
             Command::Tail(a) => tokio::task::spawn_blocking(move || admin::tail(a))
                 .await

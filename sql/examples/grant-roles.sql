@@ -6,7 +6,7 @@
 --
 -- producer: may only enqueue (no reading payloads, no claiming).
 -- relay:    claims, acks, nacks, renews, releases, beats, reclaims and reads stats.
--- admin:    everything the relay may, plus dead letters, blocked keys, requeue, skip and purge.
+-- admin:    everything the relay may, plus dead letters, blocked keys, relays, requeue, skip and purge.
 -- Assumes the extension lives in schema public; otherwise replace public below.
 GRANT USAGE ON SCHEMA public TO :"producer", :"relay", :"admin";
 
@@ -34,6 +34,7 @@ GRANT :"relay" TO :"admin";
 GRANT EXECUTE ON FUNCTION
     public.outbox_dead_letters(int, bigint),
     public.outbox_blocked_keys(int),
+    public.outbox_owners(int),
     public.outbox_requeue(bigint[]),
     public.outbox_skip(bigint[]),
     public.outbox_purge(interval, int)

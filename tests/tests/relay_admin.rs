@@ -1,4 +1,4 @@
-//! Operator commands: stats, dead-letters, blocked, requeue, skip, purge.
+//! Operator commands: stats, dead-letters, blocked, relays, requeue, skip, purge.
 
 use outbox_tests::db::TestDb;
 use outbox_tests::events::status_counts;
@@ -153,4 +153,70 @@ async fn blocked_lists_keys_behind_a_dead_head_and_skip_lets_them_go_on() {
     assert_eq!(n, 2, "K1 goes on without its skipped head");
     let out = run_cmd(&["skip", "--database-url", &url]);
     assert!(!out.status.success(), "skip without ids must fail");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_lists_each_owner_alive_gone_or_without_heartbeat_and_what_it_holds() {
+    let db = TestDb::create();
+    let url = db.url();
+    let client = db.connect().await;
+    // relay-live beats and holds 2 events (a tracked row and a stream event), relay-gone said it
+    // stopped and holds 1, a script that never beat holds 1; relay-idle beats and holds nothing.
+    for step in [
+        "SELECT outbox_enqueue('orders', '{\"n\":1}', deliver_at => now() + interval '1 hour')",
+        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 second'",
+        "SELECT outbox_enqueue('orders', '{\"n\":2}')",
+        "SELECT outbox_heartbeat('relay-live', '1 hour'), outbox_heartbeat('relay-idle', '1 hour'), \
+                outbox_heartbeat('relay-gone', '1 hour')",
+        "SELECT count(*) FROM outbox_claim('relay-live', 10)",
+        "SELECT outbox_enqueue('orders', '{\"n\":3}')",
+        "SELECT count(*) FROM outbox_claim('relay-gone', 10)",
+        "SELECT outbox_heartbeat('relay-gone', '0 seconds')",
+        "SELECT outbox_enqueue('orders', '{\"n\":4}')",
+        "SELECT count(*) FROM outbox_claim('a-script', 10)",
+    ] {
+        client.batch_execute(step).await.expect(step);
+    }
+    let lines: Vec<serde_json::Value> = ok(&["relays", "--json", "--database-url", &url])
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    let got: Vec<(String, String, i64, bool)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["owner"].as_str().expect("owner").to_string(),
+                l["state"].as_str().expect("state").to_string(),
+                l["held"].as_i64().expect("held"),
+                l["oldest_claim_age_seconds"].is_number(),
+            )
+        })
+        .collect();
+    let want = [
+        ("a-script", "no heartbeat", 1, true),
+        ("relay-gone", "gone", 1, true),
+        ("relay-idle", "alive", 0, false),
+        ("relay-live", "alive", 2, true),
+    ]
+    .map(|(o, s, n, c)| (o.to_string(), s.to_string(), n, c));
+    assert_eq!(got, want);
+    assert!(
+        lines[3]["last_beat_age_seconds"]
+            .as_f64()
+            .expect("beat age")
+            < 60.0,
+        "{lines:?}"
+    );
+    let text = ok(&["relays", "--database-url", &url]);
+    assert!(
+        text.contains("relay-live") && text.contains("(4 relays;"),
+        "{text}"
+    );
+    let out = run_cmd(&["relays", "--limit", "0", "--database-url", &url]);
+    assert!(!out.status.success(), "a limit of 0 must fail");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("max_rows must be between 1 and 100000"),
+        "{err}"
+    );
 }

@@ -580,6 +580,17 @@ async fn lifecycle(
     api.claim(owner).await;
     let blocked = api.call("outbox_blocked_keys", "", &[]).await.len();
     api.expect(blocked == 2, &format!("{blocked} blocked keys, want 2"));
+    // relay-1 beats (above) and has claimed: outbox_owners lists it.
+    let owners: Vec<String> = api
+        .call("outbox_owners", "10", &[])
+        .await
+        .iter()
+        .map(|r| r.get("owner"))
+        .collect();
+    api.expect(
+        owners.iter().any(|o| o == owner),
+        &format!("outbox_owners lists {owners:?}, want {owner} among them"),
+    );
     let skipped = api.count("outbox_skip", "$1", &[&dead]).await;
     api.expect(
         skipped == Some(2),
@@ -645,6 +656,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_purge", "'1 second', 0"),
         ("outbox_dead_letters", "0"),
         ("outbox_blocked_keys", "0"),
+        ("outbox_owners", "0"),
         ("outbox_skip", "NULL"),
         ("outbox_enqueue", "'orders', '{}', deliver_at => 'infinity'"),
     ] {

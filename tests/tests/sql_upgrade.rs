@@ -377,7 +377,7 @@ async fn update_with_events_in_flight(from: &str) {
     assert_eq!(version, CURRENT);
     // outbox_claim and outbox_dead_letters are dropped and created anew by 0.6.0 -> 0.7.0, which
     // replays their grants: the role keeps them from every release. 0.12.0 -> 0.13.0 grants the
-    // heartbeat to whoever may claim.
+    // heartbeat to whoever may claim, and outbox_owners to whoever may list blocked keys.
     for f in [
         "outbox_claim(text, integer)",
         "outbox_dead_letters(integer, bigint)",
@@ -390,6 +390,7 @@ async fn update_with_events_in_flight(from: &str) {
         "outbox_wake_mode()",
         "outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)",
         "outbox_heartbeat(text, interval)",
+        "outbox_owners(integer)",
     ] {
         let may: bool = scalar(
             &c,
@@ -405,7 +406,7 @@ async fn update_with_events_in_flight(from: &str) {
          outbox_stats(), outbox_requeue(bigint[]), outbox_blocked_keys(int), outbox_skip(bigint[]), \
          outbox_claim(text, int), outbox_dead_letters(int, bigint), \
          outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz), \
-         outbox_wait(interval), outbox_wake_mode(), outbox_heartbeat(text, interval), \
+         outbox_wait(interval), outbox_wake_mode(), outbox_heartbeat(text, interval), outbox_owners(int), \
          outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz) FROM {}",
         role.0
     ))
@@ -484,8 +485,8 @@ async fn update_with_events_in_flight(from: &str) {
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
-    // In 0.13.0: 40 functions (0.12.0: 39), 63 columns (0.12.0: 59), 13 indexes, 7 tables and views, the view's
-    // definition, 1 trigger, the enum and 6 pg_dump rows (131 in all).
+    // In 0.13.0: 41 functions (0.12.0: 39), 63 columns (0.12.0: 59), 13 indexes, 7 tables and views, the view's
+    // definition, 1 trigger, the enum and 6 pg_dump rows (132 in all).
     assert!(
         installed.len() > 110,
         "the catalog query found too little to compare: {installed:?}"
