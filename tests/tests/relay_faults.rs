@@ -67,39 +67,9 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
     let n = 300i64;
     enqueue_burst(&client, "orders", n).await;
 
-    // Worker A claims while the broker is frozen, so its claims stay open; then it is killed.
-    broker.freeze();
-    let mut a = Relay::spawn(
-        &db.url(),
-        &broker.addr(),
-        &[
-            "--owner",
-            "relay-a",
-            "--batch-size",
-            "100",
-            "--send-timeout",
-            "30s",
-            "--lease",
-            "10m",
-        ],
-    );
-    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] > 0).await;
-    assert!(c["SENDING"] > 0, "worker A claimed nothing: {}", a.logs());
-    a.signal(libc::SIGKILL);
-    a.wait_exit(Duration::from_secs(5)).expect("A killed");
-    let held_ids: Vec<i64> = client
-        .query(
-            "SELECT id FROM outbox_event WHERE status::text = 'SENDING' AND claim_owner = 'relay-a'",
-            &[],
-        )
-        .await
-        .expect("query")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    // A never beats, like a relay before 0.13.0 or a script: only the lease frees its claims.
+    let held_ids = kill_relay_a_holding_claims(&db, &broker, &["--heartbeat-timeout", "0s"]).await;
     let held = held_ids.len() as i64;
-    assert!(held > 0);
-    broker.thaw();
 
     // Worker B with a short lease reclaims them (one failed attempt each) and delivers everything.
     let b = Relay::spawn(
@@ -142,6 +112,33 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
     assert_eq!(got, all, "every event arrives (at least once)");
 }
 
+/// Starts relay-a (`extra` flags added) with the broker frozen, so that its claims stay open,
+/// SIGKILLs it once it holds some, thaws the broker and returns the ids it held.
+async fn kill_relay_a_holding_claims(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<i64> {
+    let client = db.connect().await;
+    broker.freeze();
+    let mut args = vec![
+        "--owner",
+        "relay-a",
+        "--batch-size",
+        "100",
+        "--send-timeout",
+        "30s",
+        "--lease",
+        "10m",
+    ];
+    args.extend_from_slice(extra);
+    let mut a = Relay::spawn(&db.url(), &broker.addr(), &args);
+    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] > 0).await;
+    assert!(c["SENDING"] > 0, "relay A claimed nothing: {}", a.logs());
+    a.signal(libc::SIGKILL);
+    a.wait_exit(Duration::from_secs(5)).expect("A killed");
+    let held = held_by(&client, "relay-a").await;
+    assert!(!held.is_empty());
+    broker.thaw();
+    held
+}
+
 /// SENDING rows held by `owner`.
 async fn held_by(client: &tokio_postgres::Client, owner: &str) -> Vec<i64> {
     client
@@ -165,31 +162,8 @@ async fn a_killed_relay_claims_go_back_when_its_heartbeat_runs_out_not_its_lease
     let n = 300i64;
     enqueue_burst(&client, "orders", n).await;
 
-    // A claims while the broker is frozen, then is SIGKILLed (the OOM killer, a lost node).
-    broker.freeze();
-    let mut a = Relay::spawn(
-        &db.url(),
-        &broker.addr(),
-        &[
-            "--owner",
-            "relay-a",
-            "--batch-size",
-            "100",
-            "--send-timeout",
-            "30s",
-            "--lease",
-            "10m",
-            "--heartbeat-timeout",
-            "2s",
-        ],
-    );
-    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] > 0).await;
-    assert!(c["SENDING"] > 0, "A claimed nothing: {}", a.logs());
-    a.signal(libc::SIGKILL);
-    a.wait_exit(Duration::from_secs(5)).expect("A killed");
-    let held = held_by(&client, "relay-a").await;
-    assert!(!held.is_empty());
-    broker.thaw();
+    // A claims, then is SIGKILLed (the OOM killer, a lost node).
+    let held = kill_relay_a_holding_claims(&db, &broker, &["--heartbeat-timeout", "2s"]).await;
 
     // B has the same 10-minute lease: only A's silence can free A's claims within the test.
     let killed_at = Instant::now();
