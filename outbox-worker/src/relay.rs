@@ -189,8 +189,9 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     // Until a signal, or a task's failure, cancels them all; either way every claim loop
     // settles its round before it stops.
     let mut result = tasks.join().await;
-    // Rounds have settled: the last beat says this relay stops, so whatever a round could not
-    // settle (the shutdown deadline, a failed ack) is reclaimed at the next reclaim of any relay.
+    // Rounds have ended: the last beat says this relay stops, so whatever a round could not
+    // settle (a failed ack) is reclaimed at the next reclaim of any relay. (Past the shutdown
+    // deadline the process exits without it; its beats then run out within the timeout.)
     beat_cancel.cancel();
     if let Some(beats) = beats {
         let _ = beats.await;

@@ -1,6 +1,7 @@
 //! SIGTERM/SIGINT: the first one stops claiming (in-flight rows are settled, the producer flushed,
-//! exit 0); a second one exits at once (held rows are reclaimed after their lease). Either way the
-//! stop is bounded: past the shutdown timeout the process exits 1 whatever it was waiting for.
+//! exit 0); a second one exits at once (held rows are reclaimed once the heartbeat runs out, or
+//! after their lease with heartbeats off). Either way the stop is bounded: past the shutdown
+//! timeout the process exits 1 whatever it was waiting for.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +27,7 @@ pub fn spawn_signal_handler(cancel: CancellationToken, metrics: Arc<Metrics>) {
             _ = int.recv() => "SIGINT",
         };
         tracing::warn!(
-            "second {name}: exiting now; events still claimed are reclaimed after their lease"
+            "second {name}: exiting now; events still claimed are reclaimed once this relay's heartbeat runs out (after their lease with heartbeats off)"
         );
         std::process::exit(130);
     });
@@ -40,7 +41,7 @@ pub fn spawn_deadline(cancel: CancellationToken, timeout: Duration) {
         cancel.cancelled().await;
         tokio::time::sleep(timeout).await;
         tracing::error!(
-            "shutdown timeout ({}) passed with work in flight: exiting now; events still claimed are reclaimed after their lease",
+            "shutdown timeout ({}) passed with work in flight: exiting now; events still claimed are reclaimed once this relay's heartbeat runs out (after their lease with heartbeats off)",
             humantime::format_duration(timeout)
         );
         std::process::exit(1);
