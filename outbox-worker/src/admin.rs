@@ -173,7 +173,12 @@ pub async fn relays(args: RelaysArgs) -> Result<(), Fatal> {
     let rows = client
         .query(
             &format!(
-                "SELECT owner, CASE WHEN alive THEN 'alive' WHEN NOT alive THEN 'gone'                  ELSE 'no heartbeat' END AS state, held,                  extract(epoch FROM clock_timestamp() - beat_at)::float8 AS beat_age,                  extract(epoch FROM clock_timestamp() - oldest_claim)::float8 AS claim_age,                  to_char(started_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS started_at                  FROM {schema}.outbox_owners($1)"
+                "SELECT owner, \
+                 CASE WHEN alive THEN 'alive' WHEN NOT alive THEN 'gone' ELSE 'no heartbeat' END AS state, \
+                 held, extract(epoch FROM clock_timestamp() - beat_at)::float8 AS beat_age, \
+                 extract(epoch FROM clock_timestamp() - oldest_claim)::float8 AS claim_age, \
+                 to_char(started_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS started_at \
+                 FROM {schema}.outbox_owners($1)"
             ),
             &[&args.limit],
         )

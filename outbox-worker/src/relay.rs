@@ -221,7 +221,6 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
 
 /// The first heartbeat: the timeout to keep beating with, None when heartbeats are off or the
 /// extension has none (a warning says that the lease alone then frees a dead relay's claims).
-/// Retried like the settings; a configuration error (42501: no EXECUTE) ends the start.
 async fn heartbeat_timeout(relay: &Relay, timeout: Duration) -> Result<Option<Duration>, Fatal> {
     if timeout.is_zero() {
         return Ok(None);
@@ -233,39 +232,38 @@ async fn heartbeat_timeout(relay: &Relay, timeout: Duration) -> Result<Option<Du
         );
         return Ok(None);
     }
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let e = match relay.store.heartbeat(&relay.owner, timeout).await {
-            Ok(()) => return Ok(Some(timeout)),
-            Err(e) => e,
-        };
-        let message = format!(
-            "cannot call {}() ({}): {e}",
-            relay.store.func("heartbeat"),
-            relay.store.desc()
-        );
-        if !e.is_retriable() {
-            return Err(Fatal::usage(format!(
-                "{message}; grant it to the relay's role (sql/examples/grant-roles.sql) or run with --heartbeat-timeout 0"
-            )));
-        }
-        if attempt >= 3 {
-            return Err(Fatal::runtime(message));
-        }
-        tracing::warn!("{message}; retrying");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    call_at_start(
+        &relay.store,
+        "heartbeat",
+        "; grant it to the relay's role (sql/examples/grant-roles.sql) or run with --heartbeat-timeout 0",
+        || relay.store.heartbeat(&relay.owner, timeout),
+    )
+    .await?;
+    Ok(Some(timeout))
 }
 
-/// `outbox.max_retry` and `outbox.max_claim`. Retried: a connection terminated right at start-up
-/// (failover, pg_terminate_backend) is no reason to exit; a configuration error (e.g. no EXECUTE
-/// on outbox_stats) is not retried.
+/// `outbox.max_retry` and `outbox.max_claim`.
 async fn read_settings(store: &Store) -> Result<Settings, Fatal> {
+    call_at_start(store, "stats", "", || store.settings()).await
+}
+
+/// A call to `outbox_<func>` that the start depends on. Retried: a connection terminated right at
+/// start-up (failover, pg_terminate_backend) is no reason to exit; a configuration error (e.g. no
+/// EXECUTE) is not retried, and ends the start with one line (`hint` appended).
+async fn call_at_start<T, F, Fut>(
+    store: &Store,
+    func: &str,
+    hint: &str,
+    call: F,
+) -> Result<T, Fatal>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, DbError>>,
+{
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let e = match store.settings().await {
+        let e = match call().await {
             Ok(v) => return Ok(v),
             Err(e) => e,
         };
@@ -273,14 +271,10 @@ async fn read_settings(store: &Store) -> Result<Settings, Fatal> {
             DbError::Connect(c) => {
                 format!("cannot connect to the database ({}): {c}", store.desc())
             }
-            _ => format!(
-                "cannot call {}() ({}): {e}",
-                store.func("stats"),
-                store.desc()
-            ),
+            _ => format!("cannot call {}() ({}): {e}", store.func(func), store.desc()),
         };
         if !e.is_retriable() {
-            return Err(Fatal::usage(message));
+            return Err(Fatal::usage(format!("{message}{hint}")));
         }
         if attempt >= 3 {
             return Err(Fatal::runtime(message));
