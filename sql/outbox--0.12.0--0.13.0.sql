@@ -90,6 +90,26 @@ BEGIN
 END
 $$;
 
+-- Why outbox_reclaim takes back a claim that owner made at claimed_at, as its last_error, or NULL
+-- when it does not: the lease ended, or the owner's heartbeat ran out after it claimed (gone_owners
+-- and gone_at: the owners whose heartbeat has run out, and when).
+CREATE FUNCTION @extschema@.outbox_reclaim_reason(owner text, claimed_at timestamptz,
+                                                  stamp timestamptz, lease interval,
+                                                  gone_owners text[], gone_at timestamptz[])
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN claimed_at < stamp - lease
+                THEN format('lease expired: claimed by %s at %s, not settled within %s',
+                            owner, claimed_at, lease)
+                WHEN claimed_at <= g.at
+                THEN format('owner gone: claimed by %s at %s, whose heartbeat ran out at %s',
+                            owner, claimed_at, g.at)
+           END
+      FROM (SELECT gone_at[array_position(gone_owners, owner)] AS at) g
+$$;
+
 -- Expired claims back to WAIT (or FAIL): claims past their lease, and claims whose owner's
 -- heartbeat ran out (outbox_heartbeat). Returns each reclaimed row with its new state and the
 -- owner that held it, so the caller can log and count the dead letters it made.
@@ -121,8 +141,7 @@ BEGIN
     -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
     -- (waiting in claimed_at order against acks in id order could deadlock).
     -- Owners whose heartbeat ran out (outbox_heartbeat), with when it did: their claims made
-    -- before then go now (gone_at[array_position(gone_owners, owner)], NULL for any other owner).
-    -- Few rows, read whole.
+    -- before then go now (outbox_reclaim_reason). Few rows, read whole.
     SELECT coalesce(array_agg(o.owner), '{}'), coalesce(array_agg(o.expires_at), '{}')
       INTO gone_owners, gone_at
       FROM @extschema@.outbox_owner o
@@ -131,8 +150,8 @@ BEGIN
     WITH expired AS MATERIALIZED (
         SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
          WHERE x.status = 'SENDING'
-           AND (x.claimed_at < stamp - lease
-                OR x.claimed_at <= gone_at[array_position(gone_owners, x.claim_owner)])
+           AND @extschema@.outbox_reclaim_reason(x.claim_owner, x.claimed_at, stamp, lease,
+                                                 gone_owners, gone_at) IS NOT NULL
          ORDER BY x.id
          FOR UPDATE SKIP LOCKED
     ), reclaimed AS (
@@ -140,18 +159,13 @@ BEGIN
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
                next_retry_time = stamp,
-               last_error = CASE WHEN e.claimed_at < stamp - lease
-                                 THEN format('lease expired: claimed by %s at %s, not settled within %s',
-                                             e.claim_owner, e.claimed_at, lease)
-                                 ELSE format('owner gone: claimed by %s at %s, whose heartbeat ran out at %s',
-                                             e.claim_owner, e.claimed_at,
-                                             gone_at[array_position(gone_owners, e.claim_owner)])
-                            END,
+               last_error = @extschema@.outbox_reclaim_reason(e.claim_owner, e.claimed_at, stamp,
+                                                              lease, gone_owners, gone_at),
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
          -- Locked above, so still as expired saw them; the state is checked again all the same.
          WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING'
-           AND (e.claimed_at < stamp - lease
-                OR e.claimed_at <= gone_at[array_position(gone_owners, e.claim_owner)])
+           AND @extschema@.outbox_reclaim_reason(e.claim_owner, e.claimed_at, stamp, lease,
+                                                 gone_owners, gone_at) IS NOT NULL
         RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
     ), woken AS (
         -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
@@ -164,26 +178,20 @@ BEGIN
       FROM reclaimed r JOIN expired x ON x.id = r.id
      ORDER BY r.id;
     GET DIAGNOSTICS done = ROW_COUNT;
-    -- Stream batches past their lease: their events become tracked copies (same id and
-    -- event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    -- Stream batches past their lease, or whose owner is gone: their events become tracked copies
+    -- (same id and event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
     RETURN QUERY
     WITH expired AS MATERIALIZED (
-        SELECT b.claim_token, b.claim_owner, b.claimed_at, b.pending,
-               CASE WHEN b.claimed_at < stamp - lease
-                    THEN format('lease expired: claimed by %s at %s, not settled within %s',
-                                b.claim_owner, b.claimed_at, lease)
-                    ELSE format('owner gone: claimed by %s at %s, whose heartbeat ran out at %s',
-                                b.claim_owner, b.claimed_at,
-                                gone_at[array_position(gone_owners, b.claim_owner)])
-               END AS why
+        SELECT b.claim_token, b.claim_owner, b.pending, r.why
           FROM @extschema@.outbox_stream_batch b
-         WHERE (b.claimed_at < stamp - lease
-                OR b.claimed_at <= gone_at[array_position(gone_owners, b.claim_owner)])
+         CROSS JOIN LATERAL (SELECT @extschema@.outbox_reclaim_reason(b.claim_owner, b.claimed_at, stamp,
+                                                                      lease, gone_owners, gone_at) AS why) r
+         WHERE r.why IS NOT NULL
            -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
            AND b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
                                   ORDER BY v.version DESC LIMIT 1)
          ORDER BY b.claim_token
-         FOR UPDATE SKIP LOCKED
+         FOR UPDATE OF b SKIP LOCKED
     ), gone AS (
         DELETE FROM @extschema@.outbox_stream_batch b
          USING expired x
@@ -228,7 +236,8 @@ END
 $$;
 
 
-REVOKE ALL ON FUNCTION @extschema@.outbox_heartbeat(text, interval), @extschema@.outbox_owners(int)
+REVOKE ALL ON FUNCTION @extschema@.outbox_heartbeat(text, interval), @extschema@.outbox_owners(int),
+    @extschema@.outbox_reclaim_reason(text, timestamptz, timestamptz, interval, text[], timestamptz[])
 FROM PUBLIC;
 
 -- Whoever may claim may say it is alive, and whoever may list blocked keys may list the relays

@@ -43,6 +43,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_renew(text, bigint, bigint[]),
     @extschema@.outbox_release(text, bigint, bigint[], interval, text),
     @extschema@.outbox_heartbeat(text, interval),
+    @extschema@.outbox_reclaim_reason(text, timestamptz, timestamptz, interval, text[], timestamptz[]),
     @extschema@.outbox_reclaim_returning(interval),
     @extschema@.outbox_reclaim(interval),
     @extschema@.outbox_requeue(bigint[]),

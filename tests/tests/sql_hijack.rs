@@ -697,6 +697,10 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_key_hash", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
+        (
+            "outbox_reclaim_reason",
+            "'relay-1', now() - interval '1 hour', now(), interval '10 minutes', '{}', '{}'",
+        ),
         ("outbox_enqueue_begin", "'orders', 'k-1'"),
         ("outbox_xact_late", ""),
         ("outbox_client_connected", ""),
