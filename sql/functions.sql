@@ -160,20 +160,24 @@ BEGIN
         -- due later takes a tracked row, behind that work, and the key's row if the key was idle
         -- (an active key has one, and its head decides when it is due); else the event goes to
         -- the stream, where a claim keeps the key's order (outbox_stream_take), marked late when
-        -- its place in (txid, id) order may be before an earlier event of its key (asked once
-        -- the lock is held). This statement's snapshot predates the lock: a key row it misses or
-        -- still sees is settled at the claim.
+        -- its place in (txid, id) order may be before an earlier event of its key, with a bound
+        -- on that event's txid (asked once the lock is held; a tracked row keeps such a bound
+        -- too). This statement's snapshot predates the lock: a key row it misses or still sees
+        -- is settled at the claim.
         WITH turn AS (
             SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
         ), route AS (
             SELECT coalesce(deliver_at > now(), false)
                    OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
-                               WHERE k.topic = outbox_enqueue.topic AND k.event_key = outbox_enqueue.key) AS tracked
+                               WHERE k.topic = outbox_enqueue.topic AND k.event_key = outbox_enqueue.key) AS tracked,
+                   @extschema@.outbox_xact_late_bound()::text::xid8 AS late_bound
               FROM turn
         ), tracked_event AS (
             INSERT INTO @extschema@.outbox_tracked
-                (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
-            SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true
+                (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered,
+                 stream_bound)
+            SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true,
+                   coalesce(route.late_bound, pg_current_xact_id())
               FROM route WHERE route.tracked
             RETURNING id
         ), key_row AS (
@@ -181,9 +185,10 @@ BEGIN
             SELECT topic, key, greatest(now(), deliver_at) FROM tracked_event
             ON CONFLICT DO NOTHING
         ), stream_event AS (
-            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late)
+            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
+                                                  late_bound)
             SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
-                   @extschema@.outbox_xact_late()
+                   route.late_bound IS NOT NULL, route.late_bound
               FROM route WHERE NOT route.tracked
             RETURNING id
         )
@@ -231,7 +236,7 @@ DECLARE
     fn constant text := 'outbox_enqueue_many';
     n int := coalesce(cardinality(payloads), 0);
     ordered_topic boolean;
-    late boolean;
+    late_bound xid8;
     due_later boolean := coalesce(deliver_at > now(), false);
     bad record;
     max_bytes int;
@@ -317,7 +322,7 @@ BEGIN
            FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
                    FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
         -- Asked once the locks are held and before the inserts draw a txid (outbox_enqueue).
-        late := @extschema@.outbox_xact_late();
+        late_bound := @extschema@.outbox_xact_late_bound()::text::xid8;
     END IF;
     -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
     -- it: due later, or ordered with a key that has tracked work (read after the locks above), to
@@ -335,16 +340,20 @@ BEGIN
           FROM input i
     ), tracked AS (
         INSERT INTO @extschema@.outbox_tracked
-            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
-        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered
+            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered,
+             stream_bound)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered,
+               CASE WHEN i.ordered THEN coalesce(late_bound, pg_current_xact_id()) END
           FROM routed i
          WHERE i.tracked
          ORDER BY i.id
         RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
     ), stream AS (
-        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers, late)
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers, late,
+                                              late_bound)
         SELECT i.id, topic, i.k, CASE WHEN i.ordered THEN @extschema@.outbox_key_hash(topic, i.k) END,
-               i.t, i.p, i.h, CASE WHEN i.ordered THEN late END
+               i.t, i.p, i.h, CASE WHEN i.ordered THEN late_bound IS NOT NULL END,
+               CASE WHEN i.ordered THEN late_bound END
           FROM routed i
          WHERE NOT i.tracked
          ORDER BY i.id
@@ -441,6 +450,58 @@ AS $$
     ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
 $$;
 
+-- The stream events the cursor has not handed out yet (outbox_stream_passed) whose transaction
+-- id is above `above` and below `below`, in the walk's (txid, id) order, at most max_rows of them
+-- (NULL: all); gone says one went out all the same (early) or became a tracked row. No index
+-- finds a key's events: a claim that must know whether an earlier event of a key is still ahead
+-- of the cursor reads these instead, and the bounds on the txids of the events it asks about
+-- keep the read to the transactions that ran beside the event it asks for, not the stream's
+-- whole backlog (nor the rest of a big transaction's events).
+-- Transactions running at prev_snap, or started after it and running at cur_snap, are read by
+-- equality on txid as the walk reads them: a long transaction costs a probe, not a range.
+CREATE FUNCTION @extschema@.outbox_stream_owed(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_txid xid8,
+                                               pos_id bigint, above xid8, below xid8, max_rows int)
+RETURNS TABLE (id bigint, txid xid8, key_hash bigint, gone boolean)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH lo AS (
+        -- Where the walk's range goes on (after the position, or from xmax(prev_snap)), or
+        -- after `above`'s events if that is further.
+        SELECT v.txid, v.id
+          FROM (VALUES (pos_txid, pos_id), (pg_snapshot_xmax(prev_snap), 0::bigint),
+                       (above, 9223372036854775807::bigint)) v(txid, id)
+         ORDER BY v.txid DESC, v.id DESC
+         LIMIT 1
+    ), owed AS (
+        SELECT e.id, e.txid, e.key_hash
+          FROM (SELECT x FROM pg_snapshot_xip(prev_snap) x
+                UNION
+                SELECT x FROM pg_snapshot_xip(cur_snap) x, lo
+                 WHERE x >= pg_snapshot_xmax(prev_snap) AND x < lo.txid) r
+         CROSS JOIN LATERAL (
+               SELECT e.id, e.txid, e.key_hash FROM @extschema@.outbox_stream e
+                WHERE e.txid = r.x
+                  AND NOT @extschema@.outbox_stream_passed(e.txid, e.id, prev_snap, cur_snap, pos_txid, pos_id)
+                ORDER BY e.id
+                LIMIT max_rows) e
+         WHERE r.x > above AND r.x < below
+        UNION ALL
+        -- lo's values as scalars: a row comparison with parameters is an index range.
+        (SELECT e.id, e.txid, e.key_hash
+           FROM @extschema@.outbox_stream e
+          WHERE (e.txid, e.id) > ((SELECT lo.txid FROM lo), (SELECT lo.id FROM lo)) AND e.txid < below
+          ORDER BY e.txid, e.id
+          LIMIT max_rows)
+    )
+    SELECT o.id, o.txid, o.key_hash,
+           EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = o.id)
+           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = o.id)
+      FROM owed o
+     ORDER BY o.txid, o.id
+     LIMIT max_rows
+$$;
+
 -- The stream's part of a claim: up to max_events fresh events, recorded as the batch of this
 -- claim's token, their ids returned. PgQ's batch rule: the cursor hands out, in (txid, id) order,
 -- the events whose transaction its newer snapshot (cur_snap) sees finished and its older one
@@ -481,15 +542,19 @@ DECLARE
     walked_before_rotation bigint := -1;
     -- Only ids travel through the loop; the claim reads the rows once, by primary key. ids holds
     -- every event the cursor passed in this claim, early ones included (taken counts the rest);
-    -- hashes and lates run in step with it: each event's key_hash and late, NULL when unordered.
+    -- hashes and bounds run in step with it: each event's key_hash (NULL when unordered) and, for a
+    -- late one, the bound on its key's earlier events' txids (outbox_stream.late_bound; the
+    -- largest xid8 when unknown), else NULL.
     ids bigint[] := '{}';
     hashes bigint[] := '{}';
-    lates boolean[] := '{}';
+    bounds xid8[] := '{}';
     taken int := 0;
     part_ids bigint[];
     part_txids xid8[];
     part_hashes bigint[];
-    part_lates boolean[];
+    part_bounds xid8[];
+    above xid8;
+    below xid8;
     need int;
     early bigint[];
     passed_early bigint[] := '{}';
@@ -499,13 +564,9 @@ DECLARE
     lo_txid xid8;
     lo_id bigint;
     busy bigint[];
-    ahead bigint[];
     pulled bigint[] := '{}';
     pulled_hashes bigint[] := '{}';
     diverted bigint[];
-    h bigint;
-    top_id bigint;
-    r record;
 BEGIN
     -- One claim at a time reads the stream, until it commits (its position is only visible
     -- then). Another claim waits for it: a relay's claim commits within milliseconds, and an
@@ -557,9 +618,11 @@ BEGIN
                     need := max_events - taken;
                     EXIT WHEN need <= 0;
                     SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id),
-                           array_agg(e.late ORDER BY e.id)
-                      INTO part_ids, part_hashes, part_lates
-                      FROM (SELECT e.id, e.key_hash, e.late FROM @extschema@.outbox_stream e
+                           array_agg(e.bound ORDER BY e.id)
+                      INTO part_ids, part_hashes, part_bounds
+                      FROM (SELECT e.id, e.key_hash, CASE WHEN e.key_hash IS NOT NULL AND e.late IS NOT FALSE
+                                          THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
+                              FROM @extschema@.outbox_stream e
                              WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
                              ORDER BY e.id
                              LIMIT need) e;
@@ -568,7 +631,7 @@ BEGIN
                     pos_id := part_ids[cardinality(part_ids)];
                     ids := ids || part_ids;
                     hashes := hashes || part_hashes;
-                    lates := lates || part_lates;
+                    bounds := bounds || part_bounds;
                     taken := taken + cardinality(part_ids)
                              - CASE WHEN cardinality(early) = 0 THEN 0
                                     ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
@@ -590,9 +653,11 @@ BEGIN
                 lo_id := pos_id;
             END IF;
             SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
-                   array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.late ORDER BY e.txid, e.id)
-              INTO part_ids, part_txids, part_hashes, part_lates
-              FROM (SELECT e.id, e.txid, e.key_hash, e.late FROM @extschema@.outbox_stream e
+                   array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.bound ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids, part_hashes, part_bounds
+              FROM (SELECT e.id, e.txid, e.key_hash, CASE WHEN e.key_hash IS NOT NULL AND e.late IS NOT FALSE
+                                          THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
+                      FROM @extschema@.outbox_stream e
                      WHERE (e.txid, e.id) > (lo_txid, lo_id)
                        AND e.txid < pg_snapshot_xmax(cur_snap)
                        AND pg_visible_in_snapshot(e.txid, cur_snap)
@@ -606,7 +671,7 @@ BEGIN
             pos_id := part_ids[cardinality(part_ids)];
             ids := ids || part_ids;
             hashes := hashes || part_hashes;
-            lates := lates || part_lates;
+            bounds := bounds || part_bounds;
             taken := taken + cardinality(part_ids)
                      - CASE WHEN cardinality(early) = 0 THEN 0
                             ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
@@ -645,8 +710,8 @@ BEGIN
         DELETE FROM @extschema@.outbox_stream_early e WHERE e.id = ANY (passed_early);
         SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}'),
                coalesce(array_agg(t.l ORDER BY t.n), '{}')
-          INTO ids, hashes, lates
-          FROM unnest(ids, hashes, lates) WITH ORDINALITY t(id, h, l, n)
+          INTO ids, hashes, bounds
+          FROM unnest(ids, hashes, bounds) WITH ORDINALITY t(id, h, l, n)
          WHERE NOT t.id = ANY (passed_early);
     END IF;
 
@@ -661,39 +726,36 @@ BEGIN
                                     JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
                                    WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
         END IF;
-        -- Earlier events of a key still ahead of the cursor: the key's nearest lower event
-        -- outside this batch has not gone out (passed, early or tracked). None once the window
-        -- is used up: an earlier event of a key committed before the one handed out here, so
-        -- cur_snap sees it, and the cursor has passed everything cur_snap sees. None either for a
-        -- key without a late event here: an earlier event sorts after one of them in (txid, id)
-        -- order only if that one is late (outbox_xact_late). Below an event that went out, every
-        -- event of its key went out: this rule keeps it so.
+        -- Earlier events of a key still ahead of the cursor: owed by the stream (not passed, not
+        -- early, not tracked), with a lower id than the key's last event here. None once the
+        -- window is used up: an earlier event of a key committed before the one handed out here,
+        -- so cur_snap sees it, and the cursor has passed everything cur_snap sees. None either
+        -- for a key without a late event here: an earlier event sorts after one of them in
+        -- (txid, id) order only if that one is late (outbox_xact_late_bound), and then its txid
+        -- is below that one's bound (and below xmax(cur_snap), which sees it). So one read of
+        -- the owed events, from the position up to the largest bound, finds them all: it costs
+        -- the events that began while the late events' transactions ran, not a hot key's
+        -- backlog. Below an event that went out, every event of its key went out: this rule
+        -- keeps it so.
         IF NOT window_done THEN
-            ahead := ARRAY(
-                SELECT c.h
-                  FROM (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes, lates) t(id, h, l)
-                         WHERE t.h IS NOT NULL GROUP BY t.h HAVING bool_or(t.l IS NOT FALSE)) c
-                 CROSS JOIN LATERAL (
-                     SELECT p.id, p.txid FROM @extschema@.outbox_stream p
-                      WHERE p.key_hash = c.h AND p.id < c.top_id AND NOT p.id = ANY (ids)
-                      ORDER BY p.id DESC LIMIT 1) p
-                 WHERE NOT p.id = ANY (early)
-                   AND NOT @extschema@.outbox_stream_passed(p.txid, p.id, prev_snap, cur_snap, pos_txid, pos_id)
-                   AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = p.id));
-            -- Each such key brings its events that are ahead, from the nearest down to the
-            -- first that went out.
-            FOREACH h IN ARRAY ahead LOOP
-                top_id := (SELECT max(t.id) FROM unnest(ids, hashes) t(id, k) WHERE t.k = h);
-                FOR r IN SELECT p.id, p.txid FROM @extschema@.outbox_stream p
-                          WHERE p.key_hash = h AND p.id < top_id ORDER BY p.id DESC LOOP
-                    CONTINUE WHEN r.id = ANY (ids);
-                    EXIT WHEN r.id = ANY (early)
-                           OR @extschema@.outbox_stream_passed(r.txid, r.id, prev_snap, cur_snap, pos_txid, pos_id)
-                           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = r.id);
-                    pulled := pulled || r.id;
-                    pulled_hashes := pulled_hashes || h;
-                END LOOP;
-            END LOOP;
+            below := (SELECT max(least(t.b, pg_snapshot_xmax(cur_snap)))
+                        FROM unnest(hashes, bounds) t(h, b) WHERE t.h IS NOT NULL AND t.b IS NOT NULL);
+        END IF;
+        -- An earlier event sorts after a late one only with a greater txid: the read starts after
+        -- the first late event's transaction (a big transaction's own events sort in id order).
+        IF below IS NOT NULL THEN
+            above := (SELECT min(s.txid) FROM @extschema@.outbox_stream s
+                       WHERE s.id = ANY (ARRAY(SELECT t.id FROM unnest(ids, hashes, bounds) t(id, h, b)
+                                                WHERE t.h IS NOT NULL AND t.b IS NOT NULL)));
+        END IF;
+        IF below IS NOT NULL THEN
+            SELECT coalesce(array_agg(o.id), '{}'), coalesce(array_agg(o.key_hash), '{}')
+              INTO pulled, pulled_hashes
+              FROM @extschema@.outbox_stream_owed(prev_snap, cur_snap, pos_txid, pos_id, above, below, NULL) o
+              JOIN (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes, bounds) t(id, h, b)
+                     WHERE t.h IS NOT NULL GROUP BY t.h HAVING bool_or(t.b IS NOT NULL)) c
+                ON o.key_hash = c.h AND o.id < c.top_id
+             WHERE NOT o.gone AND NOT o.id = ANY (ids);
             IF cardinality(pulled) > 0 THEN
                 INSERT INTO @extschema@.outbox_stream_early (id) SELECT unnest(pulled);
                 ids := ids || pulled;
@@ -919,6 +981,9 @@ DECLARE
     stream_ids bigint[];
     lo_id bigint;
     hi_id bigint;
+    -- How many of the stream's owed events a claim reads at most to tell whether a tracked key's
+    -- head waits for one of them (a few milliseconds).
+    owed_rows constant int := 1000;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
     PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
@@ -952,8 +1017,24 @@ BEGIN
     -- past what a batch can take).
     -- A key's event is held while the stream still owes an earlier event of the key: one in an
     -- unsettled stream batch (that holds the whole key), or one the stream's cursor has not
-    -- reached (it becomes a tracked row, before this one, when the cursor gets there). By the
-    -- stream's rule the nearest stream event of the key below the tracked one tells.
+    -- reached (it becomes a tracked row, before this one, when the cursor gets there). An event
+    -- that came from the stream owes nothing: its key's earlier events went out before it. One
+    -- enqueued as a tracked row has a bound on their txids (stream_bound; unknown: the newest
+    -- txid): below xmin(prev_snap) the cursor passed them all; else the first owed_rows events
+    -- the stream owes are read, once per claim and only when such an event needs them (a CTE
+    -- runs when first read). Past what they cover the event is held: in a backlog it waits for
+    -- the cursor to come near, and reading further would cost every claim the backlog.
+    WITH newest AS (
+        SELECT pg_snapshot_xmax(pg_current_snapshot()) AS hi
+    ), owed AS MATERIALIZED (
+        SELECT o.* FROM newest n
+         CROSS JOIN LATERAL @extschema@.outbox_stream_owed(cur.prev_snap, cur.cur_snap, cur.pos_txid, cur.pos_id,
+                                                            '0', n.hi, owed_rows) o
+    ), reach AS MATERIALIZED (
+        -- The txid below which the read saw every owed event.
+        SELECT CASE WHEN count(*) < owed_rows THEN (SELECT n.hi FROM newest n) ELSE max(o.txid) END AS below
+          FROM owed o
+    )
     SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
            array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
            array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable), array_agg(c.held)
@@ -976,17 +1057,14 @@ BEGIN
                                      row_number() OVER (ORDER BY e.id) AS pos,
                                      CASE WHEN e.status <> 'WAIT' OR e.next_retry_time > stamp THEN false
                                           WHEN k.hash = ANY (busy_hashes) THEN true
-                                          ELSE EXISTS (
-                                              SELECT 1
-                                                FROM (SELECT q.id, q.txid FROM @extschema@.outbox_stream q
-                                                       WHERE q.key_hash = k.hash AND q.id < e.id
-                                                       ORDER BY q.id DESC LIMIT 1) q
-                                               WHERE NOT @extschema@.outbox_stream_passed(q.txid, q.id, cur.prev_snap, cur.cur_snap,
-                                                                                           cur.pos_txid, cur.pos_id)
-                                                 AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = q.id)
-                                                 AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = q.id))
+                                          WHEN e.stream_bound IS NULL
+                                               AND EXISTS (SELECT 1 FROM @extschema@.outbox_stream s WHERE s.id = e.id) THEN false
+                                          WHEN least(coalesce(e.stream_bound, n.hi), n.hi) <= pg_snapshot_xmin(cur.prev_snap) THEN false
+                                          WHEN least(coalesce(e.stream_bound, n.hi), n.hi) > (SELECT r.below FROM reach r) THEN true
+                                          ELSE EXISTS (SELECT 1 FROM owed o
+                                                        WHERE o.key_hash = k.hash AND o.id < e.id AND NOT o.gone)
                                      END AS held
-                                FROM @extschema@.outbox_tracked e
+                                FROM @extschema@.outbox_tracked e CROSS JOIN newest n
                                WHERE e.topic = k.topic AND e.event_key = k.event_key
                                  AND e.ordered AND e.status <> 'SUCCESS'
                                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
@@ -1104,7 +1182,10 @@ BEGIN
     -- Rows in publish (= id, within a key commit) order: UPDATE ... RETURNING has none.
     RETURN QUERY
     SELECT e.* FROM (
-        SELECT t.* FROM @extschema@.outbox_tracked t WHERE t.id = ANY (tracked_ids)
+        SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
+               t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
+               t.updated_at, t.event_id, t.ordered, t.skipped_at
+          FROM @extschema@.outbox_tracked t WHERE t.id = ANY (tracked_ids)
         UNION ALL
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
@@ -1765,7 +1846,10 @@ BEGIN
             DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
     END IF;
     RETURN QUERY
-    SELECT * FROM @extschema@.outbox_tracked e
+    SELECT e.id, e.topic, e.event_key, e.event_type, e.payload, e.headers, e.status, e.retry_count,
+           e.next_retry_time, e.claim_owner, e.claim_token, e.claimed_at, e.last_error, e.created_at,
+           e.updated_at, e.event_id, e.ordered, e.skipped_at
+      FROM @extschema@.outbox_tracked e
      WHERE e.status = 'FAIL' AND e.id > coalesce(after_id, 0)
      ORDER BY e.id
      LIMIT max_rows;

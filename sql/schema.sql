@@ -37,7 +37,12 @@ CREATE TABLE @extschema@.outbox_tracked (
     -- decided at enqueue. Ordered events are claimed through outbox_key, the rest directly.
     ordered         boolean NOT NULL DEFAULT false,
     -- An operator skipped this dead letter (outbox_skip): it no longer holds its key.
-    skipped_at      timestamptz
+    skipped_at      timestamptz,
+    -- For an ordered event enqueued as a tracked row (its key had tracked work, or it is due
+    -- later): every earlier event of its key has a transaction id below this one, so a claim
+    -- reads the stream's owed events only up to it (outbox_claim). NULL for a row that came from
+    -- the stream: its key's earlier events went out before it.
+    stream_bound    xid8
 ) WITH (
     -- A queue table churns: vacuum and analyze it long before the default 20 % of dead rows.
     autovacuum_vacuum_scale_factor = 0.02,
@@ -109,15 +114,21 @@ CREATE TABLE @extschema@.outbox_stream (
     -- event of its key committed (outbox_xact_late), which puts it before that event in (txid, id)
     -- order. A claim looks for a key's earlier events only when a batch holds such an event.
     -- NULL for the rest (and for rows from before 0.8.0: the claim treats NULL as late).
-    late        boolean
+    late        boolean,
+    -- For a late event: every earlier event of its key has a transaction id below this one (the
+    -- next transaction id once its key's lock was held), so a claim reads the stream's owed
+    -- events from its position up to it (outbox_stream_owed) to find them. NULL when not late,
+    -- or unknown (rows from before 0.14.0, restored rows): the claim reads to the end of its window.
+    late_bound  xid8
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_analyze_scale_factor = 0.02
 );
 -- The cursor's walk: commit windows in (txid, id) order.
 CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
--- An ordered event's predecessor in its key (the next lower id), and a key's events by id.
-CREATE INDEX outbox_stream_key_idx ON @extschema@.outbox_stream (key_hash, id) WHERE key_hash IS NOT NULL;
+-- No index by key: an ordered event's earlier events are found in the walk's own order, between
+-- the cursor and a bound on their transaction ids (outbox_stream_owed). An index entry per
+-- ordered event cost more WAL than the rest of its claim and ack (docs/design-append-only.md).
 
 -- The stream's read position, one version per claim that moved it (the newest counts): events
 -- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
@@ -250,6 +261,7 @@ BEGIN
     NEW.txid := pg_current_xact_id();
     IF NEW.key_hash IS NOT NULL THEN
         NEW.late := true;
+        NEW.late_bound := NULL;
     END IF;
     RETURN NEW;
 END
@@ -257,6 +269,23 @@ $$;
 CREATE TRIGGER outbox_stream_restamp BEFORE INSERT ON @extschema@.outbox_stream
     FOR EACH ROW WHEN (NEW.txid IS DISTINCT FROM pg_catalog.pg_current_xact_id())
     EXECUTE FUNCTION @extschema@.outbox_stream_restamp();
+
+-- A tracked row restored by pg_dump carries a stream_bound of the database it was dumped from,
+-- which means nothing here. outbox_enqueue's bound is never below its own transaction's id, so one
+-- below the restoring transaction's is dropped (the claim then bounds the row's earlier events by
+-- the newest transaction id); a higher one stays, and the claim caps it the same way.
+CREATE FUNCTION @extschema@.outbox_tracked_restamp() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.stream_bound := NULL;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER outbox_tracked_restamp BEFORE INSERT ON @extschema@.outbox_tracked
+    FOR EACH ROW WHEN (NEW.stream_bound < pg_catalog.pg_current_xact_id())
+    EXECUTE FUNCTION @extschema@.outbox_tracked_restamp();
 
 -- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
 -- Only tables of an extension are configuration tables, and only while CREATE EXTENSION runs: the

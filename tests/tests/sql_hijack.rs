@@ -702,7 +702,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             "'relay-1', now() - interval '1 hour', now(), interval '10 minutes', '{}', '{}'",
         ),
         ("outbox_enqueue_begin", "'orders', 'k-1'"),
-        ("outbox_xact_late", ""),
+        ("outbox_xact_late_bound", ""),
         ("outbox_client_connected", ""),
         (
             "outbox_enqueue_many",
@@ -737,6 +737,10 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
         ("outbox_stream_key_rows", "'{1}', now()"),
         (
+            "outbox_stream_owed",
+            "pg_current_snapshot(), pg_current_snapshot(), '0'::xid8, 0::bigint, '0'::xid8, '100'::xid8, 10",
+        ),
+        (
             "outbox_stream_rebase",
             "pg_current_snapshot(), pg_current_snapshot(), '0'::xid8, 0::bigint, 0::bigint",
         ),
@@ -754,6 +758,18 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             api.called.insert("outbox_stream_restamp".into());
         }
         Err(e) => api.failures.push(format!("restamp: {e}")),
+    }
+    // And the tracked one for a row with another database's bound.
+    let restamp = format!(
+        "INSERT INTO {}.outbox_tracked (topic, payload, status, next_retry_time, ordered, stream_bound) \
+         VALUES ('orders', '{{}}', 'FAIL', now(), true, '3')",
+        api.schema
+    );
+    match api.c.batch_execute(&restamp).await {
+        Ok(()) => {
+            api.called.insert("outbox_tracked_restamp".into());
+        }
+        Err(e) => api.failures.push(format!("tracked restamp: {e}")),
     }
     if build::sql_only() {
         sql_only_functions(api).await;

@@ -133,6 +133,11 @@ async fn update_from_0_12_0_with_events_in_flight() {
 }
 
 #[tokio::test]
+async fn update_from_0_13_0_with_events_in_flight() {
+    update_with_events_in_flight("0.13.0").await;
+}
+
+#[tokio::test]
 async fn update_from_0_7_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.7.0").await;
 }
@@ -160,6 +165,117 @@ async fn update_from_0_11_0_with_keyed_stream_events_waiting() {
 #[tokio::test]
 async fn update_from_0_12_0_with_keyed_stream_events_waiting() {
     update_with_keyed_stream_events_waiting("0.12.0").await;
+}
+
+#[tokio::test]
+async fn update_from_0_13_0_with_keyed_stream_events_waiting() {
+    update_with_keyed_stream_events_waiting("0.13.0").await;
+}
+
+/// Ordered events enqueued by 0.13.0 carry no bound on their key's earlier events (0.14.0 dropped
+/// the stream's index by key and reads the owed events up to such a bound instead): a late stream
+/// event (its transaction drew its txid before an earlier event of its key committed) and a
+/// tracked event due later, each behind an earlier event of its key still in the stream. After
+/// the update both still go out after that earlier event, one event per claim.
+#[tokio::test]
+async fn update_from_0_13_0_keeps_the_key_order_of_events_enqueued_before_it() {
+    if build::sql_only() {
+        println!("skipped: this tree cannot make a SQL-only 0.13.0 install to update from");
+        return;
+    }
+    let db = TestDb::empty();
+    let c = db.connect().await;
+    c.batch_execute("CREATE EXTENSION outbox VERSION '0.13.0'")
+        .await
+        .unwrap();
+    async fn enqueue(c: &Client, key: &str) -> i64 {
+        scalar::<i64>(
+            c,
+            "SELECT outbox_enqueue('orders', '{}', key => $1)",
+            &[&key],
+        )
+        .await
+    }
+    // Key a: the later commit has the lower txid, so the walk meets it first.
+    let started_first = db.connect().await;
+    started_first
+        .batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    let a_first = enqueue(&c, "a").await;
+    let a_second = enqueue(&started_first, "a").await;
+    started_first.batch_execute("COMMIT").await.unwrap();
+    // Key b: an event in the stream, then one due a moment later, a tracked row.
+    let b_first = enqueue(&c, "b").await;
+    let b_later: i64 = scalar(
+        &c,
+        "SELECT outbox_enqueue('orders', '{}', key => 'b', deliver_at => clock_timestamp() + interval '100 milliseconds')",
+        &[],
+    )
+    .await;
+    let marked: Vec<(i64, Option<bool>)> = c
+        .query("SELECT id, late FROM outbox_stream ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        marked,
+        [
+            (a_first, Some(false)),
+            (a_second, Some(true)),
+            (b_first, Some(false))
+        ],
+        "the case under test: a late event of key a"
+    );
+
+    c.batch_execute("ALTER EXTENSION outbox UPDATE")
+        .await
+        .unwrap();
+    let unbounded: i64 = scalar(
+        &c,
+        "SELECT (SELECT count(*) FROM outbox_stream WHERE late_bound IS NULL) \
+              + (SELECT count(*) FROM outbox_tracked WHERE stream_bound IS NULL)",
+        &[],
+    )
+    .await;
+    assert_eq!(unbounded, 4, "rows from before the update have no bound");
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let mut arrived = Vec::new();
+    for _ in 0..6 {
+        let rows = c
+            .query(
+                "SELECT id, claim_token FROM outbox_claim('relay-a', 1)",
+                &[],
+            )
+            .await
+            .unwrap();
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        if let Some(token) = rows.first().map(|r| r.get::<_, i64>(1)) {
+            let n: i32 = scalar(&c, "SELECT outbox_ack('relay-a', $1, $2)", &[&token, &ids]).await;
+            assert_eq!(n as usize, ids.len());
+        }
+        arrived.extend(ids);
+    }
+    let of = |key: &[i64]| -> Vec<i64> {
+        arrived
+            .iter()
+            .copied()
+            .filter(|id| key.contains(id))
+            .collect()
+    };
+    assert_eq!(
+        of(&[a_first, a_second]),
+        [a_first, a_second],
+        "key a in commit order: {arrived:?}"
+    );
+    assert_eq!(
+        of(&[b_first, b_later]),
+        [b_first, b_later],
+        "key b in commit order: {arrived:?}"
+    );
+    assert_eq!(arrived.len(), 4, "each event once: {arrived:?}");
 }
 
 /// Keyed events in the stream across the update: a claim holds the first event of two keys, after
@@ -336,7 +452,7 @@ async fn update_with_events_in_flight(from: &str) {
     // What that release's recipe (sql/examples/grant-roles.sql) granted: 0.3.0 added the
     // _returning forms, which the 0.2.0 -> 0.3.0 step grants to whoever could nack and reclaim;
     // 0.4.0 the operator's blocked_keys and skip; 0.5.0 the wake-up and the bulk enqueue; 0.6.0 to
-    // 0.12.0 the same as 0.5.0.
+    // 0.12.0 the same as 0.5.0; 0.13.0 the heartbeat and the relays' list.
     let returning = match from {
         "0.3.0" => {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval)"
@@ -349,6 +465,12 @@ async fn update_with_events_in_flight(from: &str) {
             ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
              outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
              outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz)"
+        }
+        "0.13.0" => {
+            ", outbox_nack_returning(text, bigint, bigint[], text), outbox_reclaim_returning(interval), \
+             outbox_blocked_keys(int), outbox_skip(bigint[]), outbox_wait(interval), outbox_wake_mode(), \
+             outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz), \
+             outbox_heartbeat(text, interval), outbox_owners(int)"
         }
         _ => "",
     };
@@ -485,8 +607,8 @@ async fn update_with_events_in_flight(from: &str) {
     let fresh = TestDb::create();
     let upgraded = catalog(&c).await;
     let installed = catalog(&fresh.connect().await).await;
-    // In 0.13.0: 42 functions (0.12.0: 39), 63 columns (0.12.0: 59), 13 indexes, 7 tables and views, the view's
-    // definition, 1 trigger, the enum and 6 pg_dump rows (133 in all).
+    // In 0.14.0: 44 functions (0.13.0: 42), 65 columns (0.13.0: 63), 12 indexes (0.13.0: 13), 7 tables
+    // and views, the view's definition, 2 triggers, the enum and 6 pg_dump rows (137 in all).
     assert!(
         installed.len() > 110,
         "the catalog query found too little to compare: {installed:?}"

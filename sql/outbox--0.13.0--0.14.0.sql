@@ -1,0 +1,1014 @@
+-- outbox 0.13.0 -> 0.14.0 (docs/reference.md, "Upgrades"; docs/design-append-only.md, "An ordered
+-- event without an index by key").
+-- * The stream has no index by key (outbox_stream_key_idx): its entry per ordered event cost 72 B
+--   of WAL and 13 B of page splits, more than the event's claim and ack. A claim finds a key's
+--   earlier events still ahead of the cursor among the stream's owed events instead
+--   (outbox_stream_owed), read in the walk's own order up to a bound on their transaction ids:
+--   a late event keeps one (outbox_stream.late_bound, from outbox_xact_late_bound, which replaces
+--   outbox_xact_late), and so does an ordered event enqueued as a tracked row
+--   (outbox_tracked.stream_bound). A row from the stream needs none: its key's earlier events
+--   went out before it.
+-- Events in flight stay where they are. Rows from before the update have no bound: a late stream
+-- event's claim reads the rest of its window, and a tracked row that did not come from the
+-- stream is bounded by the newest transaction id; both only read more.
+\echo Use "ALTER EXTENSION outbox UPDATE TO '0.14.0'" to load this file. \quit
+
+ALTER TABLE @extschema@.outbox_tracked ADD COLUMN stream_bound xid8;
+ALTER TABLE @extschema@.outbox_stream ADD COLUMN late_bound xid8;
+DROP INDEX @extschema@.outbox_stream_key_idx;
+
+-- native-only begin
+CREATE FUNCTION @extschema@."outbox_xact_late_bound"() RETURNS bigint
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_xact_late_bound_wrapper';
+-- native-only end
+DROP FUNCTION @extschema@.outbox_xact_late();
+
+-- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
+-- means nothing to this cursor (and would count as long handed out): it takes the restoring
+-- transaction's instead, and an ordered one counts as late (its key's order among the restored
+-- rows and new ones is then checked at the claim). outbox_enqueue's rows never fire it.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.txid := pg_current_xact_id();
+    IF NEW.key_hash IS NOT NULL THEN
+        NEW.late := true;
+        NEW.late_bound := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- A tracked row restored by pg_dump carries a stream_bound of the database it was dumped from,
+-- which means nothing here. outbox_enqueue's bound is never below its own transaction's id, so one
+-- below the restoring transaction's is dropped (the claim then bounds the row's earlier events by
+-- the newest transaction id); a higher one stays, and the claim caps it the same way.
+CREATE FUNCTION @extschema@.outbox_tracked_restamp() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.stream_bound := NULL;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    topic text,
+    payload jsonb,
+    key text DEFAULT NULL,
+    event_type text DEFAULT NULL,
+    headers jsonb DEFAULT '{}',
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    header record;
+    payload_bytes int;
+    message_bytes bigint;
+    max_bytes int;
+    new_id bigint;
+    ordered boolean;
+BEGIN
+    -- In Rust, one call: the topic's format and the operator's allow-list (outbox.allowed_topics),
+    -- the note that wakes outbox_wait at commit, and whether the key keeps its order.
+    ordered := @extschema@.outbox_enqueue_begin(topic, key);
+    IF payload IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = 'outbox_enqueue: payload must not be NULL (use ''null''::jsonb for a JSON null)';
+    END IF;
+    headers := coalesce(headers, '{}'::jsonb);
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+            DETAIL = format('headers is a JSON %s', jsonb_typeof(headers));
+    END IF;
+    IF headers <> '{}'::jsonb THEN
+        FOR header IN SELECT h.key, jsonb_typeof(h.value) AS kind FROM jsonb_each(headers) h LOOP
+            IF header.kind <> 'string' THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+                    DETAIL = format('header %L is a JSON %s', header.key, header.kind);
+            END IF;
+            IF header.key IN ('event_id', 'event_type', 'event_key', 'outbox_id') THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = format('outbox_enqueue: header %L is set by the relay and cannot be given in headers', header.key);
+            END IF;
+        END LOOP;
+    END IF;
+    -- 'infinity' would be stored and never become due.
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: deliver_at must be a finite timestamp (or NULL for now)',
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+    -- The limit guards the whole message the relay will send: payload, key and headers.
+    payload_bytes := octet_length(payload::text);
+    message_bytes := payload_bytes::bigint + coalesce(octet_length(key), 0)
+                     + CASE WHEN headers = '{}'::jsonb THEN 0 ELSE octet_length(headers::text) END;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    IF message_bytes > max_bytes THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('outbox_enqueue: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             message_bytes, payload_bytes, coalesce(octet_length(key), 0),
+                             message_bytes - payload_bytes - coalesce(octet_length(key), 0), max_bytes);
+    END IF;
+
+    IF ordered THEN
+        -- One statement (each costs an executor start): first the key's turn, an advisory lock
+        -- producers of this key hold until they commit, so the id drawn after it follows commit
+        -- order within the key (a sequence alone does not: docs/reference.md); then the event.
+        -- A key with tracked work (a key row: a retry, a held run, a delayed event) or an event
+        -- due later takes a tracked row, behind that work, and the key's row if the key was idle
+        -- (an active key has one, and its head decides when it is due); else the event goes to
+        -- the stream, where a claim keeps the key's order (outbox_stream_take), marked late when
+        -- its place in (txid, id) order may be before an earlier event of its key, with a bound
+        -- on that event's txid (asked once the lock is held; a tracked row keeps such a bound
+        -- too). This statement's snapshot predates the lock: a key row it misses or still sees
+        -- is settled at the claim.
+        WITH turn AS (
+            SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
+        ), route AS (
+            SELECT coalesce(deliver_at > now(), false)
+                   OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
+                               WHERE k.topic = outbox_enqueue.topic AND k.event_key = outbox_enqueue.key) AS tracked,
+                   @extschema@.outbox_xact_late_bound()::text::xid8 AS late_bound
+              FROM turn
+        ), tracked_event AS (
+            INSERT INTO @extschema@.outbox_tracked
+                (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered,
+                 stream_bound)
+            SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true,
+                   coalesce(route.late_bound, pg_current_xact_id())
+              FROM route WHERE route.tracked
+            RETURNING id
+        ), key_row AS (
+            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+            SELECT topic, key, greatest(now(), deliver_at) FROM tracked_event
+            ON CONFLICT DO NOTHING
+        ), stream_event AS (
+            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
+                                                  late_bound)
+            SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
+                   route.late_bound IS NOT NULL, route.late_bound
+              FROM route WHERE NOT route.tracked
+            RETURNING id
+        )
+        SELECT e.id INTO new_id
+          FROM (SELECT t.id FROM tracked_event t UNION ALL SELECT x.id FROM stream_event x) e;
+    ELSIF deliver_at > now() THEN
+        -- Due later: a tracked row, claimed by its next_retry_time.
+        INSERT INTO @extschema@.outbox_tracked
+            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        VALUES
+            (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
+        RETURNING id INTO new_id;
+    ELSE
+        -- The common case: one append-only row, never written again (outbox_stream).
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, event_type, payload, headers)
+        VALUES (topic, key, event_type, payload, headers)
+        RETURNING id INTO new_id;
+    END IF;
+
+    -- Off by default: relays wait with outbox_wait. NOTIFY is for a listener of the application's
+    -- own, and makes notifying transactions commit one at a time (docs/reference.md, "Wake-up").
+    IF @extschema@.outbox_notify_enabled() THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN new_id;
+END
+$$;
+
+-- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks and errors
+-- (each error names the array position, counted from 1): the arrays are read in step, keys,
+-- event_types and headers being NULL or as long as payloads. Returns the ids in array order;
+-- within a key, array order is publish order.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue_many(
+    topic text,
+    payloads jsonb[],
+    keys text[] DEFAULT NULL,
+    event_types text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    fn constant text := 'outbox_enqueue_many';
+    n int := coalesce(cardinality(payloads), 0);
+    ordered_topic boolean;
+    late_bound xid8;
+    due_later boolean := coalesce(deliver_at > now(), false);
+    bad record;
+    max_bytes int;
+BEGIN
+    -- The topic's checks and the wake-up note, once for the whole batch.
+    PERFORM @extschema@.outbox_enqueue_begin(topic, NULL);
+    ordered_topic := @extschema@.outbox_topic_ordered(topic);
+    IF payloads IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads must be an array of JSON values, not NULL', fn);
+    END IF;
+    IF array_ndims(payloads) > 1 OR array_ndims(keys) > 1 OR array_ndims(event_types) > 1
+       OR array_ndims(headers) > 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: the arrays must be one-dimensional', fn);
+    END IF;
+    SELECT a.name, a.len INTO bad
+      FROM (VALUES ('keys', cardinality(keys)), ('event_types', cardinality(event_types)),
+                   ('headers', cardinality(headers))) a(name, len)
+     WHERE a.len IS NOT NULL AND a.len <> n
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s has %s elements, payloads %s (give one per payload, or NULL)',
+                             fn, bad.name, bad.len, n);
+    END IF;
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: deliver_at must be a finite timestamp (or NULL for now)', fn),
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+
+    -- Every element is checked before anything is written; the first bad one is reported.
+    SELECT u.pos INTO bad FROM unnest(payloads) WITH ORDINALITY u(p, pos) WHERE u.p IS NULL LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads[%s] is NULL (use ''null''::jsonb for a JSON null)', fn, bad.pos);
+    END IF;
+    SELECT u.pos, jsonb_typeof(u.h) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+     WHERE u.h IS NOT NULL AND jsonb_typeof(u.h) <> 'object'
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('headers[%s] is a JSON %s', bad.pos, bad.kind);
+    END IF;
+    SELECT u.pos, e.key, jsonb_typeof(e.value) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+      CROSS JOIN LATERAL jsonb_each(u.h) e
+     WHERE u.h IS NOT NULL AND u.h <> '{}'::jsonb
+       AND (jsonb_typeof(e.value) <> 'string' OR e.key IN ('event_id', 'event_type', 'event_key', 'outbox_id'))
+     ORDER BY u.pos
+     LIMIT 1;
+    IF FOUND AND bad.kind <> 'string' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('header %L is a JSON %s', bad.key, bad.kind);
+    ELSIF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s]: header %L is set by the relay and cannot be given in headers', fn, bad.pos, bad.key);
+    END IF;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    SELECT m.pos, m.payload_bytes, m.key_bytes, m.header_bytes INTO bad
+      FROM (SELECT u.pos, octet_length(u.p::text) AS payload_bytes,
+                   coalesce(octet_length(u.k), 0) AS key_bytes,
+                   CASE WHEN coalesce(u.h, '{}'::jsonb) = '{}'::jsonb THEN 0 ELSE octet_length(u.h::text) END AS header_bytes
+              FROM unnest(payloads, keys, headers) WITH ORDINALITY u(p, k, h, pos)) m
+     WHERE m.payload_bytes::bigint + m.key_bytes + m.header_bytes > max_bytes
+     ORDER BY m.pos
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('%s: payloads[%s]: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             fn, bad.pos, bad.payload_bytes::bigint + bad.key_bytes + bad.header_bytes,
+                             bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
+    END IF;
+
+    IF ordered_topic THEN
+        -- Every key's turn (outbox_enqueue), taken in lock order so that two batches sharing
+        -- keys wait for each other instead of deadlocking.
+        PERFORM pg_advisory_xact_lock(l.id)
+           FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
+                   FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
+        -- Asked once the locks are held and before the inserts draw a txid (outbox_enqueue).
+        late_bound := @extschema@.outbox_xact_late_bound()::text::xid8;
+    END IF;
+    -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
+    -- it: due later, or ordered with a key that has tracked work (read after the locks above), to
+    -- outbox_tracked, the rest to outbox_stream.
+    RETURN QUERY
+    WITH input AS MATERIALIZED (
+        SELECT nextval('@extschema@.outbox_event_id_seq') AS id, u.p, u.k, u.t,
+               coalesce(u.h, '{}'::jsonb) AS h, ordered_topic AND u.k IS NOT NULL AS ordered
+          FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
+         ORDER BY u.pos
+    ), routed AS MATERIALIZED (
+        SELECT i.*, due_later OR (i.ordered AND EXISTS (
+                   SELECT 1 FROM @extschema@.outbox_key k
+                    WHERE k.topic = outbox_enqueue_many.topic AND k.event_key = i.k)) AS tracked
+          FROM input i
+    ), tracked AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered,
+             stream_bound)
+        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered,
+               CASE WHEN i.ordered THEN coalesce(late_bound, pg_current_xact_id()) END
+          FROM routed i
+         WHERE i.tracked
+         ORDER BY i.id
+        RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
+    ), stream AS (
+        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers, late,
+                                              late_bound)
+        SELECT i.id, topic, i.k, CASE WHEN i.ordered THEN @extschema@.outbox_key_hash(topic, i.k) END,
+               i.t, i.p, i.h, CASE WHEN i.ordered THEN late_bound IS NOT NULL END,
+               CASE WHEN i.ordered THEN late_bound END
+          FROM routed i
+         WHERE NOT i.tracked
+         ORDER BY i.id
+        RETURNING outbox_stream.id
+    ), key_row AS (
+        INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+        SELECT DISTINCT topic, t.event_key, greatest(now(), deliver_at) FROM tracked t WHERE t.ordered
+        ON CONFLICT DO NOTHING
+    )
+    SELECT e.id FROM (SELECT t.id FROM tracked t UNION ALL SELECT st.id FROM stream st) e ORDER BY e.id;
+
+    IF @extschema@.outbox_notify_enabled() AND n > 0 THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+-- The stream events the cursor has not handed out yet (outbox_stream_passed) whose transaction
+-- id is above `above` and below `below`, in the walk's (txid, id) order, at most max_rows of them
+-- (NULL: all); gone says one went out all the same (early) or became a tracked row. No index
+-- finds a key's events: a claim that must know whether an earlier event of a key is still ahead
+-- of the cursor reads these instead, and the bounds on the txids of the events it asks about
+-- keep the read to the transactions that ran beside the event it asks for, not the stream's
+-- whole backlog (nor the rest of a big transaction's events).
+-- Transactions running at prev_snap, or started after it and running at cur_snap, are read by
+-- equality on txid as the walk reads them: a long transaction costs a probe, not a range.
+CREATE FUNCTION @extschema@.outbox_stream_owed(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_txid xid8,
+                                               pos_id bigint, above xid8, below xid8, max_rows int)
+RETURNS TABLE (id bigint, txid xid8, key_hash bigint, gone boolean)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH lo AS (
+        -- Where the walk's range goes on (after the position, or from xmax(prev_snap)), or
+        -- after `above`'s events if that is further.
+        SELECT v.txid, v.id
+          FROM (VALUES (pos_txid, pos_id), (pg_snapshot_xmax(prev_snap), 0::bigint),
+                       (above, 9223372036854775807::bigint)) v(txid, id)
+         ORDER BY v.txid DESC, v.id DESC
+         LIMIT 1
+    ), owed AS (
+        SELECT e.id, e.txid, e.key_hash
+          FROM (SELECT x FROM pg_snapshot_xip(prev_snap) x
+                UNION
+                SELECT x FROM pg_snapshot_xip(cur_snap) x, lo
+                 WHERE x >= pg_snapshot_xmax(prev_snap) AND x < lo.txid) r
+         CROSS JOIN LATERAL (
+               SELECT e.id, e.txid, e.key_hash FROM @extschema@.outbox_stream e
+                WHERE e.txid = r.x
+                  AND NOT @extschema@.outbox_stream_passed(e.txid, e.id, prev_snap, cur_snap, pos_txid, pos_id)
+                ORDER BY e.id
+                LIMIT max_rows) e
+         WHERE r.x > above AND r.x < below
+        UNION ALL
+        -- lo's values as scalars: a row comparison with parameters is an index range.
+        (SELECT e.id, e.txid, e.key_hash
+           FROM @extschema@.outbox_stream e
+          WHERE (e.txid, e.id) > ((SELECT lo.txid FROM lo), (SELECT lo.id FROM lo)) AND e.txid < below
+          ORDER BY e.txid, e.id
+          LIMIT max_rows)
+    )
+    SELECT o.id, o.txid, o.key_hash,
+           EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = o.id)
+           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = o.id)
+      FROM owed o
+     ORDER BY o.txid, o.id
+     LIMIT max_rows
+$$;
+
+-- The stream's part of a claim: up to max_events fresh events, recorded as the batch of this
+-- claim's token, their ids returned. PgQ's batch rule: the cursor hands out, in (txid, id) order,
+-- the events whose transaction its newer snapshot (cur_snap) sees finished and its older one
+-- (prev_snap) does not; once that window is used up, cur_snap becomes prev_snap and a fresh
+-- snapshot cur_snap. An id is drawn before its transaction commits, so no order by id alone can
+-- avoid passing an event that commits later; a snapshot can.
+--
+-- Ordered events keep their key's order (docs/reference.md, "Per-key order"). Within a key, id is
+-- commit order (drawn under the key's lock) but (txid, id) is not: a producer that wrote before
+-- enqueueing drew its txid before an earlier event of its key committed. So an ordered event goes
+-- out only with every earlier event of its key: those still ahead of the cursor go out with it,
+-- recorded in outbox_stream_early so that the cursor skips them later. And only while its key is
+-- not busy (events of it in another unsettled batch, or tracked work: a key row): a busy key's
+-- events become tracked rows instead, behind the work that holds the key.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    ver bigint;
+    prev_snap pg_snapshot;
+    cur_snap pg_snapshot;
+    pos_txid xid8;
+    pos_id bigint;
+    was text;
+    caller_lock_timeout text;
+    -- The cursor before a rotation, kept when the new window turns out empty.
+    kept_prev pg_snapshot;
+    kept_cur pg_snapshot;
+    kept_txid xid8;
+    kept_id bigint;
+    kept_hwm bigint;
+    hwm bigint;
+    -- outbox_stream_cursor.batch_floor: the other claims' unsettled batches are at or above it.
+    floor bigint;
+    walked_before_rotation bigint := -1;
+    -- Only ids travel through the loop; the claim reads the rows once, by primary key. ids holds
+    -- every event the cursor passed in this claim, early ones included (taken counts the rest);
+    -- hashes and bounds run in step with it: each event's key_hash (NULL when unordered) and, for a
+    -- late one, the bound on its key's earlier events' txids (outbox_stream.late_bound; the
+    -- largest xid8 when unknown), else NULL.
+    ids bigint[] := '{}';
+    hashes bigint[] := '{}';
+    bounds xid8[] := '{}';
+    taken int := 0;
+    part_ids bigint[];
+    part_txids xid8[];
+    part_hashes bigint[];
+    part_bounds xid8[];
+    above xid8;
+    below xid8;
+    need int;
+    early bigint[];
+    passed_early bigint[] := '{}';
+    window_done boolean := false;
+    x xid8;
+    fresh pg_snapshot;
+    lo_txid xid8;
+    lo_id bigint;
+    busy bigint[];
+    pulled bigint[] := '{}';
+    pulled_hashes bigint[] := '{}';
+    diverted bigint[];
+BEGIN
+    -- One claim at a time reads the stream, until it commits (its position is only visible
+    -- then). Another claim waits for it: a relay's claim commits within milliseconds, and an
+    -- empty answer would tell a drain loop that nothing is left. But never more than a second:
+    -- behind a claim left open in a transaction, it takes no stream events and returns the rest
+    -- of its batch. An advisory lock writes no WAL, so an idle poll writes nothing at all.
+    IF NOT pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        caller_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '1s', true);
+        BEGIN
+            PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+            RETURN '{}';
+        END;
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+    END IF;
+    -- A statement after the lock: its snapshot sees the last holder's position.
+    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm, c.batch_floor
+      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm, floor
+      FROM @extschema@.outbox_stream_cursor c
+     ORDER BY c.version DESC
+     LIMIT 1;
+    was := format('%s/%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm, floor);
+    -- A cursor ahead of this database's transaction ids was restored into another cluster (the
+    -- SQL-only build's pg_dump carries it; the native build's does not): its snapshots say
+    -- nothing about the txids issued here, and would count new events as handed out.
+    IF pg_snapshot_xmax(cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        PERFORM @extschema@.outbox_stream_rebase(prev_snap, cur_snap, pos_txid, pos_id, hwm);
+        prev_snap := @extschema@.outbox_snapshot_of_others();
+        cur_snap := prev_snap;
+        pos_txid := '0';
+        pos_id := 0;
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        was := '';
+    END IF;
+    -- Events that went out before the cursor reached them: almost always none.
+    early := ARRAY(SELECT e.id FROM @extschema@.outbox_stream_early e);
+    FOR w IN 1..2 LOOP
+        window_done := false;
+        -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
+        -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
+        -- not a re-read of everything committed since it began.
+        IF pos_txid < pg_snapshot_xmax(prev_snap) THEN
+            FOR x IN SELECT t FROM pg_snapshot_xip(prev_snap) t
+                      WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
+                      ORDER BY t LOOP
+                LOOP
+                    need := max_events - taken;
+                    EXIT WHEN need <= 0;
+                    SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id),
+                           array_agg(e.bound ORDER BY e.id)
+                      INTO part_ids, part_hashes, part_bounds
+                      FROM (SELECT e.id, e.key_hash, CASE WHEN e.key_hash IS NOT NULL AND e.late IS NOT FALSE
+                                          THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
+                              FROM @extschema@.outbox_stream e
+                             WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
+                             ORDER BY e.id
+                             LIMIT need) e;
+                    EXIT WHEN part_ids IS NULL;
+                    pos_txid := x;
+                    pos_id := part_ids[cardinality(part_ids)];
+                    ids := ids || part_ids;
+                    hashes := hashes || part_hashes;
+                    bounds := bounds || part_bounds;
+                    taken := taken + cardinality(part_ids)
+                             - CASE WHEN cardinality(early) = 0 THEN 0
+                                    ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
+                    EXIT WHEN cardinality(part_ids) < need;
+                END LOOP;
+                EXIT WHEN taken >= max_events;
+            END LOOP;
+        END IF;
+        -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
+        -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
+        -- at cur_snap are skipped; the next window takes them by equality above.
+        LOOP
+            need := max_events - taken;
+            EXIT WHEN need <= 0;
+            lo_txid := pg_snapshot_xmax(prev_snap);
+            lo_id := 0;
+            IF (pos_txid, pos_id) > (lo_txid, lo_id) THEN
+                lo_txid := pos_txid;
+                lo_id := pos_id;
+            END IF;
+            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
+                   array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.bound ORDER BY e.txid, e.id)
+              INTO part_ids, part_txids, part_hashes, part_bounds
+              FROM (SELECT e.id, e.txid, e.key_hash, CASE WHEN e.key_hash IS NOT NULL AND e.late IS NOT FALSE
+                                          THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
+                      FROM @extschema@.outbox_stream e
+                     WHERE (e.txid, e.id) > (lo_txid, lo_id)
+                       AND e.txid < pg_snapshot_xmax(cur_snap)
+                       AND pg_visible_in_snapshot(e.txid, cur_snap)
+                     ORDER BY e.txid, e.id
+                     LIMIT need) e;
+            IF part_ids IS NULL THEN
+                window_done := true;
+                EXIT;
+            END IF;
+            pos_txid := part_txids[cardinality(part_txids)];
+            pos_id := part_ids[cardinality(part_ids)];
+            ids := ids || part_ids;
+            hashes := hashes || part_hashes;
+            bounds := bounds || part_bounds;
+            taken := taken + cardinality(part_ids)
+                     - CASE WHEN cardinality(early) = 0 THEN 0
+                            ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
+            IF cardinality(part_ids) < need THEN
+                window_done := true;
+                EXIT;
+            END IF;
+        END LOOP;
+        EXIT WHEN taken >= max_events OR w = 2;
+        -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
+        -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
+        fresh := @extschema@.outbox_snapshot_of_others();
+        EXIT WHEN fresh::text = cur_snap::text;
+        kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
+        walked_before_rotation := cardinality(ids);
+        kept_hwm := hwm;
+        prev_snap := cur_snap;
+        cur_snap := fresh;
+        pos_txid := '0';
+        pos_id := 0;
+        -- Read after the snapshot: every event it sees existed by now.
+        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+    END LOOP;
+    -- A rotation into an empty window is not kept: the next claim's window, from the same
+    -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
+    IF cardinality(ids) = walked_before_rotation THEN
+        prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
+        hwm := kept_hwm;
+        window_done := true;
+    END IF;
+    -- The early events the cursor passed leave the walk, and their rows go.
+    IF cardinality(early) > 0 THEN
+        passed_early := ARRAY(SELECT p FROM unnest(ids) p WHERE p = ANY (early));
+    END IF;
+    IF cardinality(passed_early) > 0 THEN
+        DELETE FROM @extschema@.outbox_stream_early e WHERE e.id = ANY (passed_early);
+        SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}'),
+               coalesce(array_agg(t.l ORDER BY t.n), '{}')
+          INTO ids, hashes, bounds
+          FROM unnest(ids, hashes, bounds) WITH ORDINALITY t(id, h, l, n)
+         WHERE NOT t.id = ANY (passed_early);
+    END IF;
+
+    -- Ordered events: their keys' order (see above). Nothing to do for unordered ones.
+    IF cardinality(array_remove(hashes, NULL)) > 0 THEN
+        -- Busy keys: in another claim's unsettled batch (few rows), or with a key row (tracked
+        -- work: read only when there is any).
+        busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                       WHERE b.claim_token >= floor AND k = ANY (hashes));
+        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
+            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+        END IF;
+        -- Earlier events of a key still ahead of the cursor: owed by the stream (not passed, not
+        -- early, not tracked), with a lower id than the key's last event here. None once the
+        -- window is used up: an earlier event of a key committed before the one handed out here,
+        -- so cur_snap sees it, and the cursor has passed everything cur_snap sees. None either
+        -- for a key without a late event here: an earlier event sorts after one of them in
+        -- (txid, id) order only if that one is late (outbox_xact_late_bound), and then its txid
+        -- is below that one's bound (and below xmax(cur_snap), which sees it). So one read of
+        -- the owed events, from the position up to the largest bound, finds them all: it costs
+        -- the events that began while the late events' transactions ran, not a hot key's
+        -- backlog. Below an event that went out, every event of its key went out: this rule
+        -- keeps it so.
+        IF NOT window_done THEN
+            below := (SELECT max(least(t.b, pg_snapshot_xmax(cur_snap)))
+                        FROM unnest(hashes, bounds) t(h, b) WHERE t.h IS NOT NULL AND t.b IS NOT NULL);
+        END IF;
+        -- An earlier event sorts after a late one only with a greater txid: the read starts after
+        -- the first late event's transaction (a big transaction's own events sort in id order).
+        IF below IS NOT NULL THEN
+            above := (SELECT min(s.txid) FROM @extschema@.outbox_stream s
+                       WHERE s.id = ANY (ARRAY(SELECT t.id FROM unnest(ids, hashes, bounds) t(id, h, b)
+                                                WHERE t.h IS NOT NULL AND t.b IS NOT NULL)));
+        END IF;
+        IF below IS NOT NULL THEN
+            SELECT coalesce(array_agg(o.id), '{}'), coalesce(array_agg(o.key_hash), '{}')
+              INTO pulled, pulled_hashes
+              FROM @extschema@.outbox_stream_owed(prev_snap, cur_snap, pos_txid, pos_id, above, below, NULL) o
+              JOIN (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes, bounds) t(id, h, b)
+                     WHERE t.h IS NOT NULL GROUP BY t.h HAVING bool_or(t.b IS NOT NULL)) c
+                ON o.key_hash = c.h AND o.id < c.top_id
+             WHERE NOT o.gone AND NOT o.id = ANY (ids);
+            IF cardinality(pulled) > 0 THEN
+                INSERT INTO @extschema@.outbox_stream_early (id) SELECT unnest(pulled);
+                ids := ids || pulled;
+                hashes := hashes || pulled_hashes;
+            END IF;
+        END IF;
+        -- A busy key's events here become tracked rows, due now (a claim hands them out once
+        -- the key is free), with the key's row, inserted only for a key that has none. An
+        -- existing key row mostly stays as it is: it already says when the key's head needs a
+        -- look (a run in flight, a backoff, a dead head), and the rows queue behind that head.
+        -- Making it due early would let a claim look at a key while its run is in flight and,
+        -- racing that run's ack, keep it for a whole lease. This claim holds
+        -- the stream's lock, which other claims wait for, so it waits for no row lock (a conflict
+        -- with a key row being changed would wait), and only a holder of the stream's lock
+        -- deletes idle key rows (outbox_claim). The batches that hold the key learn that a key
+        -- waits for them (SKIP LOCKED), so that settling them makes it due at once.
+        IF cardinality(busy) > 0 THEN
+            diverted := ARRAY(SELECT t.id FROM unnest(ids, hashes) t(id, h) WHERE t.h = ANY (busy));
+            INSERT INTO @extschema@.outbox_tracked
+                (id, topic, event_key, event_type, payload, headers, status, retry_count,
+                 next_retry_time, created_at, updated_at, event_id, ordered)
+            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+                   stamp, s.created_at, stamp, s.event_id, true
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (diverted)
+             ORDER BY s.id
+            ON CONFLICT (id) DO NOTHING;
+            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+            SELECT DISTINCT s.topic, s.event_key, stamp
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (diverted)
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
+                                WHERE d.topic = s.topic AND d.event_key = s.event_key)
+             ORDER BY 1, 2
+            ON CONFLICT DO NOTHING;
+            -- A key the claim of tracked keys holds for the stream looks again within a second:
+            -- now, since its owed event just became a tracked row.
+            UPDATE @extschema@.outbox_key k SET due_at = stamp
+              FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+                     WHERE (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM @extschema@.outbox_stream s
+                                                       WHERE s.id = ANY (diverted))
+                       AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
+                     FOR UPDATE SKIP LOCKED) w
+             WHERE k.ctid = w.row_id;
+            UPDATE @extschema@.outbox_stream_batch b SET waiters = true
+             WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
+                                      WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
+                                      FOR UPDATE SKIP LOCKED);
+            SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}')
+              INTO ids, hashes
+              FROM unnest(ids, hashes) WITH ORDINALITY t(id, h, n)
+             WHERE (t.h = ANY (busy)) IS NOT TRUE;
+        END IF;
+    END IF;
+    IF cardinality(ids) > 0 THEN
+        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending, keys)
+        VALUES (token, owner, stamp, ARRAY(SELECT t FROM unnest(ids) t ORDER BY t),
+                ARRAY(SELECT DISTINCT t FROM unnest(hashes) t WHERE t IS NOT NULL));
+        -- The floor moves up to the oldest unsettled batch, read by primary key from the old
+        -- floor (the batches settled since are the dead rows it steps over, few). least(): a
+        -- claim draws its token before it waits for the stream's lock, so a later token may have
+        -- written its batch first; this claim's batch is then below the floor it read.
+        floor := least(token, (SELECT min(b.claim_token) FROM @extschema@.outbox_stream_batch b
+                                WHERE b.claim_token >= floor));
+    END IF;
+    -- The new position (and floor), after the batch: both commit together. A claim that took no
+    -- event writes none, so a poll of an idle outbox writes nothing.
+    IF format('%s/%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm, floor) <> was THEN
+        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm,
+                                                      batch_floor)
+        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm, floor);
+        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
+        -- and a range would walk them all on every claim.
+        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
+    END IF;
+    RETURN ids;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    token bigint;
+    -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
+    stamp timestamptz := clock_timestamp();
+    lease interval;
+    skip_dead boolean;
+    -- What the visit of the due keys saw, one element per row: the key row (locked), its key
+    -- and due time, and one of its unfinished events (NULL for a key with none).
+    v_rows tid[];
+    v_topics text[];
+    v_names text[];
+    v_due timestamptz[];
+    v_ids bigint[];
+    v_status @extschema@.outbox_status[];
+    v_retry timestamptz[];
+    v_claimed timestamptz[];
+    v_pos bigint[];
+    v_runnable boolean[];
+    v_held boolean[];
+    -- Keys of the stream's unsettled batches, and the stream's cursor: see "held" below.
+    busy_hashes bigint[];
+    cur record;
+    key_topics text[];
+    key_names text[];
+    tracked_ids bigint[];
+    stream_ids bigint[];
+    lo_id bigint;
+    hi_id bigint;
+    -- How many of the stream's owed events a claim reads at most to tell whether a tracked key's
+    -- head waits for one of them (a few milliseconds).
+    owed_rows constant int := 1000;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', cfg.max_claim),
+            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
+    END IF;
+    token := nextval('@extschema@.outbox_claim_token_seq');
+    lease := make_interval(secs => cfg.lease_ms / 1000.0);
+    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
+    skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
+
+    -- One statement, so the batches and the cursor that counts them agree (outbox_stream_take
+    -- writes a batch and the floor below it in one transaction).
+    SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id,
+           ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                  WHERE b.claim_token >= v.batch_floor) AS busy
+      INTO cur
+      FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
+    busy_hashes := cur.busy;
+
+    -- The due ordered keys, oldest due first, each with its unfinished events from its head in
+    -- commit (= id) order: as far as they are runnable (WAIT and due), and the head in any case.
+    -- Rows are pulled until the batch is full, and a key row is locked (SKIP LOCKED: concurrent
+    -- claimers split the keys) only when it is reached, so a claim visits as few keys as fill it:
+    -- ten keys with runs of 50 rather than 500 keys with one event each, whose key rows would
+    -- all be written twice (here and at the ack). At most 1,000 keys (an idle one costs an
+    -- advisory lock below) and max_events rows per key (so a hot key's backlog is never read
+    -- past what a batch can take).
+    -- A key's event is held while the stream still owes an earlier event of the key: one in an
+    -- unsettled stream batch (that holds the whole key), or one the stream's cursor has not
+    -- reached (it becomes a tracked row, before this one, when the cursor gets there). An event
+    -- that came from the stream owes nothing: its key's earlier events went out before it. One
+    -- enqueued as a tracked row has a bound on their txids (stream_bound; unknown: the newest
+    -- txid): below xmin(prev_snap) the cursor passed them all; else the first owed_rows events
+    -- the stream owes are read, once per claim and only when such an event needs them (a CTE
+    -- runs when first read). Past what they cover the event is held: in a backlog it waits for
+    -- the cursor to come near, and reading further would cost every claim the backlog.
+    WITH newest AS (
+        SELECT pg_snapshot_xmax(pg_current_snapshot()) AS hi
+    ), owed AS MATERIALIZED (
+        SELECT o.* FROM newest n
+         CROSS JOIN LATERAL @extschema@.outbox_stream_owed(cur.prev_snap, cur.cur_snap, cur.pos_txid, cur.pos_id,
+                                                            '0', n.hi, owed_rows) o
+    ), reach AS MATERIALIZED (
+        -- The txid below which the read saw every owed event.
+        SELECT CASE WHEN count(*) < owed_rows THEN (SELECT n.hi FROM newest n) ELSE max(o.txid) END AS below
+          FROM owed o
+    )
+    SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
+           array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
+           array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable), array_agg(c.held)
+      INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held
+      FROM (SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at, p.id, p.status,
+                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable,
+                   coalesce(p.held, false) AS held
+              FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at,
+                           @extschema@.outbox_key_hash(d.topic, d.event_key) AS hash
+                      FROM @extschema@.outbox_key d
+                     WHERE d.due_at <= stamp
+                     ORDER BY d.due_at
+                     LIMIT least(max_events, 1000)
+                     FOR UPDATE SKIP LOCKED) k
+              LEFT JOIN LATERAL (
+                  SELECT r.* FROM (
+                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp AND NOT u.held)
+                                      OVER (ORDER BY u.pos) AS runnable
+                        FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                                     row_number() OVER (ORDER BY e.id) AS pos,
+                                     CASE WHEN e.status <> 'WAIT' OR e.next_retry_time > stamp THEN false
+                                          WHEN k.hash = ANY (busy_hashes) THEN true
+                                          WHEN e.stream_bound IS NULL
+                                               AND EXISTS (SELECT 1 FROM @extschema@.outbox_stream s WHERE s.id = e.id) THEN false
+                                          WHEN least(coalesce(e.stream_bound, n.hi), n.hi) <= pg_snapshot_xmin(cur.prev_snap) THEN false
+                                          WHEN least(coalesce(e.stream_bound, n.hi), n.hi) > (SELECT r.below FROM reach r) THEN true
+                                          ELSE EXISTS (SELECT 1 FROM owed o
+                                                        WHERE o.key_hash = k.hash AND o.id < e.id AND NOT o.gone)
+                                     END AS held
+                                FROM @extschema@.outbox_tracked e CROSS JOIN newest n
+                               WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                 AND e.ordered AND e.status <> 'SUCCESS'
+                                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+                               ORDER BY e.id
+                               LIMIT max_events) u
+                  ) r
+                   WHERE r.runnable OR r.pos = 1
+              ) p ON true
+             LIMIT max_events) c;
+
+    -- The one statement that decides ownership of tracked rows. A key's run is the prefix of its unfinished
+    -- events (from its head) that are WAIT and due: nothing after a held, backing-off or dead
+    -- event. Unordered events are claimed as before, SKIP LOCKED. The batch is cut by due time
+    -- with a key's run ranked as one block, so a cut keeps a prefix.
+    WITH pending AS MATERIALIZED (
+        SELECT t.*
+          FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held)
+               AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable, held)
+    ), unordered AS MATERIALIZED (
+        SELECT c.id, c.next_retry_time
+          FROM @extschema@.outbox_tracked c
+         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
+         ORDER BY c.next_retry_time, c.id
+         LIMIT max_events
+         FOR UPDATE SKIP LOCKED
+    ), chosen AS MATERIALIZED (
+        SELECT x.id FROM (
+            SELECT p.id, p.key_due AS due, p.row_id AS grp, p.pos FROM pending p WHERE p.runnable
+            UNION ALL
+            SELECT u.id, u.next_retry_time, NULL::tid, 1 FROM unordered u
+        ) x
+        ORDER BY x.due, x.grp, x.pos
+        LIMIT max_events
+    ), claimed AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
+        RETURNING e.*
+    ), verdict AS (
+        -- When each visited key needs a look next: after its run (the lease, unless settled
+        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle;
+        -- a key the stream holds in a second (or as soon as the batch holding it is settled).
+        SELECT h.row_id,
+               CASE WHEN h.holding THEN stamp + lease
+                    WHEN h.status IS NULL THEN '-infinity'::timestamptz
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp AND h.held THEN stamp + interval '1 second'
+                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN h.key_due
+                    WHEN h.status = 'WAIT' THEN h.next_retry_time
+                    WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
+                    ELSE 'infinity'::timestamptz
+               END AS next_due
+          FROM (SELECT p.row_id, min(p.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
+                       bool_or(p.held) FILTER (WHERE p.pos = 1) AS held,
+                       min(p.status) FILTER (WHERE p.pos = 1) AS status,
+                       min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
+                       min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
+                  FROM pending p LEFT JOIN chosen c ON c.id = p.id
+                 GROUP BY p.row_id) h
+    ), looked AS (
+        -- The key rows by their tuple ids: locked above, so they cannot have moved.
+        UPDATE @extschema@.outbox_key k SET due_at = v.next_due
+          FROM verdict v
+         WHERE k.ctid = ANY (v_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
+    )
+    SELECT array_agg(c.id) INTO tracked_ids FROM claimed c;
+
+    -- The rest of the batch from the stream (fresh events), after the retries and
+    -- keys above, which are older. The claim's token names the stream batch too.
+    IF coalesce(cardinality(tracked_ids), 0) < max_events THEN
+        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
+                                                     max_events - coalesce(cardinality(tracked_ids), 0));
+    END IF;
+    -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
+    -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
+    -- every event they committed, and none can add one before this transaction ends. Only by a
+    -- claim that holds the stream's lock (taken above; another holder makes the try fail): a
+    -- claim that diverts a busy key's events to tracked rows holds it too, so it never sees a
+    -- key row half deleted, and a deletion sees the rows it committed.
+    SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
+      FROM @extschema@.outbox_key k
+     WHERE k.due_at = '-infinity'
+       AND (k.topic, k.event_key) IN (SELECT t.topic, t.event_key
+                                        FROM unnest(v_topics, v_names, v_ids) t(topic, event_key, id)
+                                       WHERE t.id IS NULL)
+       AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
+    IF key_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(key_topics, key_names) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_tracked e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+
+    -- The stream rows' ids are mostly consecutive: read them as one primary-key range when the
+    -- range holds at most twice as many ids as the batch (id = ANY alone descends the index once
+    -- per id, two buffers each), else by id.
+    IF cardinality(stream_ids) > 0 THEN
+        SELECT min(i), max(i) INTO lo_id, hi_id FROM unnest(stream_ids) i;
+        IF hi_id - lo_id >= 2 * cardinality(stream_ids) THEN
+            lo_id := NULL;
+        END IF;
+    END IF;
+    -- A claim whose client is gone would hold its events for a dead owner until the lease ends:
+    -- PostgreSQL runs a statement to its end after its client died (a relay SIGKILLed with this
+    -- claim in flight), and commits it. Roll it back instead; nobody is there to see the error.
+    IF (cardinality(tracked_ids) > 0 OR cardinality(stream_ids) > 0)
+       AND NOT @extschema@.outbox_client_connected() THEN
+        RAISE EXCEPTION USING ERRCODE = 'connection_failure',
+            MESSAGE = 'outbox_claim: the client disconnected; the claim is rolled back';
+    END IF;
+    -- Rows in publish (= id, within a key commit) order: UPDATE ... RETURNING has none.
+    RETURN QUERY
+    SELECT e.* FROM (
+        SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
+               t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
+               t.updated_at, t.event_id, t.ordered, t.skipped_at
+          FROM @extschema@.outbox_tracked t WHERE t.id = ANY (tracked_ids)
+        UNION ALL
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
+               NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
+          FROM (SELECT r.* FROM @extschema@.outbox_stream r
+                 WHERE r.id BETWEEN lo_id AND hi_id
+                 OFFSET 0) s -- a fence: the id list filters the range, it does not drive the scan
+          JOIN unnest(stream_ids) u(id) ON u.id = s.id -- hashed, not a search of the list per row
+         WHERE lo_id IS NOT NULL
+        UNION ALL
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
+               NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
+          FROM @extschema@.outbox_stream s
+         WHERE lo_id IS NULL AND s.id = ANY (stream_ids)
+    ) e
+    ORDER BY e.id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_dead_letters(max_rows int DEFAULT 100, after_id bigint DEFAULT 0)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_dead_letters: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    RETURN QUERY
+    SELECT e.id, e.topic, e.event_key, e.event_type, e.payload, e.headers, e.status, e.retry_count,
+           e.next_retry_time, e.claim_owner, e.claim_token, e.claimed_at, e.last_error, e.created_at,
+           e.updated_at, e.event_id, e.ordered, e.skipped_at
+      FROM @extschema@.outbox_tracked e
+     WHERE e.status = 'FAIL' AND e.id > coalesce(after_id, 0)
+     ORDER BY e.id
+     LIMIT max_rows;
+END
+$$;
+
+CREATE TRIGGER outbox_tracked_restamp BEFORE INSERT ON @extschema@.outbox_tracked
+    FOR EACH ROW WHEN (NEW.stream_bound < pg_catalog.pg_current_xact_id())
+    EXECUTE FUNCTION @extschema@.outbox_tracked_restamp();
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_xact_late_bound(), @extschema@.outbox_tracked_restamp(),
+    @extschema@.outbox_stream_owed(pg_snapshot, pg_snapshot, xid8, bigint, xid8, xid8, int)
+FROM PUBLIC;
