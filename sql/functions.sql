@@ -741,14 +741,13 @@ BEGIN
             below := (SELECT max(least(t.b, pg_snapshot_xmax(cur_snap)))
                         FROM unnest(hashes, bounds) t(h, b) WHERE t.h IS NOT NULL AND t.b IS NOT NULL);
         END IF;
-        -- An earlier event sorts after a late one only with a greater txid: the read starts after
-        -- the first late event's transaction (a big transaction's own events sort in id order).
         IF below IS NOT NULL THEN
+            -- An earlier event sorts after a late one only with a greater txid: the read starts
+            -- after the first late event's transaction (a big transaction's own events sort in
+            -- id order).
             above := (SELECT min(s.txid) FROM @extschema@.outbox_stream s
                        WHERE s.id = ANY (ARRAY(SELECT t.id FROM unnest(ids, hashes, bounds) t(id, h, b)
                                                 WHERE t.h IS NOT NULL AND t.b IS NOT NULL)));
-        END IF;
-        IF below IS NOT NULL THEN
             SELECT coalesce(array_agg(o.id), '{}'), coalesce(array_agg(o.key_hash), '{}')
               INTO pulled, pulled_hashes
               FROM @extschema@.outbox_stream_owed(prev_snap, cur_snap, pos_txid, pos_id, above, below, NULL) o
@@ -1059,12 +1058,15 @@ BEGIN
                                           WHEN k.hash = ANY (busy_hashes) THEN true
                                           WHEN e.stream_bound IS NULL
                                                AND EXISTS (SELECT 1 FROM @extschema@.outbox_stream s WHERE s.id = e.id) THEN false
-                                          WHEN least(coalesce(e.stream_bound, n.hi), n.hi) <= pg_snapshot_xmin(cur.prev_snap) THEN false
-                                          WHEN least(coalesce(e.stream_bound, n.hi), n.hi) > (SELECT r.below FROM reach r) THEN true
+                                          WHEN b.bound <= pg_snapshot_xmin(cur.prev_snap) THEN false
+                                          WHEN b.bound > (SELECT r.below FROM reach r) THEN true
                                           ELSE EXISTS (SELECT 1 FROM owed o
                                                         WHERE o.key_hash = k.hash AND o.id < e.id AND NOT o.gone)
                                      END AS held
-                                FROM @extschema@.outbox_tracked e CROSS JOIN newest n
+                                FROM @extschema@.outbox_tracked e
+                                -- Its bound, capped: a restored row's may lie past this database's txids.
+                                CROSS JOIN LATERAL (SELECT least(coalesce(e.stream_bound, n.hi), n.hi) AS bound
+                                                      FROM newest n) b
                                WHERE e.topic = k.topic AND e.event_key = k.event_key
                                  AND e.ordered AND e.status <> 'SUCCESS'
                                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
