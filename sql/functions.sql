@@ -620,7 +620,7 @@ BEGIN
                     SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id),
                            array_agg(e.bound ORDER BY e.id)
                       INTO part_ids, part_hashes, part_bounds
-                      FROM (SELECT e.id, e.key_hash, CASE WHEN e.key_hash IS NOT NULL AND e.late IS NOT FALSE
+                      FROM (SELECT e.id, e.key_hash, CASE WHEN e.late
                                           THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
                               FROM @extschema@.outbox_stream e
                              WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
@@ -655,7 +655,7 @@ BEGIN
             SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
                    array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.bound ORDER BY e.txid, e.id)
               INTO part_ids, part_txids, part_hashes, part_bounds
-              FROM (SELECT e.id, e.txid, e.key_hash, CASE WHEN e.key_hash IS NOT NULL AND e.late IS NOT FALSE
+              FROM (SELECT e.id, e.txid, e.key_hash, CASE WHEN e.late
                                           THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
                       FROM @extschema@.outbox_stream e
                      WHERE (e.txid, e.id) > (lo_txid, lo_id)
@@ -888,11 +888,10 @@ $$;
 -- it "due" and waiters would spin). outbox_wait's look at the queue, so each probe is an index
 -- probe that stops at its first entry, whatever the history or the backlog:
 -- - the stream's is a scalar subquery in index order, not EXISTS: the planner drops an EXISTS'
---   ORDER BY and LIMIT, and, guessing that a third of the stream lies past the cursor, scanned the
---   table from its first page (0.7.0 to 0.10.0: the whole delivered history on an idle outbox);
+--   ORDER BY and LIMIT, and, guessing that a third of the stream lies past the cursor, would scan
+--   the table from its first page;
 -- - the backoff and key probes read the earliest time from their indexes (min), then compare it
---   with the clock: an EXISTS with clock_timestamp(), which cannot bound an index scan, read
---   every event in backoff (0.10.0 and before).
+--   with the clock: clock_timestamp() cannot bound an index scan.
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -1940,9 +1939,8 @@ BEGIN
         SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
     ELSE
         -- A table never vacuumed nor analyzed has no estimate (-1): count its rows while it is
-        -- small, else take it as empty until autovacuum has seen it. Before 0.10.0 such a table
-        -- sent every call to the exact count over outbox_event: a tracked table that never had
-        -- a row (no busy key, no failure) made each call read the whole stream's history.
+        -- small, else take it as empty until autovacuum has seen it (an exact count would read
+        -- the whole stream's history).
         SELECT sum(CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
                         WHEN pg_relation_size(c.oid) >= small THEN 0
                         WHEN c.oid = '@extschema@.outbox_tracked'::regclass

@@ -30,8 +30,7 @@ CREATE TABLE @extschema@.outbox_tracked (
     updated_at      timestamptz NOT NULL DEFAULT now(),
     -- The event's global identity, sent as the event_id header: consumers dedupe on it. The
     -- bigint id is only this table's key; a restore, a sequence reset or a second database
-    -- publishing to the same topic reissues ids, never UUIDs. Last column: 0.1.0 tables get it
-    -- by ALTER TABLE ADD COLUMN, and both must have the same row type.
+    -- publishing to the same topic reissues ids, never UUIDs.
     event_id        uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7(),
     -- Whether the event keeps its key's order (a key, and a topic not in outbox.unordered_topics),
     -- decided at enqueue. Ordered events are claimed through outbox_key, the rest directly.
@@ -49,7 +48,7 @@ CREATE TABLE @extschema@.outbox_tracked (
     autovacuum_analyze_scale_factor = 0.02,
     -- Half of each page stays free for the versions a claim and an ack write: on the same page
     -- the WAL logs only their changed bytes, not the payload again, and no extra lock record for
-    -- a version that moves (docs/reference.md, "Life-cycle cost"). Last: 0.5.0 -> 0.6.0 appends it.
+    -- a version that moves (docs/reference.md, "Life-cycle cost").
     fillfactor = 50
 );
 ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_tracked.id;
@@ -111,14 +110,14 @@ CREATE TABLE @extschema@.outbox_stream (
     created_at  timestamptz NOT NULL DEFAULT now(),
     event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7(),
     -- For an ordered event: whether its transaction may have drawn its txid before an earlier
-    -- event of its key committed (outbox_xact_late), which puts it before that event in (txid, id)
+    -- event of its key committed (outbox_xact_late_bound), which puts it before that event in (txid, id)
     -- order. A claim looks for a key's earlier events only when a batch holds such an event.
-    -- NULL for the rest (and for rows from before 0.8.0: the claim treats NULL as late).
+    -- NULL for unordered events.
     late        boolean,
     -- For a late event: every earlier event of its key has a transaction id below this one (the
     -- next transaction id once its key's lock was held), so a claim reads the stream's owed
     -- events from its position up to it (outbox_stream_owed) to find them. NULL when not late,
-    -- or unknown (rows from before 0.14.0, restored rows): the claim reads to the end of its window.
+    -- or unknown (restored rows): the claim reads to the end of its window.
     late_bound  xid8
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.02,

@@ -164,14 +164,6 @@ pub fn outbox_xact_late_bound() -> Option<i64> {
     }
 }
 
-/// 0.8.0 to 0.13.0's form of `outbox_xact_late_bound`, whose install and upgrade scripts bind this
-/// symbol (`CREATE EXTENSION outbox VERSION '0.13.0'` loads this library too). No SQL of its own:
-/// 0.13.0 -> 0.14.0 drops the function.
-#[pg_extern(volatile, parallel_unsafe, sql = false)]
-pub fn outbox_xact_late() -> bool {
-    outbox_xact_late_bound().is_some()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

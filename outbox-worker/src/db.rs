@@ -181,10 +181,8 @@ pub async fn connect_once(target: &Target) -> Result<tokio_postgres::Client, Fat
     Ok(client)
 }
 
-/// The oldest extension version that has everything the relay calls and reads: `outbox_release`
-/// (0.2.0), `outbox_nack_returning` and `outbox_reclaim_returning` (0.3.0), the claim's `ordered`
-/// column and `outbox_stats().blocked_keys` (0.4.0), `outbox_wait` (0.5.0).
-pub const MIN_EXTENSION_VERSION: &str = "0.5.0";
+/// The oldest extension version that has everything the relay calls and reads.
+pub const MIN_EXTENSION_VERSION: &str = "1.0.0";
 
 /// The installed `outbox`: the extension, or the SQL-only build (`scripts/sql-only`, no
 /// `pg_extension` row: found by its `outbox_sql_only_version()`).
@@ -205,8 +203,7 @@ impl Extension {
         match version_at_least(&self.version, MIN_EXTENSION_VERSION) {
             Some(true) => Ok(()),
             _ => Err(Fatal::usage(format!(
-                "the database has outbox {} version {} ({desc}) but this relay ({}) needs {MIN_EXTENSION_VERSION} or later \
-                 (outbox_wait, per-key order, outbox_nack_returning, outbox_reclaim_returning): {}",
+                "the database has outbox {} version {} ({desc}) but this relay ({}) needs {MIN_EXTENSION_VERSION} or later: {}",
                 if self.sql_only { "SQL-only build" } else { "extension" },
                 self.version,
                 env!("CARGO_PKG_VERSION"),
@@ -356,14 +353,14 @@ mod tests {
 
     #[test]
     fn any_version_from_the_minimum_on_is_accepted() {
-        for v in ["0.5.0", "0.5.1", "0.6.0", "0.10.0", "1.0.0", "0.5"] {
+        for v in ["1.0.0", "1.0.1", "1.2.0", "1.10.0", "2.0.0", "1"] {
             assert_eq!(
                 version_at_least(v, MIN_EXTENSION_VERSION),
                 Some(true),
                 "{v}"
             );
         }
-        for v in ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.4.9", "0.4"] {
+        for v in ["0.1.0", "0.5.0", "0.14.0", "0.99.9", "0.9"] {
             assert_eq!(
                 version_at_least(v, MIN_EXTENSION_VERSION),
                 Some(false),
@@ -373,13 +370,13 @@ mod tests {
         assert_eq!(version_at_least("dev", MIN_EXTENSION_VERSION), None);
         let old = Extension {
             schema: "public".into(),
-            version: "0.2.0".into(),
+            version: "0.14.0".into(),
             sql_only: false,
         };
         let e = old.check_version("host=h").expect_err("refused");
         assert_eq!(e.code, 2);
-        assert!(e.message.contains("version 0.2.0"), "{}", e.message);
-        assert!(e.message.contains("0.5.0 or later"), "{}", e.message);
+        assert!(e.message.contains("version 0.14.0"), "{}", e.message);
+        assert!(e.message.contains("1.0.0 or later"), "{}", e.message);
         assert!(
             e.message.contains("ALTER EXTENSION outbox UPDATE"),
             "{}",

@@ -219,17 +219,9 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     result
 }
 
-/// The first heartbeat: the timeout to keep beating with, None when heartbeats are off or the
-/// extension has none (a warning says that the lease alone then frees a dead relay's claims).
+/// The first heartbeat: the timeout to keep beating with, None when heartbeats are off.
 async fn heartbeat_timeout(relay: &Relay, timeout: Duration) -> Result<Option<Duration>, Fatal> {
     if timeout.is_zero() {
-        return Ok(None);
-    }
-    if !relay.store.has_heartbeat() {
-        tracing::warn!(
-            "the outbox extension predates outbox_heartbeat ({}): if this relay dies, its claims wait for their lease",
-            crate::store::HEARTBEAT_VERSION
-        );
         return Ok(None);
     }
     call_at_start(

@@ -9,7 +9,7 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 
-use crate::db::{connect_failure, extension, version_at_least, Target};
+use crate::db::{connect_failure, extension, Target};
 use crate::error::DbError;
 use crate::Fatal;
 
@@ -175,17 +175,13 @@ struct Sql {
     release: String,
     renew: String,
     reclaim: String,
-    /// None when the extension predates outbox_heartbeat (0.13.0).
-    heartbeat: Option<String>,
+    heartbeat: String,
     stats: String,
     settings: String,
 }
 
-/// The first extension version with `outbox_heartbeat`.
-pub const HEARTBEAT_VERSION: &str = "0.13.0";
-
 impl Sql {
-    fn new(schema: &str, version: &str) -> Sql {
+    fn new(schema: &str) -> Sql {
         let f = |name: &str| format!("{schema}.outbox_{name}");
         Sql {
             claim: format!(
@@ -211,9 +207,7 @@ impl Sql {
                  FROM {}($1::text::interval)",
                 f("reclaim_returning")
             ),
-            heartbeat: version_at_least(version, HEARTBEAT_VERSION)
-                .unwrap_or(false)
-                .then(|| format!("SELECT {}($1, $2::text::interval)", f("heartbeat"))),
+            heartbeat: format!("SELECT {}($1, $2::text::interval)", f("heartbeat")),
             stats: Stats::sql(schema),
             // Calling outbox_stats() first loads the extension library, which defines the settings.
             settings: format!(
@@ -263,7 +257,7 @@ impl Store {
         ext.check_version(&desc)?;
         drop(client);
         let schema = ext.schema;
-        let sql = Sql::new(&schema, &ext.version);
+        let sql = Sql::new(&schema);
         Ok(Store {
             pool,
             schema,
@@ -421,21 +415,13 @@ impl Store {
             })
     }
 
-    /// Whether the extension has `outbox_heartbeat` ([`HEARTBEAT_VERSION`]).
-    pub fn has_heartbeat(&self) -> bool {
-        self.sql.heartbeat.is_some()
-    }
-
     /// `outbox_heartbeat(owner, timeout)`: this owner is alive until now + `timeout` (zero: it
-    /// stops, and what it still holds may be reclaimed now). A no-op on an extension without it.
+    /// stops, and what it still holds may be reclaimed now).
     pub async fn heartbeat(&self, owner: &str, timeout: Duration) -> Result<(), DbError> {
-        let Some(sql) = &self.sql.heartbeat else {
-            return Ok(());
-        };
         self.client()
             .await?
             .execute(
-                sql,
+                &self.sql.heartbeat,
                 &[&owner, &format!("{} milliseconds", timeout.as_millis())],
             )
             .await

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where one outbox_claim's shared buffers go, statement by statement, after N claims made under a
-# held snapshot (as sql/bench/held-claim-cost.sh sets it up: a REPEATABLE READ transaction that has
-# read something stays open; N rounds of enqueue 20 unkeyed events, claim, ack). Then ten calls of
+# held snapshot (a REPEATABLE READ transaction that has read something stays open; N rounds of
+# enqueue 20 unkeyed events, claim, ack). Then ten calls of
 # outbox_claim('bench', 20) over 20 fresh events in one session, each rolled back, logged by
 # auto_explain with its nested statements; the tenth call is reported (plpgsql has settled on its
 # plans by then), once with the default plan_cache_mode and once with force_generic_plan. The

@@ -1,5 +1,5 @@
-# Sourced by the benches that measure under a held snapshot (held-claim-cost.sh,
-# claim-breakdown.sh). hold_snapshot DB: a background session of DB opens a REPEATABLE READ
+# Sourced by the benches that measure under a held snapshot (claim-breakdown.sh).
+# hold_snapshot DB: a background session of DB opens a REPEATABLE READ
 # transaction and reads something, which takes its snapshot, then sleeps until it is killed; sets
 # `holder` to its pid and returns once the server shows the snapshot (the session's backend_xmin).
 hold_snapshot() {

@@ -35,6 +35,9 @@ pub fn repo_root() -> PathBuf {
 /// The workspace's version (the SQL-only install script is `outbox--VERSION.sql`).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// The first release: the only one with no upgrade step to it (docs/reference.md, "Upgrades").
+pub const FIRST_RELEASE: &str = "1.0.0";
+
 /// The directory `scripts/sql-only` wrote the SQL-only build into: `OUTBOX_TEST_SQL_ONLY_DIR`
 /// when set (scripts/test generates it once), else generated once per test process.
 pub fn sql_only_dir() -> PathBuf {

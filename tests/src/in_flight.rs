@@ -7,8 +7,7 @@ use tokio_postgres::Client;
 use crate::db::scalar;
 
 /// Enqueues six events of three keys (k1: 1 4, k2: 2 5, k0: 3 6) and claims `held` of them as
-/// 'relay-a'; returns the claim's token. A release that claims per key (0.4.0 on) takes whole runs,
-/// so 6 claims all six; earlier ones take the oldest, 4 claims 1 to 4.
+/// 'relay-a' (a claim takes whole runs per key: 6 claims all six); returns the claim's token.
 pub async fn enqueue_and_claim(c: &Client, held: i32) -> i64 {
     c.batch_execute(
         "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || (g % 3)) \
@@ -24,11 +23,11 @@ pub async fn enqueue_and_claim(c: &Client, held: i32) -> i64 {
     .await
 }
 
-/// After the update: 'relay-a' still holds its claim and settles it (ack 1 2, nack 3, renew and
-/// ack 4; with all six held, ack 5 and release 6, which comes after the failed 3 in its key). Then
+/// After the update: 'relay-a' still holds its claim of all six and settles it (ack 1 2, nack 3,
+/// renew and ack 4, ack 5 and release 6, which comes after the failed 3 in its key). Then
 /// 'relay-b' drains the rest in key order: 6 waits for 3 while 3 backs off, then k0's run comes
 /// as [3, 6], and all six end SUCCESS.
-pub async fn settle_and_drain(c: &Client, token: i64, all_six_held: bool) {
+pub async fn settle_and_drain(c: &Client, token: i64) {
     let settle = |sql: &'static str| async move { scalar::<i32>(c, sql, &[&token]).await };
     assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{1,2}')").await, 2);
     assert_eq!(
@@ -37,13 +36,11 @@ pub async fn settle_and_drain(c: &Client, token: i64, all_six_held: bool) {
     );
     assert_eq!(settle("SELECT outbox_renew('relay-a', $1, '{4}')").await, 1);
     assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{4}')").await, 1);
-    if all_six_held {
-        assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{5}')").await, 1);
-        assert_eq!(
-            settle("SELECT outbox_release('relay-a', $1, '{6}', '0', 'held back')").await,
-            1
-        );
-    }
+    assert_eq!(settle("SELECT outbox_ack('relay-a', $1, '{5}')").await, 1);
+    assert_eq!(
+        settle("SELECT outbox_release('relay-a', $1, '{6}', '0', 'held back')").await,
+        1
+    );
 
     let claim = || async move {
         let rows = c
@@ -60,11 +57,6 @@ pub async fn settle_and_drain(c: &Client, token: i64, all_six_held: bool) {
         let n: i32 = scalar(c, "SELECT outbox_ack('relay-b', $1, $2)", &[&token, &ids]).await;
         assert_eq!(n as usize, ids.len());
     };
-    if !all_six_held {
-        let (ids, token) = claim().await;
-        assert_eq!(ids, vec![5], "event 6 waits for 3, the head of its key");
-        ack(ids, token).await;
-    }
     let (ids, _) = claim().await;
     assert!(
         ids.is_empty(),

@@ -67,7 +67,7 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
     let n = 300i64;
     enqueue_burst(&client, "orders", n).await;
 
-    // A never beats, like a relay before 0.13.0 or a script: only the lease frees its claims.
+    // A never beats, like a hand-written claimer: only the lease frees its claims.
     let held_ids = kill_relay_a_holding_claims(&db, &broker, &["--heartbeat-timeout", "0s"]).await;
     let held = held_ids.len() as i64;
 

@@ -63,14 +63,18 @@ fn starts_and_stops(url: &str) {
     assert!(st.success(), "{}", w.logs());
 }
 
-/// The relay waits with `outbox_wait` (extension 0.5.0): against an older extension its wake-up
-/// would fail at every call. It refuses to start
-/// with one line naming both versions and the fix, exit 2; after `ALTER EXTENSION outbox UPDATE`
-/// it runs.
+/// A relay needs the calls of extension 1.0.0: against an older one (its catalog row says so) it
+/// refuses to start with one line naming both versions and the fix, exit 2, and runs once the
+/// extension is at 1.0.0.
 #[test]
 fn extension_older_than_the_relay_needs_is_refused_until_updated() {
-    let db = TestDb::empty();
-    db.psql("CREATE EXTENSION outbox VERSION '0.4.0'");
+    let db = TestDb::create();
+    let set_version = |v: &str| {
+        db.psql(&format!(
+            "UPDATE pg_extension SET extversion = '{v}' WHERE extname = 'outbox'"
+        ))
+    };
+    set_version("0.14.0");
     let out = run_cmd(&[
         "run",
         "--database-url",
@@ -81,15 +85,15 @@ fn extension_older_than_the_relay_needs_is_refused_until_updated() {
     one_line_failure(
         &out,
         &[
-            "extension version 0.4.0",
-            "0.5.0 or later",
+            "extension version 0.14.0",
+            "1.0.0 or later",
             "ALTER EXTENSION outbox UPDATE",
             &db.name,
         ],
     );
     assert_eq!(out.status.code(), Some(2), "a configuration error");
 
-    db.psql("ALTER EXTENSION outbox UPDATE");
+    set_version(env!("CARGO_PKG_VERSION"));
     starts_and_stops(&db.url());
 }
 

@@ -190,7 +190,7 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         rep.duplicated_events += 1;
         rep.duplicates += n - 1;
         let (retry, err) = last_error.get(id).cloned().unwrap_or((0, String::new()));
-        // Reclaimed: its lease expired, or its owner's heartbeat ran out (0.13.0).
+        // Reclaimed: its lease expired, or its owner's heartbeat ran out.
         let reclaimed = err
             .strip_prefix("lease expired: claimed by ")
             .map(|rest| ("lease expired", rest))
