@@ -984,6 +984,13 @@ DECLARE
     owed_rows constant int := 1000;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    -- A transaction that wrote may hold events of its own, which a claim would hand out
+    -- uncommitted. Checked before the token's nextval, which may assign a transaction id itself.
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'active_sql_transaction',
+            MESSAGE = 'outbox_claim: the transaction has already written; a claim must come first in its own transaction',
+            HINT = 'Claim in a transaction of its own and commit right after (one claim per transaction).';
+    END IF;
     PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN

@@ -351,3 +351,48 @@ async fn sql_only_settings_reject_nonsense_values_at_use(c: &tokio_postgres::Cli
         ("30s".into(), "2h".into(), 30_000, 7_200_000)
     );
 }
+
+/// A claim never hands out its own transaction's events: in a transaction that has written (here
+/// an enqueue: delayed and due by the claim, keyed, or plain) it is refused with 25001 and its
+/// hint names the rule, so the events can never go out and then vanish with a rollback.
+#[tokio::test]
+async fn claim_in_a_transaction_that_wrote_is_refused() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    for enqueue in [
+        "SELECT outbox_enqueue('t.a', '{\"n\":1}', deliver_at => clock_timestamp() + interval '50 ms')",
+        "SELECT outbox_enqueue('t.a', '{\"n\":1}', key => 'k')",
+        "SELECT outbox_enqueue('t.a', '{\"n\":1}')",
+    ] {
+        c.batch_execute(&format!("BEGIN; {enqueue}; SELECT pg_sleep(0.1)"))
+            .await
+            .unwrap();
+        let err = c
+            .query("SELECT id, status::text FROM outbox_claim('r', 10)", &[])
+            .await
+            .expect_err("a claim after a write in the same transaction");
+        let e = err.as_db_error().expect("a server error");
+        assert_eq!(e.code().code(), "25001", "{enqueue}: {}", e.message());
+        assert!(e.message().contains("already written"), "{}", e.message());
+        assert!(
+            e.hint().unwrap_or("").contains("one claim per transaction"),
+            "{:?}",
+            e.hint()
+        );
+        c.batch_execute("ROLLBACK").await.unwrap();
+    }
+    assert_eq!(row_count(&c).await, 0, "every enqueue was rolled back");
+
+    // First in its transaction, a claim runs; committed, its events are the committed ones.
+    let id: i64 = scalar(&c, "SELECT outbox_enqueue('t.a', '{\"n\":2}')", &[]).await;
+    c.batch_execute("BEGIN").await.unwrap();
+    let claimed: Vec<i64> = c
+        .query("SELECT id FROM outbox_claim('r', 10)", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    c.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(claimed, [id]);
+}
