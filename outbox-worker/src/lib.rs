@@ -10,6 +10,7 @@ pub mod cli;
 pub mod db;
 pub mod defaults;
 pub mod error;
+pub mod guarantees;
 pub mod health;
 pub mod kafka_metrics;
 pub mod logging;
