@@ -23,6 +23,7 @@ pub mod shutdown;
 pub mod store;
 pub mod tasks;
 pub mod tls;
+pub mod unknown;
 pub mod wakeup;
 
 use std::process::ExitCode;
