@@ -74,6 +74,7 @@ pub async fn probe_loop(
             _ = cancel.cancelled() => return Ok(()),
             r = rx.wait_for(|open| *open) => if r.is_err() { return Ok(()) },
         }
+        metrics.health.set_breaker_open(true);
         metrics.broker_circuit_open.set(1);
         metrics.health.set_broker_reachable(false);
         let opened = Instant::now();
@@ -107,6 +108,7 @@ pub async fn probe_loop(
             }
         }
         metrics.broker_circuit_open.set(0);
+        metrics.health.set_breaker_open(false);
         metrics.health.set_broker_reachable(true);
         breaker.close();
     }

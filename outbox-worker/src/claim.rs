@@ -18,6 +18,7 @@ use crate::error::{DbError, FailureClass};
 use crate::metrics::Metrics;
 use crate::publisher::{Outcome, Publisher, Replaced};
 use crate::store::{Event, Store};
+use crate::unknown::UnknownErrors;
 
 /// Everything the claim loops share.
 pub struct Relay {
@@ -30,6 +31,17 @@ pub struct Relay {
     pub poll_interval: Duration,
     /// Events taken by the last finished round (the wake-up session waits for one).
     pub rounds: watch::Sender<usize>,
+    /// Failures with an unclassified code, per event: how long they are released, not counted.
+    pub unknown: UnknownErrors,
+}
+
+/// How a failed event is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Settle {
+    /// `outbox_nack`: an attempt counted, a dead letter after `outbox.max_retry`.
+    Nack,
+    /// `outbox_release`: back to WAIT after `RELEASE_DELAY`, no attempt counted.
+    Release,
 }
 
 /// Rounds until cancelled (the round in flight is finished first). Ends with the error when a
@@ -134,8 +146,8 @@ impl Relay {
         let mut permanent: Option<DbError> = None;
         let mut delivered = Vec::new();
         let held = held_back(&events, &outcomes);
-        // One settle call per class and distinct error text (it becomes the rows' last_error).
-        let mut failed: BTreeMap<(FailureClass, String), Vec<usize>> = BTreeMap::new();
+        // One settle call per settlement, class and distinct error text (the rows' last_error).
+        let mut failed: BTreeMap<(Settle, FailureClass, String), Vec<usize>> = BTreeMap::new();
         for (i, o) in outcomes.iter().enumerate() {
             if held.contains(&i) {
                 continue;
@@ -145,10 +157,18 @@ impl Relay {
                     self.metrics.publish_latency.observe(latency.as_secs_f64());
                     delivered.push(i);
                 }
-                Outcome::Failed(error) => failed
-                    .entry((error.class(), error.to_string()))
-                    .or_default()
-                    .push(i),
+                Outcome::Failed(error) => {
+                    let class = error.class();
+                    self.metrics
+                        .publish_errors
+                        .with_label_values(&[&error.code_label(), class.label()])
+                        .inc();
+                    let settle = self.settlement(class, events[i].id);
+                    failed
+                        .entry((settle, class, error.to_string()))
+                        .or_default()
+                        .push(i);
+                }
                 // Always after a failure of its key, so among the held-back events above.
                 Outcome::NotSent => {}
             }
@@ -181,8 +201,8 @@ impl Relay {
         let broker_down = !delivered_any
             && failed
                 .keys()
-                .any(|(class, _)| *class == FailureClass::Transient);
-        for ((class, error), idx) in failed {
+                .any(|(_, class, _)| *class == FailureClass::Transient);
+        for ((settle, class, error), idx) in failed {
             for &i in &idx {
                 self.metrics
                     .failed
@@ -190,7 +210,7 @@ impl Relay {
                     .inc();
             }
             if let Err(e) = self
-                .settle_failed(&events, &idx, token, class, &error)
+                .settle_failed(&events, &idx, token, (settle, class), &error)
                 .await
             {
                 keep_permanent(&mut permanent, e);
@@ -217,6 +237,19 @@ impl Relay {
         }
     }
 
+    /// How a failure of event `id` is settled: by its class; an unknown code is released while
+    /// the event is within its grace, and counted as an attempt after that.
+    fn settlement(&self, class: FailureClass, id: i64) -> Settle {
+        match class {
+            FailureClass::Permanent => Settle::Nack,
+            FailureClass::Transient => Settle::Release,
+            FailureClass::Unknown => match self.unknown.within_grace(id) {
+                Some(_) => Settle::Release,
+                None => Settle::Nack,
+            },
+        }
+    }
+
     /// Acks the delivered events.
     async fn ack(
         &self,
@@ -226,6 +259,7 @@ impl Relay {
         claimed_at: Instant,
     ) -> Result<(), DbError> {
         let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
+        self.unknown.forget(ids.iter().copied());
         let n = self
             .settle("ack delivered", ids.len(), || {
                 self.store.ack(&self.owner, token, &ids)
@@ -249,27 +283,36 @@ impl Relay {
         Ok(())
     }
 
-    /// Settles failed events by their failure's class. Permanent (the event's own fault): one
-    /// attempt counted, a dead letter after `outbox.max_retry` (the extension says which rows
-    /// became one). Transient (the broker's or the network's fault): back to WAIT after a short
-    /// delay, no attempt counted, however long the outage lasts.
+    /// Settles failed events. Nack (the event's own fault, or an unknown code past its grace):
+    /// one attempt counted, a dead letter after `outbox.max_retry` (the extension says which rows
+    /// became one). Release (the broker's or the network's fault, or an unknown code within its
+    /// grace): back to WAIT after a short delay, no attempt counted.
     async fn settle_failed(
         &self,
         events: &[Event],
         idx: &[usize],
         token: i64,
-        class: FailureClass,
+        (settle, class): (Settle, FailureClass),
         error: &str,
     ) -> Result<(), DbError> {
         let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
         let (count, first_id) = (ids.len(), ids[0]);
-        let nacked = match class {
-            FailureClass::Transient => {
-                tracing::warn!(
-                    count,
-                    first_id,
-                    "publish failed, released without counting an attempt: {error}"
-                );
+        let grace = self.unknown.grace();
+        let nacked = match settle {
+            Settle::Release => {
+                if class == FailureClass::Unknown {
+                    tracing::warn!(
+                        count,
+                        first_id,
+                        "publish failed with an error code the relay does not classify, released without counting an attempt (the first {grace} times per event, then counted): {error}"
+                    );
+                } else {
+                    tracing::warn!(
+                        count,
+                        first_id,
+                        "publish failed, released without counting an attempt: {error}"
+                    );
+                }
                 self.settle("release failed", count, || {
                     self.store
                         .release(&self.owner, token, &ids, defaults::RELEASE_DELAY, error)
@@ -277,8 +320,16 @@ impl Relay {
                 .await?;
                 return Ok(());
             }
-            FailureClass::Permanent => {
-                tracing::warn!(count, first_id, "publish failed: {error}");
+            Settle::Nack => {
+                if class == FailureClass::Unknown {
+                    tracing::warn!(
+                        count,
+                        first_id,
+                        "publish failed with an error code the relay does not classify, more than {grace} times: counted as an attempt: {error}"
+                    );
+                } else {
+                    tracing::warn!(count, first_id, "publish failed: {error}");
+                }
                 self.settle("nack failed", count, || {
                     self.store.nack(&self.owner, token, &ids, error)
                 })
@@ -287,7 +338,9 @@ impl Relay {
         };
         let by_id: BTreeMap<i64, &Event> =
             idx.iter().map(|&i| (events[i].id, &events[i])).collect();
-        for row in nacked.iter().filter(|r| r.dead_letter) {
+        let dead = nacked.iter().filter(|r| r.dead_letter);
+        self.unknown.forget(dead.clone().map(|r| r.id));
+        for row in dead {
             let Some(ev) = by_id.get(&row.id) else {
                 continue;
             };

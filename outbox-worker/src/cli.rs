@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::defaults::{self, LEASE_TO_SEND_TIMEOUT_RATIO, MAX_CONCURRENCY};
-use crate::Fatal;
+use crate::{guarantees, Fatal};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -94,12 +94,21 @@ pub struct KafkaArgs {
 }
 
 impl KafkaArgs {
-    /// The `--kafka-property` values as pairs; the error names the bad one.
+    /// The `--kafka-property` values as pairs. The error names a bad one by its position only:
+    /// without a `=` there is no key to name, and the text may be (part of) a secret.
     pub fn properties(&self) -> Result<Vec<(String, String)>, Fatal> {
         self.kafka_properties
             .iter()
             .filter(|s| !s.trim().is_empty())
-            .map(|s| parse_property(s))
+            .enumerate()
+            .map(|(n, s)| {
+                parse_property(s).ok_or_else(|| {
+                    Fatal::usage(format!(
+                        "malformed Kafka property #{} of --kafka-property (OUTBOX_KAFKA_PROPERTIES): expected KEY=VALUE (the text is not shown: it may hold a secret)",
+                        n + 1
+                    ))
+                })
+            })
             .collect()
     }
 }
@@ -305,6 +314,7 @@ impl RunArgs {
         }
         props.extend(self.kafka.properties()?);
         check_delivery_timeout(&props, self.lease)?;
+        guarantees::check(&props)?;
         Ok(props)
     }
 }
@@ -314,7 +324,7 @@ impl RunArgs {
 /// lease expires. 0 (librdkafka: wait forever) is refused.
 fn check_delivery_timeout(props: &[(String, String)], lease: Duration) -> Result<(), Fatal> {
     for (k, v) in props {
-        if k != "message.timeout.ms" && k != "delivery.timeout.ms" {
+        if guarantees::canonical(k) != "message.timeout.ms" {
             continue;
         }
         let ms: u64 = v.parse().map_err(|_| {
@@ -348,7 +358,7 @@ fn read_properties_file(path: &Path) -> Result<Vec<(String, String)>, Fatal> {
             continue;
         }
         // Don't echo the line: it may hold a secret.
-        let (k, v) = parse_property(line).map_err(|_| {
+        let (k, v) = parse_property(line).ok_or_else(|| {
             Fatal::usage(format!(
                 "malformed Kafka property on line {} of {}: expected KEY=VALUE",
                 n + 1,
@@ -464,13 +474,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 3s, 10m)"))
 }
 
-/// Splits `KEY=VALUE`; the error is one line naming the bad input.
-pub fn parse_property(s: &str) -> Result<(String, String), Fatal> {
+/// Splits `KEY=VALUE` (both trimmed); None without a `=` or with an empty key.
+pub fn parse_property(s: &str) -> Option<(String, String)> {
     match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
-        _ => Err(Fatal::usage(format!(
-            "malformed Kafka property {s:?}: expected KEY=VALUE"
-        ))),
+        Some((k, v)) if !k.trim().is_empty() => Some((k.trim().to_string(), v.trim().to_string())),
+        _ => None,
     }
 }
 
@@ -631,13 +639,48 @@ mod tests {
     }
 
     #[test]
-    fn properties_must_be_key_value() {
-        let err = run_args(&["--kafka-property", "linger.ms"])
+    fn properties_must_be_key_value_and_a_bad_one_is_never_echoed() {
+        for bad in ["sasl.password:hunter2", "=hunter2", "hunter2"] {
+            let err = run_args(&["--kafka-property", "linger.ms=1", "--kafka-property", bad])
+                .producer_properties()
+                .expect_err(bad);
+            assert_eq!(err.code, 2);
+            assert!(
+                err.message.contains("malformed Kafka property #2")
+                    && err.message.contains("KEY=VALUE"),
+                "{}",
+                err.message
+            );
+            assert!(!err.message.contains("hunter2"), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn properties_that_break_the_guarantees_are_refused_from_flags_and_files() {
+        let e = run_args(&["--kafka-property", "acks=1"])
             .producer_properties()
-            .expect_err("error");
-        assert!(err.message.contains("linger.ms"));
-        assert!(run_args(&["--kafka-property", "=1"])
+            .expect_err("acks=1");
+        assert!(
+            e.message.starts_with("Kafka property acks=1 is refused"),
+            "{}",
+            e.message
+        );
+        let file = std::env::temp_dir().join(format!("outbox-props-{}", std::process::id()));
+        std::fs::write(&file, "# tuned\nenable.idempotence=false\n").expect("write");
+        let e = run_args(&["--kafka-properties-file", file.to_str().expect("utf-8")])
             .producer_properties()
-            .is_err());
+            .expect_err("enable.idempotence=false");
+        let _ = std::fs::remove_file(&file);
+        assert!(
+            e.message
+                .starts_with("Kafka property enable.idempotence=false is refused"),
+            "{}",
+            e.message
+        );
+        assert!(
+            run_args(&["--kafka-property", "topic.message.timeout.ms=0"])
+                .producer_properties()
+                .is_err()
+        );
     }
 }

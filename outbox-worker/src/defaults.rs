@@ -40,6 +40,10 @@ pub const BREAKER_BACKOFF_MAX: Duration = Duration::from_secs(15);
 /// take them (`outbox_release` delay): no attempt is counted, the delay only stops a hot loop.
 pub const RELEASE_DELAY: Duration = Duration::from_secs(1);
 
+/// Failures with an error code the relay does not classify that an event is released without an
+/// attempt (in case the broker is at fault); each later one counts as an attempt.
+pub const UNKNOWN_ERROR_GRACE: u32 = 5;
+
 /// `--reclaim-interval`: how often expired leases, and claims of relays whose heartbeat ran out,
 /// are reclaimed. With [`HEARTBEAT_TIMEOUT`] it bounds how long a killed relay's events wait.
 pub const RECLAIM_INTERVAL: Duration = Duration::from_secs(15);

@@ -76,30 +76,29 @@ impl PublishError {
         self.source.rdkafka_error_code()
     }
 
-    /// Whether the failure belongs to this event (it would fail the same way on any broker
-    /// state: counted as an attempt, and dead-lettered in the end) or to the broker or the
-    /// network (timeouts, transport, no leader, not enough replicas, authentication: released
-    /// without counting an attempt, however long the outage lasts).
+    /// Whose fault the failure is. Permanent: the event's, or a setting no retry changes (it
+    /// would fail the same way on any broker state): counted as an attempt, dead-lettered in the
+    /// end. Transient: the broker's or the network's (timeouts, transport, no leader, not enough
+    /// replicas, authentication, an unusable producer): released without counting an attempt,
+    /// however long the outage lasts. Unknown: any other code (see `claim.rs`).
     pub fn class(&self) -> FailureClass {
-        match self.code() {
-            Some(
-                RDKafkaErrorCode::MessageSizeTooLarge
-                | RDKafkaErrorCode::InvalidMessageSize
-                | RDKafkaErrorCode::MessageBatchTooLarge
-                | RDKafkaErrorCode::InvalidMessage
-                | RDKafkaErrorCode::InvalidRecord
-                | RDKafkaErrorCode::BadMessage
-                | RDKafkaErrorCode::UnknownTopicOrPartition
-                | RDKafkaErrorCode::UnknownTopic
-                | RDKafkaErrorCode::UnknownPartition
-                | RDKafkaErrorCode::InvalidTopic
-                | RDKafkaErrorCode::TopicAuthorizationFailed
-                | RDKafkaErrorCode::PolicyViolation
-                | RDKafkaErrorCode::UnsupportedForMessageFormat
-                | RDKafkaErrorCode::InvalidArgument,
-            ) => FailureClass::Permanent,
-            _ => FailureClass::Transient,
+        let Some(code) = self.code() else {
+            // No code: the delivery was cancelled (the producer was replaced under it).
+            return FailureClass::Transient;
+        };
+        if PERMANENT.contains(&code) {
+            FailureClass::Permanent
+        } else if TRANSIENT.contains(&code) {
+            FailureClass::Transient
+        } else {
+            FailureClass::Unknown
         }
+    }
+
+    /// librdkafka's name of the code (`InvalidTimestamp`), `none` without one: the `code` label.
+    pub fn code_label(&self) -> String {
+        self.code()
+            .map_or_else(|| "none".to_string(), |c| format!("{c:?}"))
     }
 
     /// No delivery report within the send timeout.
@@ -124,6 +123,73 @@ impl PublishError {
     }
 }
 
+/// Codes no retry fixes: the event's own (size, timestamp, record, topic, partition) or a setting
+/// of the topic or cluster that refuses it (authorization, compression, policy, acks, version).
+const PERMANENT: [RDKafkaErrorCode; 20] = [
+    RDKafkaErrorCode::MessageSizeTooLarge,
+    RDKafkaErrorCode::InvalidMessageSize,
+    RDKafkaErrorCode::MessageBatchTooLarge,
+    RDKafkaErrorCode::InvalidMessage,
+    RDKafkaErrorCode::InvalidRecord,
+    RDKafkaErrorCode::BadMessage,
+    RDKafkaErrorCode::BadCompression,
+    RDKafkaErrorCode::InvalidTimestamp,
+    RDKafkaErrorCode::UnknownTopicOrPartition,
+    RDKafkaErrorCode::UnknownTopic,
+    RDKafkaErrorCode::UnknownPartition,
+    RDKafkaErrorCode::InvalidTopic,
+    RDKafkaErrorCode::TopicAuthorizationFailed,
+    RDKafkaErrorCode::ClusterAuthorizationFailed,
+    RDKafkaErrorCode::PolicyViolation,
+    RDKafkaErrorCode::UnsupportedForMessageFormat,
+    RDKafkaErrorCode::UnsupportedCompressionType,
+    RDKafkaErrorCode::UnsupportedVersion,
+    RDKafkaErrorCode::InvalidRequiredAcks,
+    RDKafkaErrorCode::InvalidArgument,
+];
+
+/// Codes of a broker, network or producer state that passes: an outage, a leader election, a
+/// replica catching up, a full queue, a producer being replaced.
+const TRANSIENT: [RDKafkaErrorCode; 37] = [
+    RDKafkaErrorCode::MessageTimedOut,
+    RDKafkaErrorCode::RequestTimedOut,
+    RDKafkaErrorCode::OperationTimedOut,
+    RDKafkaErrorCode::TimedOutQueue,
+    RDKafkaErrorCode::BrokerTransportFailure,
+    RDKafkaErrorCode::BrokerDestroy,
+    RDKafkaErrorCode::DestroyBroker,
+    RDKafkaErrorCode::AllBrokersDown,
+    RDKafkaErrorCode::Resolve,
+    RDKafkaErrorCode::NetworkException,
+    RDKafkaErrorCode::SSL,
+    RDKafkaErrorCode::Authentication,
+    RDKafkaErrorCode::SaslAuthenticationFailed,
+    RDKafkaErrorCode::BrokerNotAvailable,
+    RDKafkaErrorCode::LeaderNotAvailable,
+    RDKafkaErrorCode::NotLeaderForPartition,
+    RDKafkaErrorCode::ReplicaNotAvailable,
+    RDKafkaErrorCode::NotEnoughReplicas,
+    RDKafkaErrorCode::NotEnoughReplicasAfterAppend,
+    RDKafkaErrorCode::ISRInsufficient,
+    RDKafkaErrorCode::KafkaStorageError,
+    RDKafkaErrorCode::FencedLeaderEpoch,
+    RDKafkaErrorCode::UnknownLeaderEpoch,
+    RDKafkaErrorCode::NotController,
+    RDKafkaErrorCode::ThrottlingQuotaExceeded,
+    RDKafkaErrorCode::QueueFull,
+    RDKafkaErrorCode::Retry,
+    RDKafkaErrorCode::PurgeQueue,
+    RDKafkaErrorCode::PurgeInflight,
+    RDKafkaErrorCode::ProducerFenced,
+    RDKafkaErrorCode::InvalidProducerEpoch,
+    RDKafkaErrorCode::OutOfOrderSequenceNumber,
+    RDKafkaErrorCode::DuplicateSequenceNumber,
+    RDKafkaErrorCode::UnknownProducerId,
+    RDKafkaErrorCode::InvalidProducerIdMapping,
+    RDKafkaErrorCode::Fenced,
+    RDKafkaErrorCode::Fatal,
+];
+
 /// What a failed publish says about the event, which decides how it is settled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum FailureClass {
@@ -132,6 +198,9 @@ pub enum FailureClass {
     Permanent,
     /// The broker or the network is: `outbox_release`, no attempt counted.
     Transient,
+    /// A code neither list names: released without an attempt for the first
+    /// `defaults::UNKNOWN_ERROR_GRACE` failures of an event, counted as an attempt after that.
+    Unknown,
 }
 
 impl FailureClass {
@@ -140,6 +209,7 @@ impl FailureClass {
         match self {
             FailureClass::Permanent => "permanent",
             FailureClass::Transient => "transient",
+            FailureClass::Unknown => "unknown",
         }
     }
 }
@@ -187,6 +257,9 @@ mod tests {
             RDKafkaErrorCode::UnknownTopic,
             RDKafkaErrorCode::TopicAuthorizationFailed,
             RDKafkaErrorCode::InvalidRecord,
+            RDKafkaErrorCode::InvalidTimestamp,
+            RDKafkaErrorCode::UnsupportedCompressionType,
+            RDKafkaErrorCode::ClusterAuthorizationFailed,
         ] {
             assert_eq!(
                 publish_error(code).class(),
@@ -209,6 +282,39 @@ mod tests {
                 FailureClass::Transient,
                 "{code:?}"
             );
+        }
+        let cancelled = PublishError {
+            topic: "orders".into(),
+            source: KafkaError::Canceled,
+        };
+        assert_eq!(cancelled.class(), FailureClass::Transient);
+        assert_eq!(cancelled.code_label(), "none");
+    }
+
+    #[test]
+    fn codes_on_neither_list_are_unknown_and_labelled_by_name() {
+        for code in [
+            RDKafkaErrorCode::Unknown,
+            RDKafkaErrorCode::Fail,
+            RDKafkaErrorCode::InvalidRequest,
+            RDKafkaErrorCode::State,
+        ] {
+            assert_eq!(
+                publish_error(code).class(),
+                FailureClass::Unknown,
+                "{code:?}"
+            );
+        }
+        assert_eq!(
+            publish_error(RDKafkaErrorCode::InvalidTimestamp).code_label(),
+            "InvalidTimestamp"
+        );
+    }
+
+    #[test]
+    fn no_code_is_on_both_lists() {
+        for code in PERMANENT {
+            assert!(!TRANSIENT.contains(&code), "{code:?}");
         }
     }
 

@@ -1,7 +1,7 @@
 //! Health as Kubernetes reads it. `/live`: every claim loop completed a round (successful or not)
 //! within the live timeout, so the process is not stuck and a restart would not help otherwise.
-//! `/ready`: the last database call succeeded and the broker is reachable, and the relay is not
-//! stopping. The setters are called by the claim loops, the store's callers and whatever watches
+//! `/ready`: the last database call succeeded, the broker is reachable, the circuit breaker is
+//! closed (open, the relay claims nothing), and the relay is not stopping. The setters are called by the claim loops, the store's callers and whatever watches
 //! the broker (the publisher's probe, the rounds' outcomes, a circuit breaker).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,6 +15,8 @@ pub struct Health {
     db_ok: AtomicBool,
     /// False until a probe or a delivery shows the broker answering.
     broker_ok: AtomicBool,
+    /// The circuit breaker is open: no claims, whatever a metadata request says meanwhile.
+    breaker_open: AtomicBool,
     stopping: AtomicBool,
 }
 
@@ -28,6 +30,7 @@ impl Health {
             live_timeout,
             db_ok: AtomicBool::new(true),
             broker_ok: AtomicBool::new(false),
+            breaker_open: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
         }
     }
@@ -55,6 +58,10 @@ impl Health {
         } else if !was && ok {
             tracing::debug!("Kafka reachable");
         }
+    }
+
+    pub fn set_breaker_open(&self, open: bool) {
+        self.breaker_open.store(open, Ordering::Relaxed);
     }
 
     pub fn set_stopping(&self) {
@@ -91,6 +98,8 @@ impl Health {
             Err("stopping")
         } else if !self.db_ok() {
             Err("database unreachable")
+        } else if self.breaker_open.load(Ordering::Relaxed) {
+            Err("Kafka unreachable: circuit breaker open, not claiming")
         } else if !self.broker_ok.load(Ordering::Relaxed) {
             Err("Kafka unreachable")
         } else {
@@ -114,6 +123,14 @@ mod tests {
         h.set_broker_reachable(false);
         assert_eq!(h.ready(), Err("Kafka unreachable"));
         h.set_broker_reachable(true);
+        // A metadata request answered while the breaker is open: still not ready.
+        h.set_breaker_open(true);
+        assert_eq!(
+            h.ready(),
+            Err("Kafka unreachable: circuit breaker open, not claiming")
+        );
+        h.set_breaker_open(false);
+        assert_eq!(h.ready(), Ok(()));
         h.db_result(false);
         assert_eq!(h.ready(), Err("database unreachable"));
         h.db_result(true);

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod db;
 pub mod defaults;
 pub mod error;
+pub mod guarantees;
 pub mod health;
 pub mod kafka_metrics;
 pub mod logging;
@@ -22,6 +23,7 @@ pub mod shutdown;
 pub mod store;
 pub mod tasks;
 pub mod tls;
+pub mod unknown;
 pub mod wakeup;
 
 use std::process::ExitCode;

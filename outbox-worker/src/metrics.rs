@@ -21,8 +21,11 @@ pub struct Metrics {
     pub registry: Registry,
     /// By `topic`.
     pub published: IntCounterVec,
-    /// By `topic` and `class` (permanent: counted as an attempt; transient: released).
+    /// By `topic` and `class` (permanent: counted as an attempt; transient: released; unknown:
+    /// released within the grace, then counted).
     pub failed: IntCounterVec,
+    /// By librdkafka's `code` name and `class`.
+    pub publish_errors: IntCounterVec,
     /// By `topic`.
     pub dead_lettered: IntCounterVec,
     pub broker_circuit_open: IntGauge,
@@ -92,8 +95,16 @@ impl Metrics {
                 &r,
                 "outbox_failed_total",
                 "Failed publishes; class=permanent: the event's fault, nacked (an attempt counted); \
-                 class=transient: the broker's, released (no attempt counted)",
+                 class=transient: the broker's, released (no attempt counted); class=unknown: a \
+                 code the relay does not classify, released a few times per event, then counted",
                 &["topic", "class"],
+            ),
+            publish_errors: counter_vec(
+                &r,
+                "outbox_publish_errors_total",
+                "Failed publishes by librdkafka's error code name (code) and how the relay \
+                 classifies it (class: permanent, transient, unknown)",
+                &["code", "class"],
             ),
             dead_lettered: counter_vec(
                 &r,

@@ -139,14 +139,24 @@ fn create(cfg: &ClientConfig, metrics: &Arc<KafkaMetrics>) -> Result<KafkaProduc
         metrics: metrics.clone(),
     };
     cfg.create_with_context(context).map_err(|e| match e {
-        KafkaError::ClientConfig(_, desc, key, _value) => {
-            Fatal::usage(format!("invalid Kafka property {key}: {desc}"))
-        }
+        KafkaError::ClientConfig(_, desc, key, value) => Fatal::usage(format!(
+            "invalid Kafka property {key}: {}",
+            without_value(&desc, &value)
+        )),
         KafkaError::ClientCreation(desc) => {
             Fatal::usage(format!("cannot create the Kafka producer: {desc}"))
         }
         other => Fatal::usage(format!("cannot create the Kafka producer: {other}")),
     })
+}
+
+/// librdkafka's complaint about a property with its value (`Invalid value "…" for ...`) left
+/// out: the value may be a secret.
+fn without_value(desc: &str, value: &str) -> String {
+    if value.is_empty() {
+        return desc.to_string();
+    }
+    desc.replace(&format!("\"{value}\""), "(value not shown)")
 }
 
 impl Publisher {
@@ -450,5 +460,23 @@ impl Publisher {
         if let Err(e) = self.current().flush(Timeout::After(self.send_timeout)) {
             tracing::warn!("flushing the producer: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_property_value_is_not_repeated() {
+        let d = without_value(
+            r#"Invalid value "s3cr3t" for configuration property "sasl.mechanism""#,
+            "s3cr3t",
+        );
+        assert_eq!(
+            d,
+            r#"Invalid value (value not shown) for configuration property "sasl.mechanism""#
+        );
+        assert_eq!(without_value("No such property", ""), "No such property");
     }
 }

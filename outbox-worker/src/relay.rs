@@ -10,7 +10,6 @@ use tokio_util::sync::CancellationToken;
 use crate::breaker::{probe_loop, Breaker};
 use crate::claim::{claim_loop, Relay};
 use crate::cli::RunArgs;
-use crate::db;
 use crate::error::DbError;
 use crate::health::Health;
 use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
@@ -19,6 +18,8 @@ use crate::metrics::{self, Metrics};
 use crate::publisher::Publisher;
 use crate::store::{Settings, Store};
 use crate::tasks::Tasks;
+use crate::unknown::UnknownErrors;
+use crate::{db, defaults};
 use crate::{shutdown, wakeup, Fatal};
 
 /// hostname-pid-random
@@ -124,6 +125,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
         rounds: rounds_tx,
+        unknown: UnknownErrors::new(defaults::UNKNOWN_ERROR_GRACE),
     });
 
     // The first beat before the first claim, so that every claim is covered; a relay that may

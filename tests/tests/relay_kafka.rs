@@ -1,7 +1,7 @@
 //! The relay's Kafka conventions and build, against the real broker: keys land on the partition
-//! the Java client would choose, the message timestamp is the event's created_at, every message
-//! says `content-type`, zstd and lz4 compressed batches arrive intact, and librdkafka's
-//! statistics and the build reach `/metrics`.
+//! the Java client would choose, the message timestamp is the event's created_at (an event older
+//! than its topic accepts is a dead letter), every message says `content-type`, zstd and lz4
+//! compressed batches arrive intact, and librdkafka's statistics and the build reach `/metrics`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -202,6 +202,87 @@ async fn messages_carry_the_creation_time_and_a_content_type() {
             "content-type of {id}: {m:?}"
         );
     }
+}
+
+/// A topic that refuses old timestamps (`message.timestamp.before.max.ms`, Kafka 3.6+) rejects
+/// events created before that with InvalidTimestamp: the event's fault, which no retry fixes. Each
+/// failure counts an attempt and the events end as dead letters naming the error (they used to
+/// be released every second for good, never counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_older_than_the_topic_accepts_become_dead_letters() {
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.max_retry = 1; \
+         ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; \
+         ALTER DATABASE {0} SET outbox.backoff_max = '1s'",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic_with("recent", &[("message.timestamp.before.max.ms", "60000")]);
+    let client = db.connect().await;
+    let mut ids = Vec::new();
+    for k in ["a", "b", "c"] {
+        ids.push(
+            enqueue(&client, "recent", k, "T", &a_payload(), &BTreeMap::new())
+                .await
+                .id,
+        );
+    }
+    // The message timestamp is created_at: an hour old is beyond the topic's minute.
+    client
+        .batch_execute(
+            "UPDATE outbox_stream SET created_at = created_at - interval '1 hour'; \
+             UPDATE outbox_tracked SET created_at = created_at - interval '1 hour'",
+        )
+        .await
+        .expect("backdate");
+
+    // One event a round: librdkafka fails the other records of a batch the broker rejected one
+    // record of with InvalidRecord, which would make the codes depend on the batching.
+    let worker = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &["--poll-interval", "200ms", "--batch-size", "1"],
+    );
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["FAIL"] == 3).await;
+    assert_eq!(counts["FAIL"], 3, "{counts:?}\n{}", worker.logs());
+    for r in client
+        .query(
+            "SELECT id, retry_count, last_error FROM outbox_event WHERE status = 'FAIL'",
+            &[],
+        )
+        .await
+        .expect("dead letters")
+    {
+        let (id, attempts, error): (i64, i32, String) = (r.get(0), r.get(1), r.get(2));
+        assert!(ids.contains(&id));
+        assert_eq!(attempts, 2, "max_retry 1: dead at the second attempt");
+        assert!(
+            error.contains("topic recent") && error.contains("InvalidTimestamp"),
+            "{error}"
+        );
+    }
+    // Two attempts of each of the 3 events, all InvalidTimestamp, classed permanent.
+    for (name, labels) in [
+        ("outbox_publish_errors_total", r#"code="InvalidTimestamp""#),
+        ("outbox_publish_errors_total", r#"class="permanent""#),
+        ("outbox_failed_total", r#"class="permanent""#),
+    ] {
+        assert_eq!(
+            worker.metric_where(name, labels),
+            Some(6.0),
+            "{name}{{{labels}}}: {:?}",
+            samples(&worker, name)
+        );
+    }
+    assert_eq!(worker.metric("outbox_dead_lettered_total"), Some(3.0));
+    assert_eq!(
+        worker.metric_where("outbox_publish_errors_total", r#"class="unknown""#),
+        None
+    );
+    assert!(broker
+        .consume_all("recent", Duration::from_secs(2))
+        .is_empty());
 }
 
 /// The compression codecs of the batches in a topic's partition 0, as Kafka's own

@@ -159,6 +159,8 @@ fn send_timeout_not_well_below_lease() {
     one_line_failure(&out, &["--send-timeout", "--lease"]);
 }
 
+/// A `--kafka-property` without `=` is named by its position, never echoed: it may be a secret
+/// (a password's second line in a newline-separated OUTBOX_KAFKA_PROPERTIES).
 #[test]
 fn malformed_kafka_property() {
     let db = TestDb::create();
@@ -167,9 +169,52 @@ fn malformed_kafka_property() {
         "--database-url",
         &db.url(),
         "--kafka-property",
-        "linger.ms",
+        "linger.ms=5",
+        "--kafka-property",
+        "sasl.password:hunter2",
     ]);
-    one_line_failure(&out, &["malformed Kafka property", "linger.ms"]);
+    one_line_failure(&out, &["malformed Kafka property #2", "KEY=VALUE"]);
+    assert_eq!(out.status.code(), Some(2), "a configuration error");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!all.contains("hunter2"), "value leaked: {all}");
+}
+
+/// The delivery guarantee cannot be switched off by a flag: each of these exits 2 with one line
+/// naming the property, before connecting to anything (the broker here does not exist).
+#[test]
+fn kafka_properties_that_break_the_guarantee_are_refused() {
+    let db = TestDb::create();
+    let brokers = format!("127.0.0.1:{}", free_port());
+    for (prop, says) in [
+        ("acks=1", "acks=all"),
+        ("acks=0", "acks=all"),
+        ("topic.request.required.acks=1", "acks=all"),
+        ("enable.idempotence=false", "idempotent producer"),
+        ("max.in.flight.requests.per.connection=10", "at most 5"),
+        ("queuing.strategy=lifo", "fifo"),
+        ("partitioner=random", "order"),
+        ("delivery.report.only.error=true", "delivery report"),
+        ("transactional.id=relay", "transactional"),
+    ] {
+        let out = run_with_timeout(
+            &[
+                "run",
+                "--database-url",
+                &db.url(),
+                "--brokers",
+                &brokers,
+                "--kafka-property",
+                prop,
+            ],
+            Duration::from_secs(20),
+        );
+        one_line_failure(&out, &[&format!("Kafka property {prop} is refused"), says]);
+        assert_eq!(out.status.code(), Some(2), "{prop}: a configuration error");
+    }
 }
 
 #[test]
