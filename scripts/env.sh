@@ -14,7 +14,12 @@ export KAFKA_HOME=${KAFKA_HOME:-$OUTBOX_TOOLS/kafka-$KAFKA_VERSION}
 # cold build of librdkafka + pgrx takes most of the CI budget.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}
 export PATH=$HOME/.cargo/bin:$OUTBOX_TOOLS/bin:$PATH
-export PGHOST=${PGHOST:-127.0.0.1} PGPORT=${PGPORT:-5432} PGUSER=${PGUSER:-postgres}
+# The project's own PostgreSQL cluster, created and started by scripts/pg-start: the machine's
+# other clusters are never touched. Its port is chosen free when it is created (or when another
+# program took it); empty until then.
+OUTBOX_PG_CLUSTER=outbox
+PGPORT=$(pg_conftool -s "$PG_MAJOR" "$OUTBOX_PG_CLUSTER" show port 2>/dev/null || true)
+export PGHOST=127.0.0.1 PGPORT PGUSER=postgres
 # The relay binary, found the same way by the tests and outbox-bench (tests/src/relay.rs). Not
 # exported: a caller that changes CARGO_TARGET_DIR after sourcing this file still gets its own.
 OUTBOX_RELAY_BIN=${OUTBOX_RELAY_BIN:-$CARGO_TARGET_DIR/release/outbox-worker}
@@ -22,3 +27,17 @@ OUTBOX_RELAY_BIN=${OUTBOX_RELAY_BIN:-$CARGO_TARGET_DIR/release/outbox-worker}
 # Seconds since the outermost script started, in every step's line: where a cold run spends its time.
 export OUTBOX_STARTED_AT=${OUTBOX_STARTED_AT:-$(date +%s)}
 log() { printf '\033[1m==> [%4ss] %s\033[0m\n' "$(($(date +%s) - OUTBOX_STARTED_AT))" "$*" >&2; }
+
+# Whether something listens on 127.0.0.1:PORT.
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# A free loopback port below the ephemeral range.
+free_port() {
+  local p
+  for _ in $(seq 1 100); do
+    p=$((20000 + RANDOM % 12000))
+    port_open "$p" || { echo "$p"; return 0; }
+  done
+  echo "no free port found on 127.0.0.1" >&2
+  return 1
+}

@@ -29,6 +29,8 @@ pub struct Relay {
     pub owner: String,
     pub batch_size: i32,
     pub poll_interval: Duration,
+    /// A claim's lease: past it, another relay may have taken the rows back.
+    pub lease: Duration,
     /// Events taken by the last finished round (the wake-up session waits for one).
     pub rounds: watch::Sender<usize>,
     /// Failures with an unclassified code, per event: how long they are released, not counted.
@@ -111,6 +113,7 @@ impl Relay {
         self.metrics.db_result(&events);
         let events = events?;
         let claimed_at = Instant::now();
+        let lease_end = claimed_at + self.lease;
         let Some(token) = events.first().map(|e| e.claim_token) else {
             tracing::debug!("claim returned no due events");
             return Ok(0);
@@ -186,7 +189,7 @@ impl Relay {
                 "events held back behind an earlier event of their key that failed: released, to be published after it"
             );
             if let Err(e) = self
-                .settle("release held-back", ids.len(), || {
+                .settle("release held-back", ids.len(), lease_end, || {
                     self.store
                         .release(&self.owner, token, &ids, Duration::ZERO, HELD_BACK)
                 })
@@ -210,7 +213,7 @@ impl Relay {
                     .inc();
             }
             if let Err(e) = self
-                .settle_failed(&events, &idx, token, (settle, class), &error)
+                .settle_failed(&events, &idx, (token, lease_end), (settle, class), &error)
                 .await
             {
                 keep_permanent(&mut permanent, e);
@@ -261,7 +264,7 @@ impl Relay {
         let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
         self.unknown.forget(ids.iter().copied());
         let n = self
-            .settle("ack delivered", ids.len(), || {
+            .settle("ack delivered", ids.len(), claimed_at + self.lease, || {
                 self.store.ack(&self.owner, token, &ids)
             })
             .await?;
@@ -291,7 +294,7 @@ impl Relay {
         &self,
         events: &[Event],
         idx: &[usize],
-        token: i64,
+        (token, lease_end): (i64, Instant),
         (settle, class): (Settle, FailureClass),
         error: &str,
     ) -> Result<(), DbError> {
@@ -313,7 +316,7 @@ impl Relay {
                         "publish failed, released without counting an attempt: {error}"
                     );
                 }
-                self.settle("release failed", count, || {
+                self.settle("release failed", count, lease_end, || {
                     self.store
                         .release(&self.owner, token, &ids, defaults::RELEASE_DELAY, error)
                 })
@@ -330,7 +333,7 @@ impl Relay {
                 } else {
                     tracing::warn!(count, first_id, "publish failed: {error}");
                 }
-                self.settle("nack failed", count, || {
+                self.settle("nack failed", count, lease_end, || {
                     self.store.nack(&self.owner, token, &ids, error)
                 })
                 .await?
@@ -362,27 +365,35 @@ impl Relay {
         Ok(())
     }
 
-    /// One `outbox_ack` / `outbox_nack` / `outbox_release` call, retried a few times on transient
-    /// database errors (it is idempotent: rows no longer held are not counted). A final failure
-    /// is logged: `what` ("ack delivered") names the call and its `count` events.
-    async fn settle<T, F, Fut>(&self, what: &str, count: usize, call: F) -> Result<T, DbError>
+    /// One `outbox_ack` / `outbox_nack` / `outbox_release` call, retried on transient database
+    /// errors until it lands (it is idempotent: rows no longer held are not counted), backing off
+    /// from 200 ms to 5 s, until the claim's lease ends: past it the rows may belong to another
+    /// relay. A final failure is logged: `what` ("ack delivered") names the call and its events.
+    async fn settle<T, F, Fut>(
+        &self,
+        what: &str,
+        count: usize,
+        lease_end: Instant,
+        call: F,
+    ) -> Result<T, DbError>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<T, DbError>>,
     {
-        let mut attempt = 0u32;
+        let mut backoff = Duration::from_millis(200);
         loop {
             let res = call().await;
             self.metrics.db_result(&res);
             match res {
-                Err(e) if e.is_retriable() && attempt < 3 => {
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(200) * attempt).await;
+                Err(e) if e.is_retriable() && Instant::now() + backoff < lease_end => {
+                    tracing::warn!(count, "could not {what} events ({e}): retrying in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(SETTLE_BACKOFF_MAX);
                 }
                 Err(e) => {
                     tracing::error!(
                         count,
-                        "could not {what} events ({e}): they stay SENDING until reclaimed after the lease (then published again)"
+                        "could not {what} events ({e}): they stay SENDING until reclaimed (then published again)"
                     );
                     return Err(e);
                 }
@@ -391,6 +402,9 @@ impl Relay {
         }
     }
 }
+
+/// The longest wait between two tries of a settle call.
+const SETTLE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// The last_error of events released because an earlier event of their key failed.
 const HELD_BACK: &str = "held back: an earlier event of its key failed in the same batch";

@@ -124,6 +124,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         owner,
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
+        lease: args.lease,
         rounds: rounds_tx,
         unknown: UnknownErrors::new(defaults::UNKNOWN_ERROR_GRACE),
     });
