@@ -5,9 +5,10 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use outbox_tests::broker::Broker;
-use outbox_tests::db::TestDb;
+use outbox_tests::db::{psql_admin, TestDb};
 use outbox_tests::events::{enqueue_burst, ids_in, wait_counts};
 use outbox_tests::relay::Relay;
+use outbox_worker::defaults::CLIENT_ID;
 
 const EVENTS: i64 = 20;
 const OUTAGE: Duration = Duration::from_secs(5);
@@ -28,21 +29,25 @@ async fn an_ack_that_meets_a_database_outage_lands_once_the_database_is_back() {
     let mut relay = Relay::spawn(
         &db.url(),
         &broker.addr(),
-        &["--owner", "relay-a", "--send-timeout", "30s", "--lease", "10m"],
+        &[
+            "--owner",
+            "relay-a",
+            "--send-timeout",
+            "30s",
+            "--lease",
+            "10m",
+        ],
     );
     let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] == EVENTS).await;
     assert_eq!(c["SENDING"], EVENTS, "{c:?}\n{}", relay.logs());
 
-    // The outage: no new sessions for the database, the relay's ended (this one stays).
-    client
-        .batch_execute(&format!(
-            "ALTER DATABASE {0} ALLOW_CONNECTIONS false; \
-             SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-              WHERE datname = '{0}' AND pid <> pg_backend_pid()",
-            db.name
-        ))
-        .await
-        .expect("start the outage");
+    // The outage: no new sessions for the database, the relay's ended (this test's stays).
+    psql_admin(&format!(
+        "ALTER DATABASE {0} ALLOW_CONNECTIONS false; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+          WHERE datname = '{0}' AND application_name = '{CLIENT_ID}'",
+        db.name
+    ));
     broker.thaw();
     assert!(
         relay
@@ -52,10 +57,10 @@ async fn an_ack_that_meets_a_database_outage_lands_once_the_database_is_back() {
         relay.logs()
     );
     tokio::time::sleep(OUTAGE).await;
-    client
-        .batch_execute(&format!("ALTER DATABASE {} ALLOW_CONNECTIONS true", db.name))
-        .await
-        .expect("end the outage");
+    psql_admin(&format!(
+        "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+        db.name
+    ));
     let back = Instant::now();
 
     let c = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] == EVENTS).await;
@@ -80,7 +85,11 @@ async fn an_ack_that_meets_a_database_outage_lands_once_the_database_is_back() {
     let distinct: BTreeSet<i64> = got.iter().copied().collect();
     let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
     assert_eq!(distinct, all, "every event arrives");
-    assert_eq!(got.len(), distinct.len(), "none is published twice: {got:?}");
+    assert_eq!(
+        got.len(),
+        distinct.len(),
+        "none is published twice: {got:?}"
+    );
     let st = relay.terminate(Duration::from_secs(10)).expect("stops");
     assert!(st.success(), "{}", relay.logs());
 }
