@@ -386,7 +386,10 @@ impl Relay {
             self.metrics.db_result(&res);
             match res {
                 Err(e) if e.is_retriable() && Instant::now() + backoff < lease_end => {
-                    tracing::warn!(count, "could not {what} events ({e}): retrying in {backoff:?}");
+                    tracing::warn!(
+                        count,
+                        "could not {what} events ({e}): retrying in {backoff:?}"
+                    );
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(SETTLE_BACKOFF_MAX);
                 }

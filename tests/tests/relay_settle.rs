@@ -28,7 +28,14 @@ async fn an_ack_that_meets_a_database_outage_lands_once_the_database_is_back() {
     let mut relay = Relay::spawn(
         &db.url(),
         &broker.addr(),
-        &["--owner", "relay-a", "--send-timeout", "30s", "--lease", "10m"],
+        &[
+            "--owner",
+            "relay-a",
+            "--send-timeout",
+            "30s",
+            "--lease",
+            "10m",
+        ],
     );
     let c = wait_counts(&client, Duration::from_secs(20), |c| c["SENDING"] == EVENTS).await;
     assert_eq!(c["SENDING"], EVENTS, "{c:?}\n{}", relay.logs());
@@ -53,7 +60,10 @@ async fn an_ack_that_meets_a_database_outage_lands_once_the_database_is_back() {
     );
     tokio::time::sleep(OUTAGE).await;
     client
-        .batch_execute(&format!("ALTER DATABASE {} ALLOW_CONNECTIONS true", db.name))
+        .batch_execute(&format!(
+            "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+            db.name
+        ))
         .await
         .expect("end the outage");
     let back = Instant::now();
@@ -80,7 +90,11 @@ async fn an_ack_that_meets_a_database_outage_lands_once_the_database_is_back() {
     let distinct: BTreeSet<i64> = got.iter().copied().collect();
     let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
     assert_eq!(distinct, all, "every event arrives");
-    assert_eq!(got.len(), distinct.len(), "none is published twice: {got:?}");
+    assert_eq!(
+        got.len(),
+        distinct.len(),
+        "none is published twice: {got:?}"
+    );
     let st = relay.terminate(Duration::from_secs(10)).expect("stops");
     assert!(st.success(), "{}", relay.logs());
 }
