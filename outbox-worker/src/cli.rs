@@ -290,6 +290,18 @@ impl RunArgs {
             .unwrap_or_else(|| self.within_lease(defaults::STATEMENT_TIMEOUT))
     }
 
+    /// A database call's client-side bound: the statement timeout (the server's cancels the
+    /// statement by then; zero, the server's own setting: a quarter of the lease) plus a margin.
+    pub fn call_timeout(&self) -> Duration {
+        let statement = self.statement_timeout();
+        let statement = if statement.is_zero() {
+            self.lease / LEASE_TO_SEND_TIMEOUT_RATIO
+        } else {
+            statement
+        };
+        statement + defaults::CALL_MARGIN
+    }
+
     /// `--pool-timeout`, or its default bounded by the lease.
     pub fn pool_timeout(&self) -> Duration {
         self.pool_timeout
@@ -617,6 +629,12 @@ mod tests {
         assert!(run_args(&["--statement-timeout", "0s"]).validate().is_ok());
         let short = run_args(&["--lease", "4s", "--send-timeout", "1s"]);
         assert_eq!(short.statement_timeout(), Duration::from_secs(1));
+        assert_eq!(short.call_timeout(), Duration::from_secs(6));
+        assert_eq!(
+            run_args(&["--statement-timeout", "0s"]).call_timeout(),
+            Duration::from_secs(600 / 4 + 5),
+            "the server's own statement timeout: a quarter of the lease"
+        );
         assert_eq!(short.pool_timeout(), Duration::from_secs(1));
     }
 

@@ -72,7 +72,10 @@ pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
         cfg.application_name(crate::defaults::CLIENT_ID);
     }
     cfg.keepalives(true);
-    cfg.keepalives_idle(Duration::from_secs(30));
+    cfg.keepalives_idle(crate::defaults::KEEPALIVE_IDLE);
+    cfg.keepalives_interval(crate::defaults::KEEPALIVE_INTERVAL);
+    cfg.keepalives_retries(crate::defaults::KEEPALIVE_RETRIES);
+    cfg.tcp_user_timeout(crate::defaults::TCP_USER_TIMEOUT);
     cfg.ssl_mode(tls_params.pg_mode());
     let tls = tls_params.connector()?;
     let mut desc = describe(&cfg);
@@ -338,6 +341,25 @@ mod tests {
             database_url: Some(url.into()),
             database_url_file: None,
         }
+    }
+
+    #[test]
+    fn a_silent_peer_is_noticed_by_tcp_within_bounds() {
+        let t = config(&args("postgres://relay@db.example/app")).expect("url");
+        assert!(t.cfg.get_keepalives());
+        assert_eq!(t.cfg.get_keepalives_idle(), crate::defaults::KEEPALIVE_IDLE);
+        assert_eq!(
+            t.cfg.get_keepalives_interval(),
+            Some(crate::defaults::KEEPALIVE_INTERVAL)
+        );
+        assert_eq!(
+            t.cfg.get_keepalives_retries(),
+            Some(crate::defaults::KEEPALIVE_RETRIES)
+        );
+        assert_eq!(
+            t.cfg.get_tcp_user_timeout(),
+            Some(&crate::defaults::TCP_USER_TIMEOUT)
+        );
     }
 
     #[test]

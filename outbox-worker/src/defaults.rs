@@ -76,6 +76,20 @@ pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(25);
 /// Connect timeout of each database session unless the connection string sets `connect_timeout`.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A database call's client-side bound is its statement timeout plus this: past it the server
+/// would have cancelled the statement, so the connection stopped answering and is dropped.
+pub const CALL_MARGIN: Duration = Duration::from_secs(5);
+
+/// TCP keepalive of each database session: a peer that stopped answering is noticed after
+/// idle + interval × retries (25 s), whether the session is idle or waits for a reply.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_RETRIES: u32 = 3;
+
+/// TCP_USER_TIMEOUT of each database session: sent data unacknowledged this long ends the
+/// connection (Linux would retransmit for about 15 minutes).
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Log filter when neither `--log-level` nor `RUST_LOG` is set.
 pub const LOG_LEVEL: &str = "info";
 

@@ -3,6 +3,8 @@
 //! by message text.
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use std::time::Duration;
+
 use tokio_postgres::error::SqlState;
 
 use crate::db::db_error;
@@ -24,6 +26,9 @@ pub enum DbError {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// No answer within the call's client-side bound: the connection is dropped.
+    #[error("the database did not answer within {0:?}: connection dropped")]
+    Timeout(Duration),
 }
 
 impl DbError {
@@ -33,7 +38,7 @@ impl DbError {
             DbError::Connect(deadpool_postgres::PoolError::Backend(e)) | DbError::Query(e) => {
                 e.code()
             }
-            DbError::Connect(_) | DbError::Row { .. } => None,
+            DbError::Connect(_) | DbError::Row { .. } | DbError::Timeout(_) => None,
         }
     }
 

@@ -58,7 +58,13 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let desc = target.desc.clone();
     // One connection per claim loop, one for the reclaimer, one for the stats poller, and one
     // for the heartbeat: a beat never waits behind a round.
-    let store = Store::open(target.clone(), args.concurrency + 3, args.pool_timeout()).await?;
+    let store = Store::open(
+        target.clone(),
+        args.concurrency + 3,
+        args.pool_timeout(),
+        args.call_timeout(),
+    )
+    .await?;
     let Settings {
         max_retry,
         max_claim,

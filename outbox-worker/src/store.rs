@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::db::{connect_failure, extension, Target};
@@ -225,13 +226,20 @@ pub struct Store {
     schema: String,
     desc: String,
     sql: Sql,
+    /// The client-side bound of one call (see [`Store::call`]).
+    call_timeout: Duration,
 }
 
 impl Store {
     /// Connects, checks the extension (installed, version at least
     /// [`crate::db::MIN_EXTENSION_VERSION`]) and returns the store. Waiting for a connection (opening
-    /// it included) takes at most `wait`. Errors are one clear line.
-    pub async fn open(target: Target, pool_size: usize, wait: Duration) -> Result<Store, Fatal> {
+    /// it included) takes at most `wait`, a call at most `call_timeout`. Errors are one clear line.
+    pub async fn open(
+        target: Target,
+        pool_size: usize,
+        wait: Duration,
+        call_timeout: Duration,
+    ) -> Result<Store, Fatal> {
         let Target { cfg, tls, desc } = target;
         let mgr = Manager::from_config(
             cfg,
@@ -263,6 +271,7 @@ impl Store {
             schema,
             desc,
             sql,
+            call_timeout,
         })
     }
 
@@ -281,18 +290,42 @@ impl Store {
         format!("{}.outbox_{name}", self.schema)
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, DbError> {
-        self.pool.get().await.map_err(DbError::Connect)
+    /// `f` on a pooled connection, within the call's bound. A connection that outlives it stopped
+    /// answering (the server would have cancelled the statement by then): it leaves the pool
+    /// instead of being handed out again.
+    async fn call<T>(
+        &self,
+        f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<T, DbError> {
+        let client = self.pool.get().await.map_err(DbError::Connect)?;
+        let answer = tokio::time::timeout(self.call_timeout, f(&client)).await;
+        match answer {
+            Ok(result) => result.map_err(DbError::Query),
+            Err(_) => {
+                drop(Object::take(client));
+                Err(DbError::Timeout(self.call_timeout))
+            }
+        }
+    }
+
+    /// A prepared statement's rows, within the call's bound.
+    async fn prepared(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, DbError> {
+        self.call(async |c| {
+            let stmt = c.prepare_cached(sql).await?;
+            c.query(&stmt, params).await
+        })
+        .await
     }
 
     /// `outbox.max_retry` and `outbox.max_claim`.
     pub async fn settings(&self) -> Result<Settings, DbError> {
         let row = self
-            .client()
-            .await?
-            .query_one(&self.sql.settings, &[])
-            .await
-            .map_err(DbError::Query)?;
+            .call(async |c| c.query_one(&self.sql.settings, &[]).await)
+            .await?;
         let get = |name| row.try_get::<_, Option<String>>(name).map(parse_setting);
         let row_err = |source| DbError::Row {
             call: "outbox_stats",
@@ -308,15 +341,7 @@ impl Store {
 
     /// `outbox_claim(owner, batch)`: the oldest due events, now held by `owner` under one token.
     pub async fn claim(&self, owner: &str, batch: i32) -> Result<Vec<Event>, DbError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&self.sql.claim)
-            .await
-            .map_err(DbError::Query)?;
-        let rows = client
-            .query(&stmt, &[&owner, &batch])
-            .await
-            .map_err(DbError::Query)?;
+        let rows = self.prepared(&self.sql.claim, &[&owner, &batch]).await?;
         rows.iter()
             .map(Event::from_row)
             .collect::<Result<_, _>>()
@@ -346,15 +371,9 @@ impl Store {
         ids: &[i64],
         error: &str,
     ) -> Result<Vec<Nacked>, DbError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&self.sql.nack)
-            .await
-            .map_err(DbError::Query)?;
-        let rows = client
-            .query(&stmt, &[&owner, &token, &ids, &error])
-            .await
-            .map_err(DbError::Query)?;
+        let rows = self
+            .prepared(&self.sql.nack, &[&owner, &token, &ids, &error])
+            .await?;
         rows.iter()
             .map(Nacked::from_row)
             .collect::<Result<_, _>>()
@@ -397,15 +416,10 @@ impl Store {
 
     /// `outbox_reclaim_returning(lease)`: expired claims back to WAIT (or FAIL); returns each.
     pub async fn reclaim(&self, lease: Duration) -> Result<Vec<Reclaimed>, DbError> {
+        let lease = format!("{} milliseconds", lease.as_millis());
         let rows = self
-            .client()
-            .await?
-            .query(
-                &self.sql.reclaim,
-                &[&format!("{} milliseconds", lease.as_millis())],
-            )
-            .await
-            .map_err(DbError::Query)?;
+            .call(async |c| c.query(&self.sql.reclaim, &[&lease]).await)
+            .await?;
         rows.iter()
             .map(Reclaimed::from_row)
             .collect::<Result<_, _>>()
@@ -418,25 +432,17 @@ impl Store {
     /// `outbox_heartbeat(owner, timeout)`: this owner is alive until now + `timeout` (zero: it
     /// stops, and what it still holds may be reclaimed now).
     pub async fn heartbeat(&self, owner: &str, timeout: Duration) -> Result<(), DbError> {
-        self.client()
-            .await?
-            .execute(
-                &self.sql.heartbeat,
-                &[&owner, &format!("{} milliseconds", timeout.as_millis())],
-            )
-            .await
-            .map_err(DbError::Query)?;
+        let timeout = format!("{} milliseconds", timeout.as_millis());
+        self.call(async |c| c.execute(&self.sql.heartbeat, &[&owner, &timeout]).await)
+            .await?;
         Ok(())
     }
 
     /// `outbox_stats()`.
     pub async fn stats(&self) -> Result<Stats, DbError> {
         let row = self
-            .client()
-            .await?
-            .query_one(&self.sql.stats, &[])
-            .await
-            .map_err(DbError::Query)?;
+            .call(async |c| c.query_one(&self.sql.stats, &[]).await)
+            .await?;
         Stats::from_row(&row).map_err(|source| DbError::Row {
             call: "outbox_stats",
             source,
@@ -449,14 +455,14 @@ impl Store {
         sql: &str,
         column: &str,
         call: &'static str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, DbError> {
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(sql).await.map_err(DbError::Query)?;
-        let row = client
-            .query_one(&stmt, params)
-            .await
-            .map_err(DbError::Query)?;
+        let row = self
+            .call(async |c| {
+                let stmt = c.prepare_cached(sql).await?;
+                c.query_one(&stmt, params).await
+            })
+            .await?;
         row_count(&row, column, call)
     }
 }

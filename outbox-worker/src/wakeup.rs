@@ -17,6 +17,21 @@ pub const READY: &str = "wake-up ready";
 /// How long one `outbox_wait` call may block: it holds a snapshot meanwhile, so keep it short.
 const WAIT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// A call without an answer this long means the connection stopped answering: reconnect.
+const ANSWER_TIMEOUT: Duration = WAIT_TIMEOUT.saturating_add(crate::defaults::CALL_MARGIN);
+
+/// One statement's row within [`ANSWER_TIMEOUT`], or why not, in one line.
+async fn answer(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<tokio_postgres::Row, String> {
+    match tokio::time::timeout(ANSWER_TIMEOUT, client.query_one(sql, params)).await {
+        Ok(row) => row.map_err(|e| one_line(&e)),
+        Err(_) => Err(format!("no answer within {ANSWER_TIMEOUT:?}")),
+    }
+}
+
 /// After a wake-up whose round claimed nothing, a pause before asking again, doubling from 1 ms
 /// up to this while it repeats. One empty round is normal (after an ack, a claim looks at the
 /// key once more to retire it); a streak means something is due that this relay cannot take
@@ -39,7 +54,7 @@ pub async fn run(
         match target.cfg.connect(target.tls.clone()).await {
             Ok((client, conn)) => {
                 let driver = tokio::spawn(conn);
-                match client.query_one(&mode_sql, &[]).await {
+                match answer(&client, &mode_sql, &[]).await {
                     Ok(row) => {
                         let mode: String = row.get(0);
                         if connected_before {
@@ -59,7 +74,7 @@ pub async fn run(
                             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&secs];
                             let woken = tokio::select! {
                                 _ = cancel.cancelled() => { driver.abort(); return; }
-                                r = client.query_one(&wait_sql, &params) => r,
+                                r = answer(&client, &wait_sql, &params) => r,
                             };
                             match woken {
                                 Ok(row) if row.get::<_, bool>(0) => {
@@ -92,8 +107,7 @@ pub async fn run(
                                 Ok(_) => empty_streak = 0,
                                 Err(e) => {
                                     tracing::warn!(
-                                        "wake-up connection lost ({}); reconnecting, polling meanwhile",
-                                        one_line(&e)
+                                        "wake-up connection lost ({e}); reconnecting, polling meanwhile"
                                     );
                                     break;
                                 }
@@ -101,10 +115,7 @@ pub async fn run(
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(
-                            "wake-up: outbox_wake_mode() failed: {}; retrying",
-                            one_line(&e)
-                        );
+                        tracing::warn!("wake-up: outbox_wake_mode() failed: {e}; retrying");
                     }
                 }
                 driver.abort();

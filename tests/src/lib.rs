@@ -13,5 +13,6 @@ pub mod in_flight;
 pub mod kafka;
 pub mod model;
 pub mod pg_cluster;
+pub mod proxy;
 pub mod relay;
 pub mod roles;

@@ -24,13 +24,8 @@ fn wait_status(w: &Relay, path: &str, want: &str, timeout: Duration) -> (String,
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ready_follows_the_broker_and_live_stays_up() {
-    let db = TestDb::create();
-    let broker = Broker::start();
-    broker.create_topic("orders");
-    let client = db.connect().await;
-    let follower = broker.follow("orders");
+/// A relay on `db` and `broker` (fast polls and stats, `send_timeout`), once it is ready.
+fn ready_relay(db: &TestDb, broker: &Broker, send_timeout: &str) -> Relay {
     let w = Relay::spawn(
         &db.url(),
         &broker.addr(),
@@ -40,11 +35,22 @@ async fn ready_follows_the_broker_and_live_stays_up() {
             "--stats-interval",
             "500ms",
             "--send-timeout",
-            "2s",
+            send_timeout,
         ],
     );
     let (status, body) = wait_status(&w, "/ready", "200", Duration::from_secs(20));
     assert!(status.contains("200"), "{status} {body}\n{}", w.logs());
+    w
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_follows_the_broker_and_live_stays_up() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let follower = broker.follow("orders");
+    let w = ready_relay(&db, &broker, "2s");
     let ev = enqueue(
         &client,
         "orders",
@@ -85,20 +91,7 @@ async fn not_ready_while_the_circuit_breaker_is_open() {
     broker.create_topic("orders");
     let client = db.connect().await;
     let follower = broker.follow("orders");
-    let w = Relay::spawn(
-        &db.url(),
-        &broker.addr(),
-        &[
-            "--poll-interval",
-            "200ms",
-            "--stats-interval",
-            "500ms",
-            "--send-timeout",
-            "1s",
-        ],
-    );
-    let (status, body) = wait_status(&w, "/ready", "200", Duration::from_secs(20));
-    assert!(status.contains("200"), "{status} {body}\n{}", w.logs());
+    let w = ready_relay(&db, &broker, "1s");
 
     broker.freeze();
     let ev = enqueue(

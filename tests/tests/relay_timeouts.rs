@@ -1,13 +1,15 @@
 //! Every wait of the relay is bounded: a Kafka delivery timeout above the lease is refused at
 //! start-up, a statement stuck on a lock is cancelled by the statement timeout and the relay
-//! carries on, and SIGTERM ends the process within the shutdown timeout even with a round stuck.
+//! carries on, a database connection that stops answering is dropped and replaced, and SIGTERM
+//! ends the process within the shutdown timeout even with a round stuck.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use outbox_tests::broker::{free_port, Broker};
 use outbox_tests::db::TestDb;
-use outbox_tests::events::enqueue;
+use outbox_tests::events::{enqueue, enqueue_burst, wait_counts};
+use outbox_tests::proxy::Proxy;
 use outbox_tests::relay::{run_cmd, Relay};
 use serde_json::json;
 use tokio_postgres::Client;
@@ -133,4 +135,74 @@ async fn sigterm_ends_the_relay_within_the_shutdown_timeout() {
         "{}",
         w.logs()
     );
+}
+
+/// `url` with its `port=` replaced by `port`.
+fn with_port(url: &str, port: u16) -> String {
+    url.split(' ')
+        .map(|kv| match kv.strip_prefix("port=") {
+            Some(_) => format!("port={port}"),
+            None => kv.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The relay reaches the database through a proxy whose open connections then stop forwarding
+/// (no reset, no answer: a partition, a dead NAT entry). Its calls give up after the statement
+/// timeout plus a margin (here 2 s + 5 s), their connections leave the pool, new ones go through,
+/// and events enqueued meanwhile are delivered. Without a client-side bound every call would
+/// wait for the black-holed connections forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let port: u16 = client
+        .query_one("SELECT current_setting('port')::int", &[])
+        .await
+        .expect("port")
+        .get::<_, i32>(0) as u16;
+    let proxy = Proxy::start(([127, 0, 0, 1], port).into());
+    let mut relay = Relay::spawn(
+        &with_port(&db.url(), proxy.port),
+        &broker.addr(),
+        &["--poll-interval", "500ms", "--statement-timeout", "2s"],
+    );
+    enqueue_burst(&client, "orders", 5).await;
+    let c = wait_counts(&client, Duration::from_secs(20), |c| c["SUCCESS"] == 5).await;
+    assert_eq!(
+        c["SUCCESS"],
+        5,
+        "before the black hole: {c:?}\n{}",
+        relay.logs()
+    );
+
+    proxy.black_hole();
+    let opened = proxy.accepted();
+    let start = Instant::now();
+    enqueue_burst(&client, "orders", 20).await;
+    let c = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 25).await;
+    let recovered = start.elapsed();
+    assert_eq!(
+        c["SUCCESS"],
+        25,
+        "events enqueued after the black hole: {c:?}\n{}",
+        relay.log_tail(40)
+    );
+    println!("delivered {recovered:?} after the relay's database connections went silent");
+    assert!(
+        relay
+            .wait_log(&["did not answer within 7s"], Duration::from_secs(1))
+            .is_some(),
+        "{}",
+        relay.log_tail(40)
+    );
+    assert!(
+        proxy.accepted() > opened,
+        "new connections replaced the silent ones"
+    );
+    let st = relay.terminate(Duration::from_secs(30)).expect("stops");
+    assert!(st.success(), "{}", relay.log_tail(40));
 }
