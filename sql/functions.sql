@@ -1431,6 +1431,40 @@ BEGIN
 END
 $$;
 
+-- Releases what `owner` holds under tokens other than `keep`, without counting an attempt: a
+-- claim whose reply was lost (its connection died after the commit) left events whose token its
+-- owner never learned, held until the lease while the owner keeps beating. Returns how many.
+CREATE FUNCTION @extschema@.outbox_release_orphans(owner text, keep bigint[] DEFAULT '{}')
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    orphan record;
+    done int := 0;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_release_orphans');
+    PERFORM @extschema@.outbox_check_owner('outbox_release_orphans', owner);
+    PERFORM @extschema@.outbox_check_ids('outbox_release_orphans', keep);
+    FOR orphan IN
+        SELECT o.token, array_agg(o.id ORDER BY o.id) AS ids
+          FROM (SELECT t.claim_token AS token, t.id FROM @extschema@.outbox_tracked t
+                 WHERE t.status = 'SENDING' AND t.claim_owner = owner
+                UNION ALL
+                SELECT b.claim_token, unnest(b.pending) FROM @extschema@.outbox_stream_batch b
+                 WHERE b.claim_owner = owner) o
+         WHERE (o.token = ANY (keep)) IS NOT TRUE
+         GROUP BY o.token
+         ORDER BY o.token
+    LOOP
+        done := done + @extschema@.outbox_release(owner, orphan.token, orphan.ids, '0',
+                                                 'orphaned: the reply to its claim never reached its owner');
+    END LOOP;
+    RETURN done;
+END
+$$;
+
 -- A claimer says it is alive until now + timeout, and beats again before then (the relay every
 -- sixth of its timeout). Once an owner's expiry has passed without a new beat, outbox_reclaim
 -- takes back the claims it made before that expiry, whatever their lease. A timeout of zero says

@@ -44,6 +44,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_nack(text, bigint, bigint[], text),
     @extschema@.outbox_renew(text, bigint, bigint[]),
     @extschema@.outbox_release(text, bigint, bigint[], interval, text),
+    @extschema@.outbox_release_orphans(text, bigint[]),
     @extschema@.outbox_heartbeat(text, interval),
     @extschema@.outbox_reclaim_reason(text, timestamptz, timestamptz, interval, text[], timestamptz[]),
     @extschema@.outbox_reclaim_returning(interval),

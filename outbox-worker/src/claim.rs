@@ -6,10 +6,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio::sync::{watch, RwLock};
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
@@ -35,6 +35,20 @@ pub struct Relay {
     pub rounds: watch::Sender<usize>,
     /// Failures with an unclassified code, per event: how long they are released, not counted.
     pub unknown: UnknownErrors,
+    /// The tokens of the claims the rounds hold now.
+    pub held: Mutex<BTreeSet<i64>>,
+    /// Held (shared) by a claim until its token is in `held`, so that releasing orphans
+    /// (exclusive) never takes a claim whose round is about to settle it.
+    pub claiming: RwLock<()>,
+}
+
+/// A round's token in [`Relay::held`] until the round ends.
+struct HeldToken<'a>(&'a Mutex<BTreeSet<i64>>, i64);
+
+impl Drop for HeldToken<'_> {
+    fn drop(&mut self) {
+        self.0.lock().expect("held tokens").remove(&self.1);
+    }
 }
 
 /// How a failed event is settled.
@@ -109,12 +123,31 @@ impl Relay {
     /// stay SENDING until reclaimed, as after any failed settle).
     async fn round(&self) -> Result<usize, DbError> {
         let round_start = Instant::now();
+        let claiming = self.claiming.read().await;
         let events = self.store.claim(&self.owner, self.batch_size).await;
         self.metrics.db_result(&events);
-        let events = events?;
+        let token = events
+            .as_ref()
+            .ok()
+            .and_then(|e| e.first())
+            .map(|e| e.claim_token);
+        let _held = token.map(|t| {
+            self.held.lock().expect("held tokens").insert(t);
+            HeldToken(&self.held, t)
+        });
+        drop(claiming);
+        let events = match events {
+            Ok(events) => events,
+            Err(e) => {
+                if e.may_have_committed() {
+                    self.release_orphans().await;
+                }
+                return Err(e);
+            }
+        };
         let claimed_at = Instant::now();
         let lease_end = claimed_at + self.lease;
-        let Some(token) = events.first().map(|e| e.claim_token) else {
+        let Some(token) = token else {
             tracing::debug!("claim returned no due events");
             return Ok(0);
         };
@@ -237,6 +270,30 @@ impl Relay {
         match permanent {
             Some(e) => Err(e),
             None => Ok(events.len()),
+        }
+    }
+
+    /// After a claim whose reply may have been lost: what this relay holds under a token no round
+    /// knows goes back without an attempt counted (it was never published).
+    async fn release_orphans(&self) {
+        let _alone = self.claiming.write().await;
+        let keep: Vec<i64> = self
+            .held
+            .lock()
+            .expect("held tokens")
+            .iter()
+            .copied()
+            .collect();
+        let released = self
+            .settle("release orphaned", 0, Instant::now() + self.lease, || {
+                self.store.release_orphans(&self.owner, &keep)
+            })
+            .await;
+        if let Some(n) = released.ok().filter(|n| *n > 0) {
+            tracing::warn!(
+                released = n,
+                "the reply to a claim was lost after it committed: its events were released"
+            );
         }
     }
 

@@ -42,6 +42,16 @@ impl DbError {
         }
     }
 
+    /// Whether the call may have committed although it failed: no answer, or the connection
+    /// broke before the server said anything (a server-raised error rolled it back).
+    pub fn may_have_committed(&self) -> bool {
+        match self {
+            DbError::Timeout(_) => true,
+            DbError::Query(e) => e.as_db_error().is_none(),
+            DbError::Connect(_) | DbError::Row { .. } => false,
+        }
+    }
+
     /// Whether calling again can succeed: true for lost connections, timeouts, restarts,
     /// deadlocks and other transient states; false for a configuration error (the role's grants
     /// or settings, a bad argument, a mismatched extension), which every retry would meet again.

@@ -133,11 +133,22 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         lease: args.lease,
         rounds: rounds_tx,
         unknown: UnknownErrors::new(defaults::UNKNOWN_ERROR_GRACE),
+        held: Default::default(),
+        claiming: Default::default(),
     });
 
     // The first beat before the first claim, so that every claim is covered; a relay that may
     // not beat (no EXECUTE on outbox_heartbeat) stops here with one line.
     let heartbeat_timeout = heartbeat_timeout(&relay, args.heartbeat_timeout()).await?;
+    // Called after a claim whose reply was lost; checked now (a new owner holds nothing), so a
+    // role without EXECUTE on it stops here with one line rather than at that moment.
+    call_at_start(
+        &relay.store,
+        "release_orphans",
+        "; grant it to the relay's role (sql/examples/grant-roles.sql)",
+        || relay.store.release_orphans(&relay.owner, &[]),
+    )
+    .await?;
     let beat_cancel = CancellationToken::new();
     let beats = heartbeat_timeout
         .map(|timeout| tokio::spawn(heartbeat_loop(relay.clone(), timeout, beat_cancel.clone())));

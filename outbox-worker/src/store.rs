@@ -177,6 +177,7 @@ struct Sql {
     renew: String,
     reclaim: String,
     heartbeat: String,
+    release_orphans: String,
     stats: String,
     settings: String,
 }
@@ -209,6 +210,7 @@ impl Sql {
                 f("reclaim_returning")
             ),
             heartbeat: format!("SELECT {}($1, $2::text::interval)", f("heartbeat")),
+            release_orphans: format!("SELECT {}($1, $2) AS released", f("release_orphans")),
             stats: Stats::sql(schema),
             // Calling outbox_stats() first loads the extension library, which defines the settings.
             settings: format!(
@@ -399,6 +401,18 @@ impl Store {
             "released",
             "outbox_release",
             &[&owner, &token, &ids, &delay, &error],
+        )
+        .await
+    }
+
+    /// `outbox_release_orphans`: what `owner` holds under tokens other than `keep` goes back to
+    /// WAIT without an attempt counted; returns how many.
+    pub async fn release_orphans(&self, owner: &str, keep: &[i64]) -> Result<u64, DbError> {
+        self.count(
+            &self.sql.release_orphans,
+            "released",
+            "outbox_release_orphans",
+            &[&owner, &keep],
         )
         .await
     }

@@ -1,6 +1,7 @@
 //! A TCP proxy on a free loopback port to an upstream address, whose connections can be made to
 //! stop forwarding while they stay open: a black hole, as a dead NAT entry or a partition leaves
-//! established connections. Connections opened after [`Proxy::black_hole`] forward as usual.
+//! established connections, in both directions or for the upstream's replies only (a request
+//! arrives and runs, its answer never does). Connections opened after that forward as usual.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -12,6 +13,8 @@ pub struct Proxy {
     pub port: u16,
     /// Connections numbered below this forward nothing any more.
     cutoff: Arc<AtomicU64>,
+    /// Connections numbered below this forward no reply any more.
+    replies_cutoff: Arc<AtomicU64>,
     accepted: Arc<AtomicU64>,
 }
 
@@ -21,21 +24,26 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("proxy listener");
         let port = listener.local_addr().expect("proxy address").port();
         let cutoff = Arc::new(AtomicU64::new(0));
+        let replies_cutoff = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
-        let (cut, count) = (cutoff.clone(), accepted.clone());
+        let (cut, replies_cut, count) = (cutoff.clone(), replies_cutoff.clone(), accepted.clone());
         thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = TcpStream::connect(upstream) else {
                     continue;
                 };
                 let n = count.fetch_add(1, Ordering::SeqCst);
-                pump(&client, &server, n, cut.clone());
-                pump(&server, &client, n, cut.clone());
+                let (up, down) = (cut.clone(), [cut.clone(), replies_cut.clone()]);
+                pump(&client, &server, move || n < up.load(Ordering::SeqCst));
+                pump(&server, &client, move || {
+                    down.iter().any(|c| n < c.load(Ordering::SeqCst))
+                });
             }
         });
         Proxy {
             port,
             cutoff,
+            replies_cutoff,
             accepted,
         }
     }
@@ -46,15 +54,21 @@ impl Proxy {
             .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
     }
 
+    /// Every connection open now stops forwarding the upstream's replies, and stays open.
+    pub fn drop_replies(&self) {
+        self.replies_cutoff
+            .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
     /// Connections accepted so far.
     pub fn accepted(&self) -> u64 {
         self.accepted.load(Ordering::SeqCst)
     }
 }
 
-/// Copies `from` to `to` until `from` ends, dropping what connection `n` reads once it is
-/// black-holed; then ends the other side too.
-fn pump(from: &TcpStream, to: &TcpStream, n: u64, cutoff: Arc<AtomicU64>) {
+/// Copies `from` to `to` until `from` ends, dropping what it reads while `dropping()`; then ends
+/// the other side too.
+fn pump(from: &TcpStream, to: &TcpStream, dropping: impl Fn() -> bool + Send + 'static) {
     let (mut from, mut to) = (
         from.try_clone().expect("clone"),
         to.try_clone().expect("clone"),
@@ -64,7 +78,7 @@ fn pump(from: &TcpStream, to: &TcpStream, n: u64, cutoff: Arc<AtomicU64>) {
         loop {
             match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,
-                Ok(_) if n < cutoff.load(Ordering::SeqCst) => {}
+                Ok(_) if dropping() => {}
                 Ok(len) => {
                     if to.write_all(&buf[..len]).is_err() {
                         break;

@@ -3,7 +3,7 @@
 //! carries on, a database connection that stops answering is dropped and replaced, and SIGTERM
 //! ends the process within the shutdown timeout even with a round stuck.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use outbox_tests::broker::{free_port, Broker};
@@ -148,16 +148,9 @@ fn with_port(url: &str, port: u16) -> String {
         .join(" ")
 }
 
-/// The relay reaches the database through a proxy whose open connections then stop forwarding
-/// (no reset, no answer: a partition, a dead NAT entry). Its calls give up after the statement
-/// timeout plus a margin (here 2 s + 5 s), their connections leave the pool, new ones go through,
-/// and events enqueued meanwhile are delivered. Without a client-side bound every call would
-/// wait for the black-holed connections forever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
-    let db = TestDb::create();
-    let broker = Broker::start();
-    broker.create_topic("orders");
+/// A relay on `db` that reaches the database through a [`Proxy`], once it has delivered a first
+/// few events; returns the relay, the proxy and a direct session.
+async fn relay_through_a_proxy(db: &TestDb, broker: &Broker) -> (Relay, Proxy, Client) {
     let client = db.connect().await;
     let port: u16 = client
         .query_one("SELECT current_setting('port')::int", &[])
@@ -165,7 +158,7 @@ async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
         .expect("port")
         .get::<_, i32>(0) as u16;
     let proxy = Proxy::start(([127, 0, 0, 1], port).into());
-    let mut relay = Relay::spawn(
+    let relay = Relay::spawn(
         &with_port(&db.url(), proxy.port),
         &broker.addr(),
         &["--poll-interval", "500ms", "--statement-timeout", "2s"],
@@ -175,23 +168,35 @@ async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
     assert_eq!(
         c["SUCCESS"],
         5,
-        "before the black hole: {c:?}\n{}",
+        "through the proxy: {c:?}\n{}",
         relay.logs()
     );
+    (relay, proxy, client)
+}
 
+/// Enqueues 20 more events and waits until all 25 are delivered; returns how long that took.
+async fn twenty_more_are_delivered(client: &Client, relay: &Relay) -> Duration {
+    let start = Instant::now();
+    enqueue_burst(client, "orders", 20).await;
+    let c = wait_counts(client, Duration::from_secs(60), |c| c["SUCCESS"] == 25).await;
+    assert_eq!(c["SUCCESS"], 25, "{c:?}\n{}", relay.log_tail(40));
+    start.elapsed()
+}
+
+/// The relay's open database connections stop forwarding (no reset, no answer: a partition, a
+/// dead NAT entry). Its calls give up after the statement timeout plus a margin (here 2 s + 5 s),
+/// their connections leave the pool, new ones go through, and events enqueued meanwhile are
+/// delivered. Without a client-side bound every call would wait for them forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let (mut relay, proxy, client) = relay_through_a_proxy(&db, &broker).await;
     proxy.black_hole();
     let opened = proxy.accepted();
-    let start = Instant::now();
-    enqueue_burst(&client, "orders", 20).await;
-    let c = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 25).await;
-    let recovered = start.elapsed();
-    assert_eq!(
-        c["SUCCESS"],
-        25,
-        "events enqueued after the black hole: {c:?}\n{}",
-        relay.log_tail(40)
-    );
-    println!("delivered {recovered:?} after the relay's database connections went silent");
+    let took = twenty_more_are_delivered(&client, &relay).await;
+    println!("delivered {took:?} after the relay's database connections went silent");
     assert!(
         relay
             .wait_log(&["did not answer within 7s"], Duration::from_secs(1))
@@ -203,6 +208,43 @@ async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
         proxy.accepted() > opened,
         "new connections replaced the silent ones"
     );
+    let st = relay.terminate(Duration::from_secs(30)).expect("stops");
+    assert!(st.success(), "{}", relay.log_tail(40));
+}
+
+/// The relay's open connections still carry its requests but no longer the replies: its next
+/// claim commits and its answer is lost, so the relay never learns the token. Once the call gives
+/// up it releases what it holds under unknown tokens (no attempt counted), and the events go out
+/// on new connections, each published once, instead of waiting for the 10-minute lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_reply_is_lost_releases_its_events() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let (mut relay, proxy, client) = relay_through_a_proxy(&db, &broker).await;
+    proxy.drop_replies();
+    let took = twenty_more_are_delivered(&client, &relay).await;
+    println!("delivered {took:?} after the replies to the relay's claims were lost");
+    assert!(
+        relay
+            .wait_log(&["the reply to a claim was lost"], Duration::from_secs(1))
+            .is_some(),
+        "the orphaned claim was not released:\n{}",
+        relay.log_tail(40)
+    );
+    let retried: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE retry_count > 0",
+            &[],
+        )
+        .await
+        .expect("retries")
+        .get(0);
+    assert_eq!(retried, 0, "an orphaned claim counts no attempt");
+    let got = broker.consume_all("orders", Duration::from_secs(3));
+    let ids: BTreeSet<i64> = got.iter().map(|m| m.outbox_id()).collect();
+    assert_eq!(ids.len(), 25);
+    assert_eq!(got.len(), 25, "each event published once");
     let st = relay.terminate(Duration::from_secs(30)).expect("stops");
     assert!(st.success(), "{}", relay.log_tail(40));
 }

@@ -614,6 +614,13 @@ async fn lifecycle(
         released == Some(2),
         &format!("released {released:?} requeued events"),
     );
+    let orphans = api
+        .count("outbox_release_orphans", "$1, '{}'", &[&owner])
+        .await;
+    api.expect(
+        orphans == Some(0),
+        &format!("released {orphans:?} orphans of an owner holding nothing"),
+    );
     let (token, ids) = api.claim(owner).await;
     let acked = api
         .count("outbox_ack", "$1, $2, $3", &[&owner, &token, &ids])
@@ -648,6 +655,8 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_nack", "'relay-1', 1, NULL"),
         ("outbox_renew", "'', 1, '{1}'"),
         ("outbox_release", "'relay-1', 1, '{1}', '-1 second'"),
+        ("outbox_release_orphans", "'', '{}'"),
+        ("outbox_release_orphans", "'relay-1', NULL"),
         ("outbox_reclaim", "'-1 second'"),
         ("outbox_heartbeat", "'relay-1', '-1 second'"),
         ("outbox_heartbeat", "'', '1 second'"),

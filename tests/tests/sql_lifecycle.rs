@@ -1241,3 +1241,71 @@ async fn reclaim_forgets_owners_gone_longer_than_the_lease_and_bad_heartbeats_ar
     let owners: i64 = scalar(&c, "SELECT count(*) FROM outbox_owner", &[]).await;
     assert_eq!(owners, 2, "a refused heartbeat writes nothing");
 }
+
+/// A claimer whose claim's reply was lost releases what it holds under tokens it does not know:
+/// tracked and stream events alike go back to WAIT, no attempt counted, with a last_error that
+/// says why; the claims it keeps and other owners' claims stay as they are.
+#[tokio::test]
+async fn release_orphans_gives_back_only_the_claims_its_owner_does_not_keep() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let lost_stream = enqueue(&c, "orders").await;
+    let (lost_token, ids) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [lost_stream]);
+    let lost_tracked = enqueue_tracked(&c, "orders").await;
+    let (_, ids) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [lost_tracked]);
+    let kept = enqueue(&c, "orders").await;
+    let (kept_token, ids) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [kept]);
+    let others = enqueue(&c, "orders").await;
+    let (_, ids) = claim(&c, "relay-b", 10).await;
+    assert_eq!(ids, [others]);
+    assert_ne!(lost_token, kept_token);
+
+    let released: i32 = scalar(
+        &c,
+        "SELECT outbox_release_orphans('relay-a', ARRAY[$1::bigint])",
+        &[&kept_token],
+    )
+    .await;
+    assert_eq!(released, 2);
+    for id in [lost_stream, lost_tracked] {
+        assert_eq!(
+            status_of(&c, id).await,
+            ("WAIT".into(), 0, None),
+            "event {id}"
+        );
+        let error: Option<String> = scalar(
+            &c,
+            "SELECT last_error FROM outbox_event WHERE id = $1",
+            &[&id],
+        )
+        .await;
+        assert!(
+            error.is_some_and(|e| e.starts_with("orphaned")),
+            "event {id}"
+        );
+    }
+    assert_eq!(
+        status_of(&c, kept).await,
+        ("SENDING".into(), 0, Some("relay-a".into()))
+    );
+    assert_eq!(
+        status_of(&c, others).await,
+        ("SENDING".into(), 0, Some("relay-b".into()))
+    );
+    let again: i32 = scalar(
+        &c,
+        "SELECT outbox_release_orphans('relay-a', ARRAY[$1::bigint])",
+        &[&kept_token],
+    )
+    .await;
+    assert_eq!(again, 0, "nothing left to release");
+    let (_, ids) = claim(&c, "relay-c", 10).await;
+    assert_eq!(
+        ids,
+        [lost_stream, lost_tracked],
+        "the released events are claimable"
+    );
+}
