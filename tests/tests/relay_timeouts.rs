@@ -215,15 +215,27 @@ async fn a_database_connection_that_stops_answering_is_dropped_and_replaced() {
 /// The relay's open connections still carry its requests but no longer the replies: its next
 /// claim commits and its answer is lost, so the relay never learns the token. Once the call gives
 /// up it releases what it holds under unknown tokens (no attempt counted), and the events go out
-/// on new connections, each published once, instead of waiting for the 10-minute lease.
+/// on new connections, each published once, instead of waiting for the 10-minute lease. The relay
+/// polls idle for 3 s first, so that each of its pooled connections (handed out in turn) has
+/// prepared the claim, then is stopped (SIGSTOP) while the events are enqueued and the replies
+/// cut: its next claim, on a connection from before the cut, is the one that takes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_reply_is_lost_releases_its_events() {
     let db = TestDb::create();
     let broker = Broker::start();
     broker.create_topic("orders");
     let (mut relay, proxy, client) = relay_through_a_proxy(&db, &broker).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    relay.signal(libc::SIGSTOP);
+    // Replies already on their way reach the stopped relay's sockets before the cut.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let start = Instant::now();
+    enqueue_burst(&client, "orders", 20).await;
     proxy.drop_replies();
-    let took = twenty_more_are_delivered(&client, &relay).await;
+    relay.signal(libc::SIGCONT);
+    let c = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 25).await;
+    assert_eq!(c["SUCCESS"], 25, "{c:?}\n{}", relay.log_tail(40));
+    let took = start.elapsed();
     println!("delivered {took:?} after the replies to the relay's claims were lost");
     assert!(
         relay
