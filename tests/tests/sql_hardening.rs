@@ -246,12 +246,13 @@ async fn the_topic_allow_list_is_enforced_at_enqueue() {
 async fn row_locking_calls_require_read_committed() {
     let db = TestDb::create();
     let c = db.connect().await;
-    c.batch_execute(
-        "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3);
-         SELECT outbox_claim('relay-a', 1);",
-    )
-    .await
-    .unwrap();
+    // Two statements, two transactions: a claim refuses a transaction that has written.
+    c.batch_execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3)")
+        .await
+        .unwrap();
+    c.batch_execute("SELECT outbox_claim('relay-a', 1)")
+        .await
+        .unwrap();
     for call in [
         "SELECT * FROM outbox_claim('relay-a', 10)",
         "SELECT outbox_ack('relay-a', 1, '{1}')",
@@ -341,9 +342,12 @@ async fn reclaim_and_ack_never_deadlock() {
         .batch_execute(
             "UPDATE outbox_tracked SET claimed_at = now() - interval '30 min' WHERE id = 3;
              UPDATE outbox_tracked SET claimed_at = now() - interval '20 min' WHERE id = 1;
-             UPDATE outbox_tracked SET claimed_at = now() - interval '10 min' WHERE id = 2;
-             SELECT count(*) FROM outbox_claim('relay-b', 2000);",
+             UPDATE outbox_tracked SET claimed_at = now() - interval '10 min' WHERE id = 2;",
         )
+        .await
+        .unwrap();
+    setup
+        .batch_execute("SELECT count(*) FROM outbox_claim('relay-b', 2000)")
         .await
         .unwrap();
     setup.batch_execute("ANALYZE outbox_tracked").await.unwrap();
