@@ -226,6 +226,9 @@ impl Metrics {
     }
 }
 
+/// The pause after a failed accept.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
 /// Binds the address now (so a bad address fails start-up) and serves until cancelled.
 pub async fn serve(
     addr: SocketAddr,
@@ -243,7 +246,16 @@ pub async fn serve(
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 acc = listener.accept() => {
-                    let Ok((stream, _)) = acc else { continue };
+                    let stream = match acc {
+                        Ok((stream, _)) => stream,
+                        // Out of file descriptors (EMFILE) fails every accept at once until
+                        // one is freed: pause instead of spinning on it.
+                        Err(e) => {
+                            tracing::debug!("metrics: accept failed: {e}");
+                            tokio::time::sleep(ACCEPT_RETRY).await;
+                            continue;
+                        }
+                    };
                     let m = metrics.clone();
                     tokio::spawn(async move {
                         let _ = tokio::time::timeout(Duration::from_secs(5), handle(stream, m)).await;

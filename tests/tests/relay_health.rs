@@ -1,7 +1,8 @@
 //! `/live` and `/ready` of the real relay, as Kubernetes probes them: ready while the database and
 //! the broker answer, not ready while the broker is frozen and ready again once it is back, live
 //! throughout; not ready while its circuit breaker is open, though the broker answers again; not
-//! live while its claim loop is stuck on a lock.
+//! live while its claim loop is stuck on a lock; and a metrics listener out of file descriptors
+//! that waits instead of spinning.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -164,4 +165,48 @@ async fn live_fails_while_a_claim_loop_is_stuck() {
     tx.rollback().await.expect("release the lock");
     let (status, body) = wait_status(&w, "/live", "200", Duration::from_secs(10));
     assert!(status.contains("200"), "{status} {body}");
+}
+
+/// User plus system CPU of process `pid` so far, in clock ticks (1/100 s).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // Fields after the command name (which may hold spaces): utime and stime are the 12th and
+    // 13th of them.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
+/// Out of file descriptors, every accept of the metrics listener fails at once (EMFILE): the
+/// relay must wait for one to be freed, not spin on a core. Its limit is lowered to what it uses
+/// plus 5, and 40 connections are left open on the metrics port for 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_listener_does_not_spin_when_out_of_file_descriptors() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let w = ready_relay(&db, &broker, "2s");
+    let pid = w.pid();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .count();
+    let limit = format!("--nofile={0}:{0}", open + 5);
+    let out = std::process::Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &limit])
+        .output()
+        .expect("prlimit");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let conns: Vec<std::net::TcpStream> = (0..40)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", w.metrics_port)).ok())
+        .collect();
+    assert!(conns.len() > 10, "only {} connections", conns.len());
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(pid) - before;
+    drop(conns);
+    assert!(used < 50, "the relay used {used} ticks of CPU in 2 s");
 }
