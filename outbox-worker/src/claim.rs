@@ -242,7 +242,10 @@ impl Relay {
             for &i in &idx {
                 self.metrics
                     .failed
-                    .with_label_values(&[&events[i].topic, class.label()])
+                    .with_label_values(&[
+                        &self.metrics.topic_label(&events[i].topic),
+                        class.label(),
+                    ])
                     .inc();
             }
             if let Err(e) = self
@@ -328,7 +331,10 @@ impl Relay {
         let now = claimed_at.elapsed().as_secs_f64();
         for &i in idx {
             let ev = &events[i];
-            self.metrics.published.with_label_values(&[&ev.topic]).inc();
+            self.metrics
+                .published
+                .with_label_values(&[&self.metrics.topic_label(&ev.topic)])
+                .inc();
             self.metrics
                 .commit_to_ack_lag
                 .observe(ev.age_at_claim + now);
@@ -406,7 +412,7 @@ impl Relay {
             };
             self.metrics
                 .dead_lettered
-                .with_label_values(&[&ev.topic])
+                .with_label_values(&[&self.metrics.topic_label(&ev.topic)])
                 .inc();
             tracing::error!(
                 outbox_id = ev.id,

@@ -40,7 +40,7 @@ pub async fn reclaim_loop(
                     relay
                         .metrics
                         .dead_lettered
-                        .with_label_values(&[&r.topic])
+                        .with_label_values(&[&relay.metrics.topic_label(&r.topic)])
                         .inc();
                     tracing::error!(
                         outbox_id = r.id,

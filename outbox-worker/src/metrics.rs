@@ -1,8 +1,9 @@
 //! Prometheus metrics and a minimal HTTP endpoint: `GET /metrics`, and the health endpoints
 //! `/live`, `/ready` and `/health` (state in `health.rs`).
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus::{
@@ -47,7 +48,16 @@ pub struct Metrics {
     pub oldest_blocked_age: Gauge,
     pub oldest_lease_age: Gauge,
     pub health: Health,
+    /// The topics that have a `topic` label of their own (see [`Metrics::topic_label`]).
+    labelled_topics: Mutex<BTreeSet<String>>,
 }
+
+/// The `topic` label of every topic past the first [`MAX_TOPIC_LABELS`]: parentheses are not
+/// allowed in Kafka topic names, so no topic has it.
+pub const OTHER_TOPICS: &str = "(other)";
+
+/// How many topics get a `topic` label of their own.
+pub const MAX_TOPIC_LABELS: usize = 100;
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
@@ -207,7 +217,20 @@ impl Metrics {
             ),
             registry: r,
             health,
+            labelled_topics: Mutex::default(),
         })
+    }
+
+    /// `topic`, or [`OTHER_TOPICS`] once [`MAX_TOPIC_LABELS`] other topics have a label: a
+    /// producer that writes to ever new topics must not grow the metrics without bound.
+    pub fn topic_label(&self, topic: &str) -> String {
+        let mut labelled = self.labelled_topics.lock().expect("topic labels");
+        if labelled.contains(topic) || labelled.len() < MAX_TOPIC_LABELS {
+            labelled.insert(topic.to_string());
+            topic.to_string()
+        } else {
+            OTHER_TOPICS.to_string()
+        }
     }
 
     pub fn db_result<T, E>(&self, r: &Result<T, E>) {
@@ -317,5 +340,30 @@ fn status<E: std::fmt::Display>(r: Result<(), E>) -> (&'static str, &'static str
     match r {
         Ok(()) => ("200 OK", "text/plain", "ok\n".to_string()),
         Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topics_past_the_cap_share_one_label() {
+        let m = Metrics::new(Health::new(1, Duration::from_secs(60)));
+        for n in 0..MAX_TOPIC_LABELS {
+            assert_eq!(m.topic_label(&format!("t{n}")), format!("t{n}"));
+        }
+        assert_eq!(m.topic_label("one.too.many"), OTHER_TOPICS);
+        assert_eq!(
+            m.topic_label("t0"),
+            "t0",
+            "a labelled topic keeps its label"
+        );
+        m.published
+            .with_label_values(&[&m.topic_label("another")])
+            .inc();
+        assert!(m
+            .render()
+            .contains("outbox_published_total{topic=\"(other)\"} 1"));
     }
 }
