@@ -243,7 +243,8 @@ pub fn version_at_least(v: &str, min: &str) -> Option<bool> {
 }
 
 /// The installed outbox (schema and version), or a one-line error saying it is missing (a
-/// configuration error: wrong database, or the outbox was never installed there). The extension
+/// configuration error: wrong database, or the outbox was never installed there). Unnamed
+/// statements only, as in the store: it runs on a pooled connection too. The extension
 /// when there is one; else the SQL-only build's marker function, which must be unique: a role that
 /// may create a schema must not make the relay pick its copy.
 pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Extension, Fatal> {
@@ -254,7 +255,7 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
         ))
     };
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT quote_ident(n.nspname), e.extversion FROM pg_catalog.pg_extension e \
              JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'outbox'",
             &[],
@@ -269,7 +270,7 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
         });
     }
     let schemas: Vec<String> = client
-        .query(
+        .query_typed(
             "SELECT quote_ident(n.nspname) FROM pg_catalog.pg_proc p \
              JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
              WHERE p.proname = 'outbox_sql_only_version' AND p.pronargs = 0 ORDER BY 1",
@@ -287,7 +288,7 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
         ))),
         [schema] => {
             let version: String = client
-                .query_one(
+                .query_typed_one(
                     &format!("SELECT {schema}.outbox_sql_only_version()"),
                     &[],
                 )
