@@ -167,6 +167,8 @@ pub struct Settings {
     pub max_retry: i32,
     /// `outbox.max_claim`; None when unset (the extension's default applies).
     pub max_claim: Option<i32>,
+    /// The session's statement_timeout (zero: none).
+    pub statement_timeout: Duration,
 }
 
 fn parse_setting(text: Option<String>) -> Option<i32> {
@@ -220,7 +222,9 @@ impl Sql {
             // Calling outbox_stats() first loads the extension library, which defines the settings.
             settings: format!(
                 "SELECT current_setting('outbox.max_retry', true) AS max_retry, \
-                 current_setting('outbox.max_claim', true) AS max_claim FROM {}() s",
+                 current_setting('outbox.max_claim', true) AS max_claim, \
+                 (SELECT setting::int8 FROM pg_catalog.pg_settings \
+                  WHERE name = 'statement_timeout') AS statement_timeout_ms FROM {}() s",
                 f("stats")
             ),
         }
@@ -326,7 +330,7 @@ impl Store {
             .await
     }
 
-    /// `outbox.max_retry` and `outbox.max_claim`.
+    /// `outbox.max_retry`, `outbox.max_claim` and the session's statement_timeout.
     pub async fn settings(&self) -> Result<Settings, DbError> {
         let row = self.row(&self.sql.settings, &[]).await?;
         let get = |name| row.try_get::<_, Option<String>>(name).map(parse_setting);
@@ -339,6 +343,11 @@ impl Store {
                 .map_err(row_err)?
                 .unwrap_or(EXTENSION_DEFAULT_MAX_RETRY),
             max_claim: get("max_claim").map_err(row_err)?,
+            statement_timeout: Duration::from_millis(
+                row.try_get::<_, i64>("statement_timeout_ms")
+                    .map_err(row_err)?
+                    .max(0) as u64,
+            ),
         })
     }
 
