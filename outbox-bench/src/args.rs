@@ -36,6 +36,10 @@ pub struct Args {
     /// writes its own report (`scripts/bench --only indexes` writes docs/INDEXES.md).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<Section>,
+    /// The null sink's claim loops send unnamed statements, parsed and planned on every call (as
+    /// the relay does, for PgBouncer's transaction mode), instead of prepared ones.
+    #[arg(long)]
+    pub unnamed_statements: bool,
 }
 
 impl Args {
@@ -60,6 +64,9 @@ impl Args {
         let mut s = String::new();
         if self.no_broker {
             s += " --no-broker";
+        }
+        if self.unnamed_statements {
+            s += " --unnamed-statements";
         }
         if !self.only.is_empty() {
             let names: Vec<String> = self

@@ -23,7 +23,7 @@ pub async fn run(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Results) ->
             p.contention_batch,
             p.contention_backlog,
             Duration::from_secs(600),
-            false,
+            p.sessions(false),
         )
         .await?;
         check_drain(

@@ -212,6 +212,7 @@ async fn life(
         "bench-life".into(),
         DRAIN_BATCH,
         Instant::now() + DRAIN_CAP,
+        null_sink::Statements::Named,
     )
     .await?;
     let drain_secs = t1.elapsed().as_secs_f64();

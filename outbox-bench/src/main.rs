@@ -52,6 +52,8 @@ use std::time::Instant;
 
 use outbox_tests::db::TestDb;
 
+use crate::null_sink::Statements;
+
 pub use crate::args::{Args, Section};
 pub use crate::profile::Profile;
 
@@ -75,13 +77,16 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: &Args) -> Result<Vec<String>> {
-    let profile = if args.smoke {
+    let mut profile = if args.smoke {
         Profile::smoke()
     } else if args.long {
         Profile::long()
     } else {
         Profile::quick()
     };
+    if args.unnamed_statements {
+        profile.statements = Statements::Unnamed;
+    }
     let server = db::server(args.database_url.as_deref())?;
     let db = TestDb::create_on(&server, "outbox_bench");
     progress!(

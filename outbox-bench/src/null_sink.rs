@@ -5,7 +5,8 @@
 use anyhow::{bail, Result};
 use hdrhistogram::Histogram;
 use std::time::{Duration, Instant};
-use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Row, Statement};
 
 use outbox_tests::db::TestDb;
 
@@ -49,6 +50,25 @@ impl DrainRun {
 pub const CLAIM_SQL: &str = "SELECT id, claim_token, topic, event_key, event_type, payload::text, headers::text FROM outbox_claim($1::text, $2::int)";
 pub const ACK_SQL: &str = "SELECT outbox_ack($1::text, $2::bigint, $3::bigint[])";
 
+/// How the claim loops send their statements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Statements {
+    /// Prepared once per session; each call is Bind/Execute.
+    #[default]
+    Named,
+    /// Parsed and planned on every call (Parse/Bind/Execute in one round trip), as through a
+    /// transaction-mode pooler.
+    Unnamed,
+}
+
+/// How the claim loops' sessions run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sessions {
+    /// `synchronous_commit = off`.
+    pub sync_off: bool,
+    pub statements: Statements,
+}
+
 /// What one claim loop did: events acked, every id it claimed, claim and ack times (µs), and
 /// claimed events that `outbox_ack` did not acknowledge.
 pub struct LoopOut {
@@ -69,8 +89,12 @@ pub async fn drain(
     batch: i32,
     backlog: i64,
     cap: Duration,
-    sync_off: bool,
+    sessions: Sessions,
 ) -> Result<DrainRun> {
+    let Sessions {
+        sync_off,
+        statements,
+    } = sessions;
     db::fill_backlog(monitor, backlog, "bench.drain").await?;
     let mut clients = Vec::new();
     let mut pids = Vec::new();
@@ -93,6 +117,7 @@ pub async fn drain(
             format!("bench-null-{i}"),
             batch,
             deadline,
+            statements,
         )));
     }
     let mut outs = Vec::new();
@@ -166,6 +191,7 @@ pub async fn claim_loop(
     owner: String,
     batch: i32,
     deadline: Instant,
+    statements: Statements,
 ) -> Result<(LoopOut, Client)> {
     let claim = c.prepare(CLAIM_SQL).await?;
     let ack = c.prepare(ACK_SQL).await?;
@@ -178,7 +204,8 @@ pub async fn claim_loop(
     };
     while Instant::now() < deadline {
         let t0 = Instant::now();
-        let rows = c.query(&claim, &[&owner, &batch]).await?;
+        let params: [(&(dyn ToSql + Sync), Type); 2] = [(&owner, Type::TEXT), (&batch, Type::INT4)];
+        let rows = call(&c, statements, (&claim, CLAIM_SQL), &params).await?;
         out.claim.saturating_record(t0.elapsed().as_micros() as u64);
         if rows.is_empty() {
             break;
@@ -186,13 +213,34 @@ pub async fn claim_loop(
         let token: i64 = rows[0].get(1);
         let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
         let t1 = Instant::now();
-        let n: i32 = c.query_one(&ack, &[&owner, &token, &ids]).await?.get(0);
+        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&owner, Type::TEXT),
+            (&token, Type::INT8),
+            (&ids, Type::INT8_ARRAY),
+        ];
+        let n: i32 = call(&c, statements, (&ack, ACK_SQL), &params).await?[0].get(0);
         out.ack.saturating_record(t1.elapsed().as_micros() as u64);
         out.short_acks += ids.len() as i64 - n as i64;
         out.acked += n as i64;
         out.ids.extend(ids);
     }
     Ok((out, c))
+}
+
+/// One statement's rows: the prepared `stmt`, or `sql` unnamed.
+async fn call(
+    c: &Client,
+    how: Statements,
+    (stmt, sql): (&Statement, &str),
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    match how {
+        Statements::Named => {
+            let values: Vec<_> = params.iter().map(|(v, _)| *v).collect();
+            c.query(stmt, &values).await
+        }
+        Statements::Unnamed => c.query_typed(sql, params).await,
+    }
 }
 
 pub fn drain_table(runs: &[DrainRun]) -> String {
@@ -294,7 +342,7 @@ async fn matrix_drain(
         batch,
         p.matrix_backlog,
         p.matrix_cap,
-        sync_off,
+        p.sessions(sync_off),
     )
     .await
 }
@@ -315,7 +363,7 @@ pub async fn headline(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Result
         batch,
         p.headline_backlog,
         Duration::from_secs(600),
-        false,
+        p.sessions(false),
     )
     .await?;
     check_drain(&run, "headline null-sink drain", true, &mut r.failures);

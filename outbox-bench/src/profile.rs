@@ -3,10 +3,13 @@
 use std::time::Duration;
 
 use crate::goals::{LATENCY_GOAL_RATE, LATENCY_HIGH_RATE};
+use crate::null_sink::{Sessions, Statements};
 
 /// Sizes and durations of one profile.
 pub struct Profile {
     pub name: &'static str,
+    /// How the null sink's claim loops send their statements (`--unnamed-statements`).
+    pub statements: Statements,
     pub enqueue_clients: usize,
     pub enqueue_time: Duration,
     pub enqueue_rounds: usize,
@@ -68,9 +71,18 @@ pub struct Profile {
 }
 
 impl Profile {
+    /// The null sink's sessions, with `synchronous_commit = off` or not.
+    pub fn sessions(&self, sync_off: bool) -> Sessions {
+        Sessions {
+            sync_off,
+            statements: self.statements,
+        }
+    }
+
     pub fn quick() -> Profile {
         Profile {
             name: "quick",
+            statements: Statements::Named,
             enqueue_clients: 16,
             enqueue_time: Duration::from_secs(3),
             enqueue_rounds: 5,
@@ -150,6 +162,7 @@ impl Profile {
     pub fn smoke() -> Profile {
         Profile {
             name: "smoke",
+            statements: Statements::Named,
             enqueue_clients: 2,
             enqueue_time: Duration::from_millis(500),
             enqueue_rounds: 1,

@@ -237,7 +237,7 @@ pub async fn run(p: &Profile, db: &TestDb, monitor: &Client, r: &mut Results) ->
         SEED_BATCH,
         p.seed_backlog,
         p.seed_cap,
-        false,
+        p.sessions(false),
     )
     .await?;
     check_drain(

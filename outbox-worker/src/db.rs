@@ -87,8 +87,9 @@ pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
 
 /// A failed connection attempt as one line. A configuration error exits 2 (a restart does not fix
 /// it): a failed TLS negotiation (the certificate, the CA file or the sslmode must change), a login
-/// the server refuses (SQLSTATE class 28: unknown role, wrong password, no pg_hba.conf entry) or a
-/// database that does not exist (3D000). Anything else is an outage (exit 1).
+/// the server refuses (SQLSTATE class 28: unknown role, wrong password, no pg_hba.conf entry), a
+/// database that does not exist (3D000) or a startup parameter a pooler does not accept. Anything
+/// else is an outage (exit 1).
 pub fn connect_failure(desc: &str, e: &(dyn StdError + 'static)) -> Fatal {
     if tls::is_tls_failure(e) {
         return Fatal::usage(format!(
@@ -97,6 +98,14 @@ pub fn connect_failure(desc: &str, e: &(dyn StdError + 'static)) -> Fatal {
         ));
     }
     match server_error(e) {
+        // PgBouncer's answer to the `options` that carry the statement timeout.
+        Some(d) if d.message().starts_with("unsupported startup parameter") => Fatal::usage(format!(
+            "cannot connect to the database ({desc}): {} ({}); a pooler refuses the relay's statement_timeout: \
+             add options to PgBouncer's ignore_startup_parameters, or run with --statement-timeout 0 \
+             (docs/relay.md, \"PgBouncer\")",
+            d.message(),
+            d.code().code()
+        )),
         Some(d) if crate::error::is_configuration(d.code()) => Fatal::usage(format!(
             "cannot connect to the database ({desc}): {} ({}); a configuration error (role, password, pg_hba.conf or database name)",
             d.message(),
@@ -129,11 +138,12 @@ fn server_error<'a>(e: &'a (dyn StdError + 'static)) -> Option<&'a tokio_postgre
 }
 
 /// Adds `-c statement_timeout=…` to the sessions' startup options, unless `timeout` is zero or
-/// the connection string's `options` already set one (the operator's choice wins).
-pub fn set_statement_timeout(cfg: &mut Config, timeout: Duration) {
+/// the connection string's `options` already set one (the operator's choice wins). Returns the
+/// timeout when it added it.
+pub fn set_statement_timeout(cfg: &mut Config, timeout: Duration) -> Option<Duration> {
     let existing = cfg.get_options().unwrap_or("").to_string();
     if timeout.is_zero() || existing.contains("statement_timeout") {
-        return;
+        return None;
     }
     let ours = format!("-c statement_timeout={}", timeout.as_millis());
     cfg.options(if existing.trim().is_empty() {
@@ -141,6 +151,7 @@ pub fn set_statement_timeout(cfg: &mut Config, timeout: Duration) {
     } else {
         format!("{existing} {ours}")
     });
+    Some(timeout)
 }
 
 /// `host=… port=… dbname=… user=…`, without the password.
@@ -243,7 +254,8 @@ pub fn version_at_least(v: &str, min: &str) -> Option<bool> {
 }
 
 /// The installed outbox (schema and version), or a one-line error saying it is missing (a
-/// configuration error: wrong database, or the outbox was never installed there). The extension
+/// configuration error: wrong database, or the outbox was never installed there). Unnamed
+/// statements only, as in the store: it runs on a pooled connection too. The extension
 /// when there is one; else the SQL-only build's marker function, which must be unique: a role that
 /// may create a schema must not make the relay pick its copy.
 pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Extension, Fatal> {
@@ -254,7 +266,7 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
         ))
     };
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT quote_ident(n.nspname), e.extversion FROM pg_catalog.pg_extension e \
              JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'outbox'",
             &[],
@@ -269,7 +281,7 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
         });
     }
     let schemas: Vec<String> = client
-        .query(
+        .query_typed(
             "SELECT quote_ident(n.nspname) FROM pg_catalog.pg_proc p \
              JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
              WHERE p.proname = 'outbox_sql_only_version' AND p.pronargs = 0 ORDER BY 1",
@@ -287,7 +299,7 @@ pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Ex
         ))),
         [schema] => {
             let version: String = client
-                .query_one(
+                .query_typed_one(
                     &format!("SELECT {schema}.outbox_sql_only_version()"),
                     &[],
                 )

@@ -54,7 +54,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     shutdown::spawn_deadline(cancel.clone(), args.shutdown_timeout);
     let props = args.producer_properties()?;
     let mut target = db::config(&args.db)?;
-    db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
+    let asked_timeout = db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
     let desc = target.desc.clone();
     // One connection per claim loop, one for the reclaimer, one for the stats poller, and one
     // for the heartbeat: a beat never waits behind a round.
@@ -68,7 +68,9 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let Settings {
         max_retry,
         max_claim,
+        statement_timeout,
     } = read_settings(&store).await?;
+    check_statement_timeout(asked_timeout, statement_timeout);
     if let Some(max_claim) = max_claim {
         if args.batch_size > max_claim {
             return Err(Fatal::usage(format!(
@@ -254,7 +256,23 @@ async fn heartbeat_timeout(relay: &Relay, timeout: Duration) -> Result<Option<Du
     Ok(Some(timeout))
 }
 
-/// `outbox.max_retry` and `outbox.max_claim`.
+/// Warns when the sessions do not have the statement_timeout their startup options asked for: a
+/// pooler dropped the options (PgBouncer's ignore_startup_parameters). Only the client-side bound
+/// of each call is left then.
+fn check_statement_timeout(asked: Option<Duration>, got: Duration) {
+    let Some(asked) = asked.filter(|a| a.as_millis() != got.as_millis()) else {
+        return;
+    };
+    tracing::warn!(
+        asked = %humantime::format_duration(asked),
+        got = %humantime::format_duration(got),
+        "the database sessions do not have the statement_timeout the relay asked for (a pooler \
+         ignored the startup options?): set it on the relay's role instead (ALTER ROLE … SET \
+         statement_timeout)"
+    );
+}
+
+/// `outbox.max_retry`, `outbox.max_claim` and the session's statement_timeout.
 async fn read_settings(store: &Store) -> Result<Settings, Fatal> {
     call_at_start(store, "stats", "", || store.settings()).await
 }

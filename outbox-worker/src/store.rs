@@ -2,12 +2,14 @@
 //! nack, release, renew, reclaim, stats), each owning its SQL and mapping its rows by column name. Every
 //! statement is schema-qualified with the extension's schema, so the relay works whatever its
 //! role's search_path is. Failures are [`DbError`]s that keep the SQLSTATE; retrying is the
-//! caller's decision.
+//! caller's decision. Statements are unnamed, sent with their parameters' types: each call is
+//! one Parse/Bind/Execute/Sync, so a transaction-mode pooler (PgBouncer) may run every call on
+//! another server session.
 
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 
 use crate::db::{connect_failure, extension, Target};
@@ -16,6 +18,9 @@ use crate::Fatal;
 
 /// `outbox.max_retry` when the setting is not readable (the extension's default).
 pub const EXTENSION_DEFAULT_MAX_RETRY: i32 = 3;
+
+/// A statement's parameters, each with its PostgreSQL type.
+type Params<'a> = &'a [(&'a (dyn ToSql + Sync), Type)];
 
 /// One claimed outbox row.
 #[derive(Debug, Clone)]
@@ -162,6 +167,8 @@ pub struct Settings {
     pub max_retry: i32,
     /// `outbox.max_claim`; None when unset (the extension's default applies).
     pub max_claim: Option<i32>,
+    /// The session's statement_timeout (zero: none).
+    pub statement_timeout: Duration,
 }
 
 fn parse_setting(text: Option<String>) -> Option<i32> {
@@ -215,7 +222,9 @@ impl Sql {
             // Calling outbox_stats() first loads the extension library, which defines the settings.
             settings: format!(
                 "SELECT current_setting('outbox.max_retry', true) AS max_retry, \
-                 current_setting('outbox.max_claim', true) AS max_claim FROM {}() s",
+                 current_setting('outbox.max_claim', true) AS max_claim, \
+                 (SELECT setting::int8 FROM pg_catalog.pg_settings \
+                  WHERE name = 'statement_timeout') AS statement_timeout_ms FROM {}() s",
                 f("stats")
             ),
         }
@@ -310,24 +319,20 @@ impl Store {
         }
     }
 
-    /// A prepared statement's rows, within the call's bound.
-    async fn prepared(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, DbError> {
-        self.call(async |c| {
-            let stmt = c.prepare_cached(sql).await?;
-            c.query(&stmt, params).await
-        })
-        .await
+    /// A statement's rows, within the call's bound.
+    async fn rows(&self, sql: &str, params: Params<'_>) -> Result<Vec<Row>, DbError> {
+        self.call(async |c| c.query_typed(sql, params).await).await
     }
 
-    /// `outbox.max_retry` and `outbox.max_claim`.
+    /// A statement's one row, within the call's bound.
+    async fn row(&self, sql: &str, params: Params<'_>) -> Result<Row, DbError> {
+        self.call(async |c| c.query_typed_one(sql, params).await)
+            .await
+    }
+
+    /// `outbox.max_retry`, `outbox.max_claim` and the session's statement_timeout.
     pub async fn settings(&self) -> Result<Settings, DbError> {
-        let row = self
-            .call(async |c| c.query_one(&self.sql.settings, &[]).await)
-            .await?;
+        let row = self.row(&self.sql.settings, &[]).await?;
         let get = |name| row.try_get::<_, Option<String>>(name).map(parse_setting);
         let row_err = |source| DbError::Row {
             call: "outbox_stats",
@@ -338,12 +343,22 @@ impl Store {
                 .map_err(row_err)?
                 .unwrap_or(EXTENSION_DEFAULT_MAX_RETRY),
             max_claim: get("max_claim").map_err(row_err)?,
+            statement_timeout: Duration::from_millis(
+                row.try_get::<_, i64>("statement_timeout_ms")
+                    .map_err(row_err)?
+                    .max(0) as u64,
+            ),
         })
     }
 
     /// `outbox_claim(owner, batch)`: the oldest due events, now held by `owner` under one token.
     pub async fn claim(&self, owner: &str, batch: i32) -> Result<Vec<Event>, DbError> {
-        let rows = self.prepared(&self.sql.claim, &[&owner, &batch]).await?;
+        let rows = self
+            .rows(
+                &self.sql.claim,
+                &[(&owner, Type::TEXT), (&batch, Type::INT4)],
+            )
+            .await?;
         rows.iter()
             .map(Event::from_row)
             .collect::<Result<_, _>>()
@@ -359,7 +374,11 @@ impl Store {
             &self.sql.ack,
             "settled",
             "outbox_ack",
-            &[&owner, &token, &ids],
+            &[
+                (&owner, Type::TEXT),
+                (&token, Type::INT8),
+                (&ids, Type::INT8_ARRAY),
+            ],
         )
         .await
     }
@@ -374,7 +393,15 @@ impl Store {
         error: &str,
     ) -> Result<Vec<Nacked>, DbError> {
         let rows = self
-            .prepared(&self.sql.nack, &[&owner, &token, &ids, &error])
+            .rows(
+                &self.sql.nack,
+                &[
+                    (&owner, Type::TEXT),
+                    (&token, Type::INT8),
+                    (&ids, Type::INT8_ARRAY),
+                    (&error, Type::TEXT),
+                ],
+            )
             .await?;
         rows.iter()
             .map(Nacked::from_row)
@@ -400,7 +427,13 @@ impl Store {
             &self.sql.release,
             "released",
             "outbox_release",
-            &[&owner, &token, &ids, &delay, &error],
+            &[
+                (&owner, Type::TEXT),
+                (&token, Type::INT8),
+                (&ids, Type::INT8_ARRAY),
+                (&delay, Type::TEXT),
+                (&error, Type::TEXT),
+            ],
         )
         .await
     }
@@ -412,7 +445,7 @@ impl Store {
             &self.sql.release_orphans,
             "released",
             "outbox_release_orphans",
-            &[&owner, &keep],
+            &[(&owner, Type::TEXT), (&keep, Type::INT8_ARRAY)],
         )
         .await
     }
@@ -423,7 +456,11 @@ impl Store {
             &self.sql.renew,
             "renewed",
             "outbox_renew",
-            &[&owner, &token, &ids],
+            &[
+                (&owner, Type::TEXT),
+                (&token, Type::INT8),
+                (&ids, Type::INT8_ARRAY),
+            ],
         )
         .await
     }
@@ -432,7 +469,7 @@ impl Store {
     pub async fn reclaim(&self, lease: Duration) -> Result<Vec<Reclaimed>, DbError> {
         let lease = format!("{} milliseconds", lease.as_millis());
         let rows = self
-            .call(async |c| c.query(&self.sql.reclaim, &[&lease]).await)
+            .rows(&self.sql.reclaim, &[(&lease, Type::TEXT)])
             .await?;
         rows.iter()
             .map(Reclaimed::from_row)
@@ -447,36 +484,32 @@ impl Store {
     /// stops, and what it still holds may be reclaimed now).
     pub async fn heartbeat(&self, owner: &str, timeout: Duration) -> Result<(), DbError> {
         let timeout = format!("{} milliseconds", timeout.as_millis());
-        self.call(async |c| c.execute(&self.sql.heartbeat, &[&owner, &timeout]).await)
-            .await?;
+        self.rows(
+            &self.sql.heartbeat,
+            &[(&owner, Type::TEXT), (&timeout, Type::TEXT)],
+        )
+        .await?;
         Ok(())
     }
 
     /// `outbox_stats()`.
     pub async fn stats(&self) -> Result<Stats, DbError> {
-        let row = self
-            .call(async |c| c.query_one(&self.sql.stats, &[]).await)
-            .await?;
+        let row = self.row(&self.sql.stats, &[]).await?;
         Stats::from_row(&row).map_err(|source| DbError::Row {
             call: "outbox_stats",
             source,
         })
     }
 
-    /// Runs a prepared settle-style call and reads its int result.
+    /// Runs a settle-style call and reads its int result.
     async fn count(
         &self,
         sql: &str,
         column: &str,
         call: &'static str,
-        params: &[&(dyn ToSql + Sync)],
+        params: Params<'_>,
     ) -> Result<u64, DbError> {
-        let row = self
-            .call(async |c| {
-                let stmt = c.prepare_cached(sql).await?;
-                c.query_one(&stmt, params).await
-            })
-            .await?;
+        let row = self.row(sql, params).await?;
         row_count(&row, column, call)
     }
 }

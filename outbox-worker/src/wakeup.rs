@@ -1,12 +1,13 @@
 //! The wake-up session: a direct connection (not from the pool, so it holds no pool slot while it
 //! waits) that calls `outbox_wait` in a loop and bumps a counter the claim loops watch whenever
 //! events may be claimable. No LISTEN/NOTIFY: NOTIFY would make the producers' commits take turns
-//! (docs/reference.md, "Wake-up"). One statement per wait, so it also works through a
+//! (docs/reference.md, "Wake-up"). One unnamed statement per wait, so it also works through a
 //! transaction-mode pooler. The claim loops keep polling anyway, and it reconnects by itself.
 
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{one_line, Target};
@@ -24,9 +25,9 @@ const ANSWER_TIMEOUT: Duration = WAIT_TIMEOUT.saturating_add(crate::defaults::CA
 async fn answer(
     client: &tokio_postgres::Client,
     sql: &str,
-    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<tokio_postgres::Row, String> {
-    match tokio::time::timeout(ANSWER_TIMEOUT, client.query_one(sql, params)).await {
+    match tokio::time::timeout(ANSWER_TIMEOUT, client.query_typed_one(sql, params)).await {
         Ok(row) => row.map_err(|e| one_line(&e)),
         Err(_) => Err(format!("no answer within {ANSWER_TIMEOUT:?}")),
     }
@@ -71,7 +72,7 @@ pub async fn run(
                         let secs = WAIT_TIMEOUT.as_secs_f64();
                         let mut empty_streak: u32 = 0;
                         loop {
-                            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&secs];
+                            let params: [(&(dyn ToSql + Sync), Type); 1] = [(&secs, Type::FLOAT8)];
                             let woken = tokio::select! {
                                 _ = cancel.cancelled() => { driver.abort(); return; }
                                 r = answer(&client, &wait_sql, &params) => r,

@@ -13,6 +13,7 @@ pub mod in_flight;
 pub mod kafka;
 pub mod model;
 pub mod pg_cluster;
+pub mod pgbouncer;
 pub mod proxy;
 pub mod relay;
 pub mod roles;
