@@ -168,17 +168,16 @@ async fn enqueue(c: &Client, n: i64, keyed: bool) -> Result<()> {
     Ok(())
 }
 
-/// One life of `n` events on `db`, a fresh database with `version` ([`fresh_db`]); a drain or purge
+/// One life of `n` events on a fresh database with `version` on `server`; a drain or purge
 /// that misses events is recorded in `failures`.
 async fn life(
-    db: TestDb,
-    meter: &WalMeter,
+    (server, meter, n): (&str, &WalMeter, i64),
     (version, role): (&str, &'static str),
     keyed: bool,
-    n: i64,
     notes: &mut Vec<String>,
     failures: &mut Vec<String>,
 ) -> Result<LifeRun> {
+    let db = fresh_db(server, version).await?;
     progress!(
         "  {version} ({role}){}: {} events",
         if keyed { ", keyed" } else { "" },
@@ -305,16 +304,8 @@ async fn measure(
     notes: &mut Vec<String>,
     failures: &mut Vec<String>,
 ) -> Result<LifeRun> {
-    let run = life(
-        fresh_db(server, version).await?,
-        meter,
-        (version, role),
-        keyed,
-        n,
-        notes,
-        failures,
-    )
-    .await?;
+    let on = (server, meter, n);
+    let run = life(on, (version, role), keyed, notes, failures).await?;
     let fpi = run.life().fpi().unwrap_or(0);
     if fpi <= FPI_RETRY_BYTES {
         return Ok(run);
@@ -323,16 +314,7 @@ async fn measure(
         "    {} of full-page images: a checkpoint started during the life; once more",
         bytes(fpi)
     );
-    let again = life(
-        fresh_db(server, version).await?,
-        meter,
-        (version, role),
-        keyed,
-        n,
-        notes,
-        failures,
-    )
-    .await?;
+    let again = life(on, (version, role), keyed, notes, failures).await?;
     let fpi2 = again.life().fpi().unwrap_or(0);
     notes.push(format!(
         "{}: a checkpoint started during the first run ({} of full-page images); measured again \
