@@ -152,54 +152,28 @@ BEGIN
                              message_bytes - payload_bytes - coalesce(octet_length(key), 0), max_bytes);
     END IF;
 
-    IF ordered THEN
-        -- One statement (each costs an executor start): first the key's turn, an advisory lock
-        -- producers of this key hold until they commit, so the id drawn after it follows commit
-        -- order within the key (a sequence alone does not: docs/reference.md); then the event.
-        -- A key with tracked work (a key row: a retry, a held run, a delayed event) or an event
-        -- due later takes a tracked row, behind that work, and the key's row if the key was idle
-        -- (an active key has one, and its head decides when it is due); else the event goes to
-        -- the stream, where a claim keeps the key's order (outbox_stream_take), marked late when
-        -- its place in (txid, id) order may be before an earlier event of its key, with a bound
-        -- on that event's txid (asked once the lock is held; a tracked row keeps such a bound
-        -- too). This statement's snapshot predates the lock: a key row it misses or still sees
-        -- is settled at the claim.
-        WITH turn AS (
-            SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
-        ), route AS (
-            SELECT coalesce(deliver_at > now(), false)
-                   OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
-                               WHERE k.topic = outbox_enqueue.topic AND k.event_key = outbox_enqueue.key) AS tracked,
-                   @extschema@.outbox_xact_late_bound()::text::xid8 AS late_bound
-              FROM turn
-        ), tracked_event AS (
-            INSERT INTO @extschema@.outbox_tracked
-                (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered,
-                 stream_bound)
-            SELECT topic, key, event_type, payload, headers, 'WAIT', greatest(now(), deliver_at), true,
-                   coalesce(route.late_bound, pg_current_xact_id())
-              FROM route WHERE route.tracked
-            RETURNING id
-        ), key_row AS (
-            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
-            SELECT topic, key, greatest(now(), deliver_at) FROM tracked_event
-            ON CONFLICT DO NOTHING
-        ), stream_event AS (
-            INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
-                                                  late_bound)
-            SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
-                   route.late_bound IS NOT NULL, route.late_bound
-              FROM route WHERE NOT route.tracked
-            RETURNING id
-        )
-        SELECT e.id INTO new_id
-          FROM (SELECT t.id FROM tracked_event t UNION ALL SELECT x.id FROM stream_event x) e;
-    ELSIF deliver_at > now() THEN
-        -- Due later: a tracked row, claimed by its next_retry_time.
+    IF deliver_at > now() THEN
+        -- Due later: a tracked row, claimed by its next_retry_time. It takes no part in its key's
+        -- order (a reminder due tomorrow must not hold the key's other events until then).
         INSERT INTO @extschema@.outbox_tracked
             (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
         VALUES
             (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
+        RETURNING id INTO new_id;
+    ELSIF ordered THEN
+        -- The key's turn first: an advisory lock its producers hold until they commit, so the id
+        -- drawn after it follows commit order within the key; then the event, marked late when
+        -- its place in (txid, id) order may be before an earlier event of its key.
+        WITH turn AS (
+            SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
+        ), bound AS (
+            SELECT @extschema@.outbox_xact_late_bound()::text::xid8 AS late_bound FROM turn
+        )
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
+                                              late_bound)
+        SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
+               b.late_bound IS NOT NULL, b.late_bound
+          FROM bound b
         RETURNING id INTO new_id;
     ELSE
         -- The common case: one append-only row, never written again (outbox_stream).
@@ -315,7 +289,7 @@ BEGIN
                              bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
     END IF;
 
-    IF ordered_topic THEN
+    IF ordered_topic AND NOT due_later THEN
         -- Every key's turn (outbox_enqueue), taken in lock order so that two batches sharing
         -- keys wait for each other instead of deadlocking.
         PERFORM pg_advisory_xact_lock(l.id)
@@ -324,46 +298,28 @@ BEGIN
         -- Asked once the locks are held and before the inserts draw a txid (outbox_enqueue).
         late_bound := @extschema@.outbox_xact_late_bound()::text::xid8;
     END IF;
-    -- Ids are drawn in array order first; then each event goes where outbox_enqueue would put
-    -- it: due later, or ordered with a key that has tracked work (read after the locks above), to
-    -- outbox_tracked, the rest to outbox_stream.
-    RETURN QUERY
-    WITH input AS MATERIALIZED (
-        SELECT nextval('@extschema@.outbox_event_id_seq') AS id, u.p, u.k, u.t,
-               coalesce(u.h, '{}'::jsonb) AS h, ordered_topic AND u.k IS NOT NULL AS ordered
+    -- Ids are drawn in array order; events due later go to outbox_tracked (unordered, as in
+    -- outbox_enqueue), the rest to outbox_stream.
+    IF due_later THEN
+        RETURN QUERY
+        INSERT INTO @extschema@.outbox_tracked
+            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        SELECT topic, u.k, u.t, u.p, coalesce(u.h, '{}'::jsonb), 'WAIT', deliver_at, false
           FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
          ORDER BY u.pos
-    ), routed AS MATERIALIZED (
-        SELECT i.*, due_later OR (i.ordered AND EXISTS (
-                   SELECT 1 FROM @extschema@.outbox_key k
-                    WHERE k.topic = outbox_enqueue_many.topic AND k.event_key = i.k)) AS tracked
-          FROM input i
-    ), tracked AS (
-        INSERT INTO @extschema@.outbox_tracked
-            (id, topic, event_key, event_type, payload, headers, status, next_retry_time, ordered,
-             stream_bound)
-        SELECT i.id, topic, i.k, i.t, i.p, i.h, 'WAIT', greatest(now(), deliver_at), i.ordered,
-               CASE WHEN i.ordered THEN coalesce(late_bound, pg_current_xact_id()) END
-          FROM routed i
-         WHERE i.tracked
-         ORDER BY i.id
-        RETURNING outbox_tracked.id, outbox_tracked.event_key, outbox_tracked.ordered
-    ), stream AS (
-        INSERT INTO @extschema@.outbox_stream (id, topic, event_key, key_hash, event_type, payload, headers, late,
+        RETURNING outbox_tracked.id;
+    ELSE
+        RETURN QUERY
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
                                               late_bound)
-        SELECT i.id, topic, i.k, CASE WHEN i.ordered THEN @extschema@.outbox_key_hash(topic, i.k) END,
-               i.t, i.p, i.h, CASE WHEN i.ordered THEN late_bound IS NOT NULL END,
-               CASE WHEN i.ordered THEN late_bound END
-          FROM routed i
-         WHERE NOT i.tracked
-         ORDER BY i.id
-        RETURNING outbox_stream.id
-    ), key_row AS (
-        INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
-        SELECT DISTINCT topic, t.event_key, greatest(now(), deliver_at) FROM tracked t WHERE t.ordered
-        ON CONFLICT DO NOTHING
-    )
-    SELECT e.id FROM (SELECT t.id FROM tracked t UNION ALL SELECT st.id FROM stream st) e ORDER BY e.id;
+        SELECT topic, u.k, CASE WHEN o.ordered THEN @extschema@.outbox_key_hash(topic, u.k) END,
+               u.t, u.p, coalesce(u.h, '{}'::jsonb), CASE WHEN o.ordered THEN late_bound IS NOT NULL END,
+               CASE WHEN o.ordered THEN late_bound END
+          FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
+         CROSS JOIN LATERAL (SELECT ordered_topic AND u.k IS NOT NULL AS ordered) o
+         ORDER BY u.pos
+        RETURNING outbox_stream.id;
+    END IF;
 
     IF @extschema@.outbox_notify_enabled() AND n > 0 THEN
         PERFORM pg_notify('outbox', '');
@@ -945,6 +901,138 @@ BEGIN
 END
 $$;
 
+-- The tracked part of a claim: up to max_events due events in row state, under the claim's token.
+-- Each due key's run (the prefix of its unfinished events from its head, in id order, that are
+-- WAIT and due, none while the key is busy in a stream batch) and the oldest due unordered rows.
+-- It never waits for a lock: key rows and rows are taken SKIP LOCKED, so concurrent claimers
+-- split them. Each visited key row gets its next state; keys found idle are deleted.
+CREATE FUNCTION @extschema@.outbox_claim_tracked(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    lease interval := make_interval(secs => (SELECT c.lease_ms FROM @extschema@.outbox_config() c) / 1000.0);
+    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
+    skip_dead boolean := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
+    busy bigint[];
+    claimed_ids bigint[];
+    idle_topics text[];
+    idle_keys text[];
+BEGIN
+    -- Keys of unsettled stream batches (this claim's own included): their tracked events wait.
+    busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                   WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                            ORDER BY v.version DESC LIMIT 1));
+    -- The due keys, oldest due first, each with its unfinished events from its head as far as
+    -- they are runnable, and the head in any case; a key row is locked only when reached, so a
+    -- claim visits as few keys as fill it, and never more than max_events rows per key.
+    WITH visit AS MATERIALIZED (
+        SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at AS key_due, k.busy, p.*
+          FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at,
+                       @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (busy) AS busy
+                  FROM @extschema@.outbox_key d
+                 WHERE d.due_at <= stamp
+                 ORDER BY d.due_at
+                 LIMIT least(max_events, 1000)
+                 FOR UPDATE SKIP LOCKED) k
+          LEFT JOIN LATERAL (
+              SELECT r.* FROM (
+                  SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                         row_number() OVER (ORDER BY e.id) AS pos,
+                         bool_and(e.status = 'WAIT' AND e.next_retry_time <= stamp AND NOT k.busy)
+                             OVER (ORDER BY e.id) AS runnable
+                    FROM @extschema@.outbox_tracked e
+                   WHERE e.topic = k.topic AND e.event_key = k.event_key
+                     AND e.ordered AND e.status <> 'SUCCESS'
+                     AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+                   ORDER BY e.id
+                   LIMIT max_events) r
+               WHERE r.runnable OR r.pos = 1
+          ) p ON true
+         LIMIT max_events
+    ), unordered AS MATERIALIZED (
+        SELECT c.id, c.next_retry_time
+          FROM @extschema@.outbox_tracked c
+         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
+         ORDER BY c.next_retry_time, c.id
+         LIMIT max_events
+         FOR UPDATE SKIP LOCKED
+    ), chosen AS MATERIALIZED (
+        -- Cut by due time with a key's run ranked as one block, so a cut keeps a prefix.
+        SELECT x.id FROM (
+            SELECT v.id, v.key_due AS due, v.row_id AS grp, v.pos FROM visit v WHERE v.runnable
+            UNION ALL
+            SELECT u.id, u.next_retry_time, NULL::tid, 1 FROM unordered u
+        ) x
+        ORDER BY x.due, x.grp, x.pos
+        LIMIT max_events
+    ), claimed AS (
+        -- The one statement that hands out tracked rows.
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
+        RETURNING e.id
+    ), heads AS (
+        SELECT h.*, @extschema@.outbox_key_next_due(h.holding, h.busy, h.status, h.next_retry_time,
+                                                    h.claimed_at, h.key_due, stamp, lease) AS next_due
+          FROM (SELECT v.row_id, min(v.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
+                       bool_or(v.busy) AS busy,
+                       min(v.status) FILTER (WHERE v.pos = 1) AS status,
+                       min(v.next_retry_time) FILTER (WHERE v.pos = 1) AS next_retry_time,
+                       min(v.claimed_at) FILTER (WHERE v.pos = 1) AS claimed_at
+                  FROM visit v LEFT JOIN chosen c ON c.id = v.id
+                 GROUP BY v.row_id) h
+    ), looked AS (
+        -- The key rows by their tuple ids: locked above, so they cannot have moved.
+        UPDATE @extschema@.outbox_key k SET due_at = h.next_due
+          FROM heads h
+         WHERE k.ctid = ANY (ARRAY(SELECT v.row_id FROM visit v)) AND k.ctid = h.row_id
+           AND k.due_at <> h.next_due
+    )
+    SELECT (SELECT coalesce(array_agg(c.id), '{}') FROM claimed c),
+           array_agg(v.topic) FILTER (WHERE v.id IS NULL), array_agg(v.event_key) FILTER (WHERE v.id IS NULL)
+      INTO claimed_ids, idle_topics, idle_keys
+      FROM visit v;
+    -- Idle keys (locked above) are deleted, unless an event of theirs is unfinished, only by a
+    -- claim that holds the stream's lock: no claim then diverts an event to a key row half deleted.
+    IF idle_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(idle_topics, idle_keys) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_tracked e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+    RETURN claimed_ids;
+END
+$$;
+
+-- When a visited key needs a look next: after its run (the lease, unless settled sooner), at its
+-- head's backoff, never while a dead head blocks it ('infinity'), when the stream batch holding
+-- it is settled, or it is idle ('-infinity': deleted by the claim).
+CREATE FUNCTION @extschema@.outbox_key_next_due(holding boolean, busy boolean,
+                                                head_status @extschema@.outbox_status,
+                                                head_due timestamptz, head_claimed timestamptz,
+                                                key_due timestamptz, stamp timestamptz, lease interval)
+RETURNS timestamptz
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN holding THEN stamp + lease
+                WHEN head_status IS NULL THEN '-infinity'::timestamptz
+                WHEN head_status = 'WAIT' AND head_due <= stamp AND busy THEN stamp + interval '1 second'
+                WHEN head_status = 'WAIT' AND head_due <= stamp THEN key_due
+                WHEN head_status = 'WAIT' THEN head_due
+                WHEN head_status = 'SENDING' THEN greatest(head_claimed + lease, stamp + interval '1 second')
+                ELSE 'infinity'::timestamptz
+           END
+$$;
+
 CREATE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
 RETURNS SETOF @extschema@.outbox_event
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -955,33 +1043,11 @@ DECLARE
     token bigint;
     -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
     stamp timestamptz := clock_timestamp();
-    lease interval;
-    skip_dead boolean;
-    -- What the visit of the due keys saw, one element per row: the key row (locked), its key
-    -- and due time, and one of its unfinished events (NULL for a key with none).
-    v_rows tid[];
-    v_topics text[];
-    v_names text[];
-    v_due timestamptz[];
-    v_ids bigint[];
-    v_status @extschema@.outbox_status[];
-    v_retry timestamptz[];
-    v_claimed timestamptz[];
-    v_pos bigint[];
-    v_runnable boolean[];
-    v_held boolean[];
-    -- Keys of the stream's unsettled batches, and the stream's cursor: see "held" below.
-    busy_hashes bigint[];
-    cur record;
-    key_topics text[];
-    key_names text[];
-    tracked_ids bigint[];
-    stream_ids bigint[];
+    due_tracked int;
+    tracked_ids bigint[] := '{}';
+    stream_ids bigint[] := '{}';
     lo_id bigint;
     hi_id bigint;
-    -- How many of the stream's owed events a claim reads at most to tell whether a tracked key's
-    -- head waits for one of them (a few milliseconds).
-    owed_rows constant int := 1000;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
     -- A transaction that wrote may hold events of its own, which a claim would hand out
@@ -999,175 +1065,21 @@ BEGIN
             DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
     END IF;
     token := nextval('@extschema@.outbox_claim_token_seq');
-    lease := make_interval(secs => cfg.lease_ms / 1000.0);
-    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
-    skip_dead := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
-
-    -- One statement, so the batches and the cursor that counts them agree (outbox_stream_take
-    -- writes a batch and the floor below it in one transaction).
-    SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id,
-           ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
-                  WHERE b.claim_token >= v.batch_floor) AS busy
-      INTO cur
-      FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
-    busy_hashes := cur.busy;
-
-    -- The due ordered keys, oldest due first, each with its unfinished events from its head in
-    -- commit (= id) order: as far as they are runnable (WAIT and due), and the head in any case.
-    -- Rows are pulled until the batch is full, and a key row is locked (SKIP LOCKED: concurrent
-    -- claimers split the keys) only when it is reached, so a claim visits as few keys as fill it:
-    -- ten keys with runs of 50 rather than 500 keys with one event each, whose key rows would
-    -- all be written twice (here and at the ack). At most 1,000 keys (an idle one costs an
-    -- advisory lock below) and max_events rows per key (so a hot key's backlog is never read
-    -- past what a batch can take).
-    -- A key's event is held while the stream still owes an earlier event of the key: one in an
-    -- unsettled stream batch (that holds the whole key), or one the stream's cursor has not
-    -- reached (it becomes a tracked row, before this one, when the cursor gets there). An event
-    -- that came from the stream owes nothing: its key's earlier events went out before it. One
-    -- enqueued as a tracked row has a bound on their txids (stream_bound; unknown: the newest
-    -- txid): below xmin(prev_snap) the cursor passed them all; else the first owed_rows events
-    -- the stream owes are read, once per claim and only when such an event needs them (a CTE
-    -- runs when first read). Past what they cover the event is held: in a backlog it waits for
-    -- the cursor to come near, and reading further would cost every claim the backlog.
-    WITH newest AS (
-        SELECT pg_snapshot_xmax(pg_current_snapshot()) AS hi
-    ), owed AS MATERIALIZED (
-        SELECT o.* FROM newest n
-         CROSS JOIN LATERAL @extschema@.outbox_stream_owed(cur.prev_snap, cur.cur_snap, cur.pos_txid, cur.pos_id,
-                                                            '0', n.hi, owed_rows) o
-    ), reach AS MATERIALIZED (
-        -- The txid below which the read saw every owed event.
-        SELECT CASE WHEN count(*) < owed_rows THEN (SELECT n.hi FROM newest n) ELSE max(o.txid) END AS below
-          FROM owed o
-    )
-    SELECT array_agg(c.row_id), array_agg(c.topic), array_agg(c.event_key), array_agg(c.due_at),
-           array_agg(c.id), array_agg(c.status), array_agg(c.next_retry_time),
-           array_agg(c.claimed_at), array_agg(c.pos), array_agg(c.runnable), array_agg(c.held)
-      INTO v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held
-      FROM (SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at, p.id, p.status,
-                   p.next_retry_time, p.claimed_at, p.pos, coalesce(p.runnable, false) AS runnable,
-                   coalesce(p.held, false) AS held
-              FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at,
-                           @extschema@.outbox_key_hash(d.topic, d.event_key) AS hash
-                      FROM @extschema@.outbox_key d
-                     WHERE d.due_at <= stamp
-                     ORDER BY d.due_at
-                     LIMIT least(max_events, 1000)
-                     FOR UPDATE SKIP LOCKED) k
-              LEFT JOIN LATERAL (
-                  SELECT r.* FROM (
-                      SELECT u.*, bool_and(u.status = 'WAIT' AND u.next_retry_time <= stamp AND NOT u.held)
-                                      OVER (ORDER BY u.pos) AS runnable
-                        FROM (SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
-                                     row_number() OVER (ORDER BY e.id) AS pos,
-                                     CASE WHEN e.status <> 'WAIT' OR e.next_retry_time > stamp THEN false
-                                          WHEN k.hash = ANY (busy_hashes) THEN true
-                                          WHEN e.stream_bound IS NULL
-                                               AND EXISTS (SELECT 1 FROM @extschema@.outbox_stream s WHERE s.id = e.id) THEN false
-                                          WHEN b.bound <= pg_snapshot_xmin(cur.prev_snap) THEN false
-                                          WHEN b.bound > (SELECT r.below FROM reach r) THEN true
-                                          ELSE EXISTS (SELECT 1 FROM owed o
-                                                        WHERE o.key_hash = k.hash AND o.id < e.id AND NOT o.gone)
-                                     END AS held
-                                FROM @extschema@.outbox_tracked e
-                                -- Its bound, capped: a restored row's may lie past this database's txids.
-                                CROSS JOIN LATERAL (SELECT least(coalesce(e.stream_bound, n.hi), n.hi) AS bound
-                                                      FROM newest n) b
-                               WHERE e.topic = k.topic AND e.event_key = k.event_key
-                                 AND e.ordered AND e.status <> 'SUCCESS'
-                                 AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
-                               ORDER BY e.id
-                               LIMIT max_events) u
-                  ) r
-                   WHERE r.runnable OR r.pos = 1
-              ) p ON true
-             LIMIT max_events) c;
-
-    -- The one statement that decides ownership of tracked rows. A key's run is the prefix of its unfinished
-    -- events (from its head) that are WAIT and due: nothing after a held, backing-off or dead
-    -- event. Unordered events are claimed as before, SKIP LOCKED. The batch is cut by due time
-    -- with a key's run ranked as one block, so a cut keeps a prefix.
-    WITH pending AS MATERIALIZED (
-        SELECT t.*
-          FROM unnest(v_rows, v_topics, v_names, v_due, v_ids, v_status, v_retry, v_claimed, v_pos, v_runnable, v_held)
-               AS t(row_id, topic, event_key, key_due, id, status, next_retry_time, claimed_at, pos, runnable, held)
-    ), unordered AS MATERIALIZED (
-        SELECT c.id, c.next_retry_time
-          FROM @extschema@.outbox_tracked c
-         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
-         ORDER BY c.next_retry_time, c.id
-         LIMIT max_events
-         FOR UPDATE SKIP LOCKED
-    ), chosen AS MATERIALIZED (
-        SELECT x.id FROM (
-            SELECT p.id, p.key_due AS due, p.row_id AS grp, p.pos FROM pending p WHERE p.runnable
-            UNION ALL
-            SELECT u.id, u.next_retry_time, NULL::tid, 1 FROM unordered u
-        ) x
-        ORDER BY x.due, x.grp, x.pos
-        LIMIT max_events
-    ), claimed AS (
-        UPDATE @extschema@.outbox_tracked e
-           SET status = 'SENDING', claim_owner = owner, claim_token = token,
-               claimed_at = stamp, updated_at = stamp
-         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
-        RETURNING e.*
-    ), verdict AS (
-        -- When each visited key needs a look next: after its run (the lease, unless settled
-        -- sooner), at its head's backoff, never while a dead head blocks it, or it looks idle;
-        -- a key the stream holds in a second (or as soon as the batch holding it is settled).
-        SELECT h.row_id,
-               CASE WHEN h.holding THEN stamp + lease
-                    WHEN h.status IS NULL THEN '-infinity'::timestamptz
-                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp AND h.held THEN stamp + interval '1 second'
-                    WHEN h.status = 'WAIT' AND h.next_retry_time <= stamp THEN h.key_due
-                    WHEN h.status = 'WAIT' THEN h.next_retry_time
-                    WHEN h.status = 'SENDING' THEN greatest(h.claimed_at + lease, stamp + interval '1 second')
-                    ELSE 'infinity'::timestamptz
-               END AS next_due
-          FROM (SELECT p.row_id, min(p.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
-                       bool_or(p.held) FILTER (WHERE p.pos = 1) AS held,
-                       min(p.status) FILTER (WHERE p.pos = 1) AS status,
-                       min(p.next_retry_time) FILTER (WHERE p.pos = 1) AS next_retry_time,
-                       min(p.claimed_at) FILTER (WHERE p.pos = 1) AS claimed_at
-                  FROM pending p LEFT JOIN chosen c ON c.id = p.id
-                 GROUP BY p.row_id) h
-    ), looked AS (
-        -- The key rows by their tuple ids: locked above, so they cannot have moved.
-        UPDATE @extschema@.outbox_key k SET due_at = v.next_due
-          FROM verdict v
-         WHERE k.ctid = ANY (v_rows) AND k.ctid = v.row_id AND k.due_at <> v.next_due
-    )
-    SELECT array_agg(c.id) INTO tracked_ids FROM claimed c;
-
-    -- The rest of the batch from the stream (fresh events), after the retries and
-    -- keys above, which are older. The claim's token names the stream batch too.
-    IF coalesce(cardinality(tracked_ids), 0) < max_events THEN
+    -- The stream first, while the claim holds no row lock: its waits (the stream's lock, a key
+    -- row being inserted) then never close a cycle (docs/design.md, "Lock order"). Due tracked
+    -- work keeps up to half of the batch, so retries and held keys never starve behind a backlog.
+    due_tracked := (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_tracked e
+                                            WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= stamp
+                                            LIMIT max_events) u)
+                 + (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_key k
+                                            WHERE k.due_at <= stamp AND k.due_at > '-infinity'
+                                            LIMIT max_events) k);
+    IF max_events - least(due_tracked, (max_events + 1) / 2) > 0 THEN
         stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
-                                                     max_events - coalesce(cardinality(tracked_ids), 0));
+                                                     max_events - least(due_tracked, (max_events + 1) / 2));
     END IF;
-    -- Keys that looked idle are deleted, unless a producer is enqueuing for one right now. The
-    -- advisory lock is the producers' own: once it is held, the next statement's snapshot sees
-    -- every event they committed, and none can add one before this transaction ends. Only by a
-    -- claim that holds the stream's lock (taken above; another holder makes the try fail): a
-    -- claim that diverts a busy key's events to tracked rows holds it too, so it never sees a
-    -- key row half deleted, and a deletion sees the rows it committed.
-    SELECT array_agg(k.topic), array_agg(k.event_key) INTO key_topics, key_names
-      FROM @extschema@.outbox_key k
-     WHERE k.due_at = '-infinity'
-       AND (k.topic, k.event_key) IN (SELECT t.topic, t.event_key
-                                        FROM unnest(v_topics, v_names, v_ids) t(topic, event_key, id)
-                                       WHERE t.id IS NULL)
-       AND pg_try_advisory_xact_lock(@extschema@.outbox_key_lock_id(k.topic, k.event_key));
-    IF key_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
-        DELETE FROM @extschema@.outbox_key k
-         USING unnest(key_topics, key_names) AS t(topic, event_key)
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
-           AND NOT EXISTS (
-               SELECT 1 FROM @extschema@.outbox_tracked e
-                WHERE e.topic = k.topic AND e.event_key = k.event_key
-                  AND e.ordered AND e.status <> 'SUCCESS'
-                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    IF cardinality(stream_ids) < max_events THEN
+        tracked_ids := @extschema@.outbox_claim_tracked(owner, token, stamp, max_events - cardinality(stream_ids));
     END IF;
 
     -- The stream rows' ids are mostly consecutive: read them as one primary-key range when the
@@ -1719,6 +1631,7 @@ BEGIN
         -- A blocked key resumes with its requeued head; under the skip policy its row may be gone.
         INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
         SELECT DISTINCT r.topic, r.event_key, stamp FROM revived r WHERE r.ordered
+         ORDER BY 1, 2
         ON CONFLICT (topic, event_key) DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
     )
     SELECT count(*) INTO done FROM revived;

@@ -8,9 +8,9 @@ CREATE TYPE @extschema@.outbox_status AS ENUM ('WAIT', 'SENDING', 'SUCCESS', 'FA
 CREATE SEQUENCE @extschema@.outbox_event_id_seq AS bigint;
 CREATE SEQUENCE @extschema@.outbox_claim_token_seq AS bigint;
 
--- Events whose state lives in their row: ordered events (a key, on an ordered topic), events due
--- later (deliver_at), and stream events after their first failed attempt (nack, release, lease
--- expired). Fresh unordered events go to outbox_stream below instead. outbox_event, the view at
+-- Events whose state lives in their row: events due later (deliver_at), and stream events after
+-- their first failed attempt (nack, release, lease expired) or whose key was busy when the stream
+-- reached them. Fresh events due now go to outbox_stream below instead. outbox_event, the view at
 -- the end of functions.sql, shows both with one set of columns and statuses.
 CREATE TABLE @extschema@.outbox_tracked (
     id              bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
@@ -36,12 +36,7 @@ CREATE TABLE @extschema@.outbox_tracked (
     -- decided at enqueue. Ordered events are claimed through outbox_key, the rest directly.
     ordered         boolean NOT NULL DEFAULT false,
     -- An operator skipped this dead letter (outbox_skip): it no longer holds its key.
-    skipped_at      timestamptz,
-    -- For an ordered event enqueued as a tracked row (its key had tracked work, or it is due
-    -- later): every earlier event of its key has a transaction id below this one, so a claim
-    -- reads the stream's owed events only up to it (outbox_claim). NULL for a row that came from
-    -- the stream: its key's earlier events went out before it.
-    stream_bound    xid8
+    skipped_at      timestamptz
 ) WITH (
     -- A queue table churns: vacuum and analyze it long before the default 20 % of dead rows.
     autovacuum_vacuum_scale_factor = 0.02,
@@ -268,23 +263,6 @@ $$;
 CREATE TRIGGER outbox_stream_restamp BEFORE INSERT ON @extschema@.outbox_stream
     FOR EACH ROW WHEN (NEW.txid IS DISTINCT FROM pg_catalog.pg_current_xact_id())
     EXECUTE FUNCTION @extschema@.outbox_stream_restamp();
-
--- A tracked row restored by pg_dump carries a stream_bound of the database it was dumped from,
--- which means nothing here. outbox_enqueue's bound is never below its own transaction's id, so one
--- below the restoring transaction's is dropped (the claim then bounds the row's earlier events by
--- the newest transaction id); a higher one stays, and the claim caps it the same way.
-CREATE FUNCTION @extschema@.outbox_tracked_restamp() RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    NEW.stream_bound := NULL;
-    RETURN NEW;
-END
-$$;
-CREATE TRIGGER outbox_tracked_restamp BEFORE INSERT ON @extschema@.outbox_tracked
-    FOR EACH ROW WHEN (NEW.stream_bound < pg_catalog.pg_current_xact_id())
-    EXECUTE FUNCTION @extschema@.outbox_tracked_restamp();
 
 -- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
 -- Only tables of an extension are configuration tables, and only while CREATE EXTENSION runs: the

@@ -344,7 +344,8 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
             }
             Op::Claim { owner, max } => {
                 let name = owner_name(*owner);
-                // Tracked rows first, oldest due first; then the stream in commit (= id) order.
+                // The stream in commit (= id) order, leaving up to half of the batch to due
+                // tracked rows, which fill the rest oldest due first.
                 let mut due: Vec<(i64, usize, i64)> = m
                     .rows
                     .iter()
@@ -352,14 +353,16 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     .map(|(id, r)| (r.due_u, r.due_seq, *id))
                     .collect();
                 due.sort();
-                let mut expect: Vec<i64> = due.iter().take(*max as usize).map(|d| d.2).collect();
-                let fresh: Vec<i64> = m
+                let limit = *max as usize;
+                let reserved = due.len().min(limit.div_ceil(2));
+                let mut expect: Vec<i64> = m
                     .rows
                     .iter()
                     .filter(|(_, r)| !r.tracked && r.status == St::Wait)
                     .map(|(id, _)| *id)
+                    .take(limit - reserved)
                     .collect();
-                expect.extend(fresh.iter().take(*max as usize - expect.len()));
+                expect.extend(due.iter().take(limit - expect.len()).map(|d| d.2));
                 expect.sort();
                 let rows = pg(
                     &ctx,
@@ -373,8 +376,8 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 let got: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
                 check!(
                     got == expect,
-                    "{ctx}: claimed {got:?}, model expects {expect:?} (tracked oldest due first, \
-                     then the stream by id; returned in id order)"
+                    "{ctx}: claimed {got:?}, model expects {expect:?} (the stream by id, then \
+                     tracked oldest due first; returned in id order)"
                 );
                 if let Some(first) = rows.first() {
                     let token: i64 = first.get(3);

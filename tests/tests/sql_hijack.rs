@@ -743,6 +743,11 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             "'5'::xid8, 1::bigint, pg_current_snapshot(), pg_current_snapshot(), '5'::xid8, 1::bigint",
         ),
         ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
+        ("outbox_claim_tracked", "'relay-h', 424243, now(), 10"),
+        (
+            "outbox_key_next_due",
+            "false, true, 'WAIT', now(), NULL, now(), now(), '1 minute'",
+        ),
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
         ("outbox_stream_key_rows", "'{1}', now()"),
         (
@@ -767,18 +772,6 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             api.called.insert("outbox_stream_restamp".into());
         }
         Err(e) => api.failures.push(format!("restamp: {e}")),
-    }
-    // And the tracked one for a row with another database's bound.
-    let restamp = format!(
-        "INSERT INTO {}.outbox_tracked (topic, payload, status, next_retry_time, ordered, stream_bound) \
-         VALUES ('orders', '{{}}', 'FAIL', now(), true, '3')",
-        api.schema
-    );
-    match api.c.batch_execute(&restamp).await {
-        Ok(()) => {
-            api.called.insert("outbox_tracked_restamp".into());
-        }
-        Err(e) => api.failures.push(format!("tracked restamp: {e}")),
     }
     if build::sql_only() {
         sql_only_functions(api).await;
