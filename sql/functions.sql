@@ -65,24 +65,10 @@ BEGIN
 END
 $$;
 
--- The advisory lock that makes producers of one (topic, key) take turns until they commit
--- (outbox_enqueue), and that a claim takes before deleting an idle key. One of 1,024 locks by the
--- key's hash, so a transaction holds at most 1,024 of them however many keys it enqueues for
--- (PostgreSQL's lock table is small and shared); the high 32 bits ('outb') keep them apart from
--- an application's small advisory lock numbers. Topics never contain '/'.
-CREATE FUNCTION @extschema@.outbox_key_lock_id(topic text, event_key text) RETURNS bigint
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
--- No SET clause, so the planner inlines it into its callers (an enqueue hot path); every operator
--- is named with its schema instead, so no search_path can redirect it.
-AS $$
-    SELECT 8031453474740764672::pg_catalog.int8 OPERATOR(pg_catalog.+)
-           (pg_catalog.hashtextextended(topic OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) event_key, 7964)
-            OPERATOR(pg_catalog.&) 1023)
-$$;
-
 -- A key's identity in the stream (outbox_stream.key_hash, outbox_stream_batch.keys): 64 bits, so
 -- two keys share one about never, and when they do a claim only holds one back while the other
--- is busy. Inlined like outbox_key_lock_id.
+-- is busy. No SET clause, so the planner inlines it (an enqueue hot path); every function and
+-- operator is named with its schema instead, so no search_path can redirect it.
 CREATE FUNCTION @extschema@.outbox_key_hash(topic text, event_key text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
@@ -160,25 +146,12 @@ BEGIN
         VALUES
             (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
         RETURNING id INTO new_id;
-    ELSIF ordered THEN
-        -- The key's turn first: an advisory lock its producers hold until they commit, so the id
-        -- drawn after it follows commit order within the key; then the event, marked late when
-        -- its place in (txid, id) order may be before an earlier event of its key.
-        WITH turn AS (
-            SELECT pg_advisory_xact_lock(@extschema@.outbox_key_lock_id(topic, key))
-        ), bound AS (
-            SELECT @extschema@.outbox_xact_late_bound()::text::xid8 AS late_bound FROM turn
-        )
-        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
-                                              late_bound)
-        SELECT topic, key, @extschema@.outbox_key_hash(topic, key), event_type, payload, headers,
-               b.late_bound IS NOT NULL, b.late_bound
-          FROM bound b
-        RETURNING id INTO new_id;
     ELSE
-        -- The common case: one append-only row, never written again (outbox_stream).
-        INSERT INTO @extschema@.outbox_stream (topic, event_key, event_type, payload, headers)
-        VALUES (topic, key, event_type, payload, headers)
+        -- One append-only row, never written again (outbox_stream); an ordered event carries its
+        -- key's hash, by which the claim keeps the key's order.
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+        VALUES (topic, key, CASE WHEN ordered THEN @extschema@.outbox_key_hash(topic, key) END,
+                event_type, payload, headers)
         RETURNING id INTO new_id;
     END IF;
 
@@ -210,7 +183,6 @@ DECLARE
     fn constant text := 'outbox_enqueue_many';
     n int := coalesce(cardinality(payloads), 0);
     ordered_topic boolean;
-    late_bound xid8;
     due_later boolean := coalesce(deliver_at > now(), false);
     bad record;
     max_bytes int;
@@ -289,15 +261,6 @@ BEGIN
                              bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
     END IF;
 
-    IF ordered_topic AND NOT due_later THEN
-        -- Every key's turn (outbox_enqueue), taken in lock order so that two batches sharing
-        -- keys wait for each other instead of deadlocking.
-        PERFORM pg_advisory_xact_lock(l.id)
-           FROM (SELECT DISTINCT @extschema@.outbox_key_lock_id(topic, k) AS id
-                   FROM unnest(keys) k WHERE k IS NOT NULL ORDER BY 1) l;
-        -- Asked once the locks are held and before the inserts draw a txid (outbox_enqueue).
-        late_bound := @extschema@.outbox_xact_late_bound()::text::xid8;
-    END IF;
     -- Ids are drawn in array order; events due later go to outbox_tracked (unordered, as in
     -- outbox_enqueue), the rest to outbox_stream.
     IF due_later THEN
@@ -310,13 +273,10 @@ BEGIN
         RETURNING outbox_tracked.id;
     ELSE
         RETURN QUERY
-        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers, late,
-                                              late_bound)
-        SELECT topic, u.k, CASE WHEN o.ordered THEN @extschema@.outbox_key_hash(topic, u.k) END,
-               u.t, u.p, coalesce(u.h, '{}'::jsonb), CASE WHEN o.ordered THEN late_bound IS NOT NULL END,
-               CASE WHEN o.ordered THEN late_bound END
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+        SELECT topic, u.k, CASE WHEN ordered_topic AND u.k IS NOT NULL THEN @extschema@.outbox_key_hash(topic, u.k) END,
+               u.t, u.p, coalesce(u.h, '{}'::jsonb)
           FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
-         CROSS JOIN LATERAL (SELECT ordered_topic AND u.k IS NOT NULL AS ordered) o
          ORDER BY u.pos
         RETURNING outbox_stream.id;
     END IF;
@@ -327,22 +287,47 @@ BEGIN
 END
 $$;
 
--- The advisory lock on which claims take turns to read the stream (outbox_stream_take): the one
--- after the 1,024 key locks of outbox_key_lock_id.
+-- The advisory lock on which claims take turns to read the stream (outbox_stream_take); the high
+-- 32 bits ('outb') keep it apart from an application's small advisory lock numbers.
 CREATE FUNCTION @extschema@.outbox_stream_lock_id() RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
     SELECT 8031453474740765696::pg_catalog.int8
 $$;
 
+-- Takes the stream's lock until commit (a position is only visible then): true once held, false
+-- after a second behind another holder (a claim left open in a transaction), so that a claim
+-- never stalls for long. An advisory lock writes no WAL: an idle poll writes nothing.
+CREATE FUNCTION @extschema@.outbox_stream_lock() RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    caller_lock_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        RETURN true;
+    END IF;
+    PERFORM set_config('lock_timeout', '1s', true);
+    BEGIN
+        PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+        RETURN false;
+    END;
+    PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+    RETURN true;
+END
+$$;
+
 -- A cursor restored into another cluster (see outbox_stream_take), made good before a fresh
 -- cursor starts: every event it had not handed out (not passed by its position, or newer than its
--- window: an id above id_hwm) becomes a tracked row due now, every event a claim held becomes a
+-- window: an id above hwm) becomes a tracked row due now, every event a claim held becomes a
 -- tracked row held by that claim (its relay may still ack it; reclaim frees it after the lease),
 -- and stream rows whose txid this cluster has not reached yet are deleted, so that they are never
 -- handed out again once it does. Loud: a restore into another cluster re-delivers.
 CREATE FUNCTION @extschema@.outbox_stream_rebase(prev_snap pg_snapshot, cur_snap pg_snapshot,
-                                                 pos_txid xid8, pos_id bigint, hwm bigint)
+                                                 pos_id bigint, hwm bigint)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -368,10 +353,8 @@ BEGIN
                s.key_hash IS NOT NULL
           FROM @extschema@.outbox_stream s
           LEFT JOIN claimed c ON c.id = s.id
-         WHERE (c.id IS NOT NULL
-                OR s.id > hwm
-                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_txid, pos_id)
-                   AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = s.id))
+         WHERE (c.id IS NOT NULL OR s.id > hwm
+                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_id))
            AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
          ORDER BY s.id
         RETURNING outbox_tracked.id, outbox_tracked.status
@@ -381,7 +364,6 @@ BEGIN
       INTO owed, held, moved_ids FROM moved m;
     PERFORM @extschema@.outbox_stream_key_rows(moved_ids, stamp);
     DELETE FROM @extschema@.outbox_stream_batch;
-    DELETE FROM @extschema@.outbox_stream_early;
     DELETE FROM @extschema@.outbox_stream s
      WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
         OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
@@ -392,8 +374,7 @@ $$;
 
 -- The key rows of the ordered ones among stream events that become tracked rows (diverted from a
 -- busy key, nacked, released, reclaimed), due at `due` or sooner: from here on their key's claims
--- go through outbox_key, as for any tracked ordered event. In key order, the one order of every
--- writer of several key rows.
+-- go through outbox_key. In key order, the one order of every writer of several key rows.
 CREATE FUNCTION @extschema@.outbox_stream_key_rows(ids bigint[], due timestamptz) RETURNS void
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -406,72 +387,98 @@ AS $$
     ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
 $$;
 
--- The stream events the cursor has not handed out yet (outbox_stream_passed) whose transaction
--- id is above `above` and below `below`, in the walk's (txid, id) order, at most max_rows of them
--- (NULL: all); gone says one went out all the same (early) or became a tracked row. No index
--- finds a key's events: a claim that must know whether an earlier event of a key is still ahead
--- of the cursor reads these instead, and the bounds on the txids of the events it asks about
--- keep the read to the transactions that ran beside the event it asks for, not the stream's
--- whole backlog (nor the rest of a big transaction's events).
--- Transactions running at prev_snap, or started after it and running at cur_snap, are read by
--- equality on txid as the walk reads them: a long transaction costs a probe, not a range.
-CREATE FUNCTION @extschema@.outbox_stream_owed(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_txid xid8,
-                                               pos_id bigint, above xid8, below xid8, max_rows int)
-RETURNS TABLE (id bigint, txid xid8, key_hash bigint, gone boolean)
+-- The window between two snapshots: the events whose transaction cur_snap sees finished and
+-- prev_snap does not. lo: the smallest id among those of transactions begun after prev_snap; hi:
+-- the largest id of all. Transactions prev_snap saw running are read by equality on txid: a long
+-- transaction costs a probe, not a range.
+CREATE FUNCTION @extschema@.outbox_stream_window(prev_snap pg_snapshot, cur_snap pg_snapshot,
+                                                 OUT lo bigint, OUT hi bigint)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    WITH lo AS (
-        -- Where the walk's range goes on (after the position, or from xmax(prev_snap)), or
-        -- after `above`'s events if that is further.
-        SELECT v.txid, v.id
-          FROM (VALUES (pos_txid, pos_id), (pg_snapshot_xmax(prev_snap), 0::bigint),
-                       (above, 9223372036854775807::bigint)) v(txid, id)
-         ORDER BY v.txid DESC, v.id DESC
-         LIMIT 1
-    ), owed AS (
-        SELECT e.id, e.txid, e.key_hash
-          FROM (SELECT x FROM pg_snapshot_xip(prev_snap) x
-                UNION
-                SELECT x FROM pg_snapshot_xip(cur_snap) x, lo
-                 WHERE x >= pg_snapshot_xmax(prev_snap) AND x < lo.txid) r
-         CROSS JOIN LATERAL (
-               SELECT e.id, e.txid, e.key_hash FROM @extschema@.outbox_stream e
-                WHERE e.txid = r.x
-                  AND NOT @extschema@.outbox_stream_passed(e.txid, e.id, prev_snap, cur_snap, pos_txid, pos_id)
-                ORDER BY e.id
-                LIMIT max_rows) e
-         WHERE r.x > above AND r.x < below
+    SELECT min(w.id) FILTER (WHERE w.newer), max(w.id)
+      FROM (SELECT e.id, true AS newer FROM @extschema@.outbox_stream e
+             WHERE e.txid >= pg_snapshot_xmax(prev_snap) AND e.txid < pg_snapshot_xmax(cur_snap)
+               AND pg_visible_in_snapshot(e.txid, cur_snap)
+            UNION ALL
+            SELECT (SELECT max(e.id) FROM @extschema@.outbox_stream e WHERE e.txid = x), false
+              FROM pg_snapshot_xip(prev_snap) x
+             WHERE pg_visible_in_snapshot(x, cur_snap)) w
+$$;
+
+-- Up to `need` events of the window after the position pos_id, in id order: those of
+-- transactions prev_snap saw running, by txid, and those of transactions begun after it, one
+-- primary-key range from lo to hi (outbox_stream_window).
+CREATE FUNCTION @extschema@.outbox_stream_walk(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_id bigint,
+                                               lo bigint, hi bigint, need int)
+RETURNS TABLE (id bigint, key_hash bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT w.id, w.key_hash FROM (
+        SELECT e.id, e.key_hash
+          FROM pg_snapshot_xip(prev_snap) x
+         CROSS JOIN LATERAL (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
+                              WHERE e.txid = x AND e.id > pos_id
+                              ORDER BY e.id LIMIT need) e
+         WHERE pg_visible_in_snapshot(x, cur_snap)
         UNION ALL
-        -- lo's values as scalars: a row comparison with parameters is an index range.
-        (SELECT e.id, e.txid, e.key_hash
-           FROM @extschema@.outbox_stream e
-          WHERE (e.txid, e.id) > ((SELECT lo.txid FROM lo), (SELECT lo.id FROM lo)) AND e.txid < below
-          ORDER BY e.txid, e.id
-          LIMIT max_rows)
-    )
-    SELECT o.id, o.txid, o.key_hash,
-           EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = o.id)
-           OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = o.id)
-      FROM owed o
-     ORDER BY o.txid, o.id
-     LIMIT max_rows
+        (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
+          WHERE lo IS NOT NULL AND e.id > greatest(pos_id, lo - 1) AND e.id <= hi
+            AND e.txid >= pg_snapshot_xmax(prev_snap) AND pg_visible_in_snapshot(e.txid, cur_snap)
+          ORDER BY e.id
+          LIMIT need)
+    ) w
+    ORDER BY w.id
+    LIMIT need
+$$;
+
+-- Events of busy keys become tracked rows due now, behind their key's head, with a key row for a
+-- key that has none (in key order; only a holder of the stream's lock deletes key rows). The
+-- batches holding such keys learn that keys wait for them (SKIP LOCKED), so that settling them
+-- makes those keys due; a key row the claim looks at in a second anyway is made due now.
+CREATE FUNCTION @extschema@.outbox_stream_divert(ids bigint[], busy bigint[], stamp timestamptz, floor bigint)
+RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO @extschema@.outbox_tracked
+        (id, topic, event_key, event_type, payload, headers, status, retry_count,
+         next_retry_time, created_at, updated_at, event_id, ordered)
+    SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+           stamp, s.created_at, stamp, s.event_id, true
+      FROM @extschema@.outbox_stream s
+     WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)
+     ORDER BY s.id;
+    INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+    SELECT DISTINCT s.topic, s.event_key, stamp
+      FROM @extschema@.outbox_stream s
+     WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)
+       AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
+                        WHERE d.topic = s.topic AND d.event_key = s.event_key)
+     ORDER BY 1, 2
+    ON CONFLICT DO NOTHING;
+    UPDATE @extschema@.outbox_key k SET due_at = stamp
+      FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+             WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (busy)
+               AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
+             FOR UPDATE SKIP LOCKED) w
+     WHERE k.ctid = w.row_id;
+    UPDATE @extschema@.outbox_stream_batch b SET waiters = true
+     WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
+                              WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
+                              FOR UPDATE SKIP LOCKED);
 $$;
 
 -- The stream's part of a claim: up to max_events fresh events, recorded as the batch of this
--- claim's token, their ids returned. PgQ's batch rule: the cursor hands out, in (txid, id) order,
--- the events whose transaction its newer snapshot (cur_snap) sees finished and its older one
--- (prev_snap) does not; once that window is used up, cur_snap becomes prev_snap and a fresh
--- snapshot cur_snap. An id is drawn before its transaction commits, so no order by id alone can
--- avoid passing an event that commits later; a snapshot can.
---
--- Ordered events keep their key's order (docs/reference.md, "Per-key order"). Within a key, id is
--- commit order (drawn under the key's lock) but (txid, id) is not: a producer that wrote before
--- enqueueing drew its txid before an earlier event of its key committed. So an ordered event goes
--- out only with every earlier event of its key: those still ahead of the cursor go out with it,
--- recorded in outbox_stream_early so that the cursor skips them later. And only while its key is
--- not busy (events of it in another unsettled batch, or tracked work: a key row): a busy key's
--- events become tracked rows instead, behind the work that holds the key.
+-- claim's token, their ids returned. PgQ's batch rule: the cursor hands out the events whose
+-- transaction its newer snapshot (cur_snap) sees finished and its older one (prev_snap) does
+-- not, in id order; once that window is used up, cur_snap becomes prev_snap and a fresh snapshot
+-- cur_snap. An id is drawn before its transaction commits, so no order by id alone can avoid
+-- passing an event that commits later; a snapshot can. Within a window, id order is commit order
+-- for the events of producers that take turns (on a key's aggregate row): the later one drew
+-- its id after the earlier one committed. An event of a busy key (in another unsettled batch,
+-- or with a key row) goes behind that key's work instead (outbox_stream_divert).
 CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
@@ -479,289 +486,71 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_variable
 DECLARE
-    ver bigint;
-    prev_snap pg_snapshot;
-    cur_snap pg_snapshot;
-    pos_txid xid8;
-    pos_id bigint;
+    c @extschema@.outbox_stream_cursor;
     was text;
-    caller_lock_timeout text;
-    -- The cursor before a rotation, kept when the new window turns out empty.
-    kept_prev pg_snapshot;
-    kept_cur pg_snapshot;
-    kept_txid xid8;
-    kept_id bigint;
-    kept_hwm bigint;
-    hwm bigint;
-    -- outbox_stream_cursor.batch_floor: the other claims' unsettled batches are at or above it.
-    floor bigint;
-    walked_before_rotation bigint := -1;
-    -- Only ids travel through the loop; the claim reads the rows once, by primary key. ids holds
-    -- every event the cursor passed in this claim, early ones included (taken counts the rest);
-    -- hashes and bounds run in step with it: each event's key_hash (NULL when unordered) and, for a
-    -- late one, the bound on its key's earlier events' txids (outbox_stream.late_bound; the
-    -- largest xid8 when unknown), else NULL.
     ids bigint[] := '{}';
     hashes bigint[] := '{}';
-    bounds xid8[] := '{}';
-    taken int := 0;
     part_ids bigint[];
-    part_txids xid8[];
     part_hashes bigint[];
-    part_bounds xid8[];
-    above xid8;
-    below xid8;
-    need int;
-    early bigint[];
-    passed_early bigint[] := '{}';
-    window_done boolean := false;
-    x xid8;
     fresh pg_snapshot;
-    lo_txid xid8;
-    lo_id bigint;
+    win record;
     busy bigint[];
-    pulled bigint[] := '{}';
-    pulled_hashes bigint[] := '{}';
-    diverted bigint[];
 BEGIN
-    -- One claim at a time reads the stream, until it commits (its position is only visible
-    -- then). Another claim waits for it: a relay's claim commits within milliseconds, and an
-    -- empty answer would tell a drain loop that nothing is left. But never more than a second:
-    -- behind a claim left open in a transaction, it takes no stream events and returns the rest
-    -- of its batch. An advisory lock writes no WAL, so an idle poll writes nothing at all.
-    IF NOT pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
-        caller_lock_timeout := current_setting('lock_timeout');
-        PERFORM set_config('lock_timeout', '1s', true);
-        BEGIN
-            PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
-        EXCEPTION WHEN lock_not_available THEN
-            PERFORM set_config('lock_timeout', caller_lock_timeout, true);
-            RETURN '{}';
-        END;
-        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+    IF NOT @extschema@.outbox_stream_lock() THEN
+        RETURN '{}';
     END IF;
     -- A statement after the lock: its snapshot sees the last holder's position.
-    SELECT c.version, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id, c.id_hwm, c.batch_floor
-      INTO ver, prev_snap, cur_snap, pos_txid, pos_id, hwm, floor
-      FROM @extschema@.outbox_stream_cursor c
-     ORDER BY c.version DESC
-     LIMIT 1;
-    was := format('%s/%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm, floor);
+    SELECT * INTO c FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
+    was := c::text;
     -- A cursor ahead of this database's transaction ids was restored into another cluster (the
-    -- SQL-only build's pg_dump carries it; the native build's does not): its snapshots say
-    -- nothing about the txids issued here, and would count new events as handed out.
-    IF pg_snapshot_xmax(cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
-        PERFORM @extschema@.outbox_stream_rebase(prev_snap, cur_snap, pos_txid, pos_id, hwm);
-        prev_snap := @extschema@.outbox_snapshot_of_others();
-        cur_snap := prev_snap;
-        pos_txid := '0';
-        pos_id := 0;
-        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+    -- SQL-only build's pg_dump carries it): its snapshots say nothing about the txids here.
+    IF pg_snapshot_xmax(c.cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        PERFORM @extschema@.outbox_stream_rebase(c.prev_snap, c.cur_snap, c.pos_id, c.id_hwm);
+        c.prev_snap := @extschema@.outbox_snapshot_of_others();
+        c.cur_snap := c.prev_snap;
+        c.pos_id := 0;
+        c.win_lo := NULL;
+        c.win_hi := 0;
+        c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
         was := '';
     END IF;
-    -- Events that went out before the cursor reached them: almost always none.
-    early := ARRAY(SELECT e.id FROM @extschema@.outbox_stream_early e);
     FOR w IN 1..2 LOOP
-        window_done := false;
-        -- Transactions prev_snap saw in progress and cur_snap sees finished, by equality on
-        -- txid: a long transaction holding back xmin(prev_snap) then costs a probe per claim,
-        -- not a re-read of everything committed since it began.
-        IF pos_txid < pg_snapshot_xmax(prev_snap) THEN
-            FOR x IN SELECT t FROM pg_snapshot_xip(prev_snap) t
-                      WHERE t >= pos_txid AND pg_visible_in_snapshot(t, cur_snap)
-                      ORDER BY t LOOP
-                LOOP
-                    need := max_events - taken;
-                    EXIT WHEN need <= 0;
-                    SELECT array_agg(e.id ORDER BY e.id), array_agg(e.key_hash ORDER BY e.id),
-                           array_agg(e.bound ORDER BY e.id)
-                      INTO part_ids, part_hashes, part_bounds
-                      FROM (SELECT e.id, e.key_hash, CASE WHEN e.late
-                                          THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
-                              FROM @extschema@.outbox_stream e
-                             WHERE e.txid = x AND e.id > CASE WHEN x = pos_txid THEN pos_id ELSE 0 END
-                             ORDER BY e.id
-                             LIMIT need) e;
-                    EXIT WHEN part_ids IS NULL;
-                    pos_txid := x;
-                    pos_id := part_ids[cardinality(part_ids)];
-                    ids := ids || part_ids;
-                    hashes := hashes || part_hashes;
-                    bounds := bounds || part_bounds;
-                    taken := taken + cardinality(part_ids)
-                             - CASE WHEN cardinality(early) = 0 THEN 0
-                                    ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
-                    EXIT WHEN cardinality(part_ids) < need;
-                END LOOP;
-                EXIT WHEN taken >= max_events;
-            END LOOP;
-        END IF;
-        -- The rest of the window: one index range from xmax(prev_snap) (or the position) to
-        -- xmax(cur_snap), keeping what cur_snap sees finished. Rows of transactions still running
-        -- at cur_snap are skipped; the next window takes them by equality above.
-        LOOP
-            need := max_events - taken;
-            EXIT WHEN need <= 0;
-            lo_txid := pg_snapshot_xmax(prev_snap);
-            lo_id := 0;
-            IF (pos_txid, pos_id) > (lo_txid, lo_id) THEN
-                lo_txid := pos_txid;
-                lo_id := pos_id;
-            END IF;
-            SELECT array_agg(e.id ORDER BY e.txid, e.id), array_agg(e.txid ORDER BY e.txid, e.id),
-                   array_agg(e.key_hash ORDER BY e.txid, e.id), array_agg(e.bound ORDER BY e.txid, e.id)
-              INTO part_ids, part_txids, part_hashes, part_bounds
-              FROM (SELECT e.id, e.txid, e.key_hash, CASE WHEN e.late
-                                          THEN coalesce(e.late_bound, '18446744073709551615'::xid8) END AS bound
-                      FROM @extschema@.outbox_stream e
-                     WHERE (e.txid, e.id) > (lo_txid, lo_id)
-                       AND e.txid < pg_snapshot_xmax(cur_snap)
-                       AND pg_visible_in_snapshot(e.txid, cur_snap)
-                     ORDER BY e.txid, e.id
-                     LIMIT need) e;
-            IF part_ids IS NULL THEN
-                window_done := true;
-                EXIT;
-            END IF;
-            pos_txid := part_txids[cardinality(part_txids)];
-            pos_id := part_ids[cardinality(part_ids)];
+        SELECT array_agg(s.id ORDER BY s.id), array_agg(s.key_hash ORDER BY s.id)
+          INTO part_ids, part_hashes
+          FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id, c.win_lo, c.win_hi,
+                                              max_events - cardinality(ids)) s;
+        IF part_ids IS NOT NULL THEN
             ids := ids || part_ids;
             hashes := hashes || part_hashes;
-            bounds := bounds || part_bounds;
-            taken := taken + cardinality(part_ids)
-                     - CASE WHEN cardinality(early) = 0 THEN 0
-                            ELSE cardinality(ARRAY(SELECT p FROM unnest(part_ids) p WHERE p = ANY (early))) END;
-            IF cardinality(part_ids) < need THEN
-                window_done := true;
-                EXIT;
-            END IF;
-        END LOOP;
-        EXIT WHEN taken >= max_events OR w = 2;
+            c.pos_id := part_ids[cardinality(part_ids)];
+        END IF;
+        EXIT WHEN cardinality(ids) >= max_events OR w = 2;
         -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
-        -- is held (under REPEATABLE READ it would never move: outbox_claim refuses to run there).
+        -- is held. An empty one is not kept (the next claim's window covers it), so a poll of an
+        -- idle outbox writes nothing.
         fresh := @extschema@.outbox_snapshot_of_others();
-        EXIT WHEN fresh::text = cur_snap::text;
-        kept_prev := prev_snap; kept_cur := cur_snap; kept_txid := pos_txid; kept_id := pos_id;
-        walked_before_rotation := cardinality(ids);
-        kept_hwm := hwm;
-        prev_snap := cur_snap;
-        cur_snap := fresh;
-        pos_txid := '0';
-        pos_id := 0;
+        EXIT WHEN fresh::text = c.cur_snap::text;
+        win := @extschema@.outbox_stream_window(c.cur_snap, fresh);
+        EXIT WHEN win.hi IS NULL;
+        c.prev_snap := c.cur_snap;
+        c.cur_snap := fresh;
+        c.pos_id := 0;
+        c.win_lo := win.lo;
+        c.win_hi := win.hi;
         -- Read after the snapshot: every event it sees existed by now.
-        hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
     END LOOP;
-    -- A rotation into an empty window is not kept: the next claim's window, from the same
-    -- cur_snap, covers it. So a poll of an idle outbox writes no cursor version.
-    IF cardinality(ids) = walked_before_rotation THEN
-        prev_snap := kept_prev; cur_snap := kept_cur; pos_txid := kept_txid; pos_id := kept_id;
-        hwm := kept_hwm;
-        window_done := true;
-    END IF;
-    -- The early events the cursor passed leave the walk, and their rows go.
-    IF cardinality(early) > 0 THEN
-        passed_early := ARRAY(SELECT p FROM unnest(ids) p WHERE p = ANY (early));
-    END IF;
-    IF cardinality(passed_early) > 0 THEN
-        DELETE FROM @extschema@.outbox_stream_early e WHERE e.id = ANY (passed_early);
-        SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}'),
-               coalesce(array_agg(t.l ORDER BY t.n), '{}')
-          INTO ids, hashes, bounds
-          FROM unnest(ids, hashes, bounds) WITH ORDINALITY t(id, h, l, n)
-         WHERE NOT t.id = ANY (passed_early);
-    END IF;
-
-    -- Ordered events: their keys' order (see above). Nothing to do for unordered ones.
     IF cardinality(array_remove(hashes, NULL)) > 0 THEN
-        -- Busy keys: in another claim's unsettled batch (few rows), or with a key row (tracked
-        -- work: read only when there is any).
         busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
-                       WHERE b.claim_token >= floor AND k = ANY (hashes));
-        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
-            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
-                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
-                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
-        END IF;
-        -- Earlier events of a key still ahead of the cursor: owed by the stream (not passed, not
-        -- early, not tracked), with a lower id than the key's last event here. None once the
-        -- window is used up: an earlier event of a key committed before the one handed out here,
-        -- so cur_snap sees it, and the cursor has passed everything cur_snap sees. None either
-        -- for a key without a late event here: an earlier event sorts after one of them in
-        -- (txid, id) order only if that one is late (outbox_xact_late_bound), and then its txid
-        -- is below that one's bound (and below xmax(cur_snap), which sees it). So one read of
-        -- the owed events, from the position up to the largest bound, finds them all: it costs
-        -- the events that began while the late events' transactions ran, not a hot key's
-        -- backlog. Below an event that went out, every event of its key went out: this rule
-        -- keeps it so.
-        IF NOT window_done THEN
-            below := (SELECT max(least(t.b, pg_snapshot_xmax(cur_snap)))
-                        FROM unnest(hashes, bounds) t(h, b) WHERE t.h IS NOT NULL AND t.b IS NOT NULL);
-        END IF;
-        IF below IS NOT NULL THEN
-            -- An earlier event sorts after a late one only with a greater txid: the read starts
-            -- after the first late event's transaction (a big transaction's own events sort in
-            -- id order).
-            above := (SELECT min(s.txid) FROM @extschema@.outbox_stream s
-                       WHERE s.id = ANY (ARRAY(SELECT t.id FROM unnest(ids, hashes, bounds) t(id, h, b)
-                                                WHERE t.h IS NOT NULL AND t.b IS NOT NULL)));
-            SELECT coalesce(array_agg(o.id), '{}'), coalesce(array_agg(o.key_hash), '{}')
-              INTO pulled, pulled_hashes
-              FROM @extschema@.outbox_stream_owed(prev_snap, cur_snap, pos_txid, pos_id, above, below, NULL) o
-              JOIN (SELECT t.h, max(t.id) AS top_id FROM unnest(ids, hashes, bounds) t(id, h, b)
-                     WHERE t.h IS NOT NULL GROUP BY t.h HAVING bool_or(t.b IS NOT NULL)) c
-                ON o.key_hash = c.h AND o.id < c.top_id
-             WHERE NOT o.gone AND NOT o.id = ANY (ids);
-            IF cardinality(pulled) > 0 THEN
-                INSERT INTO @extschema@.outbox_stream_early (id) SELECT unnest(pulled);
-                ids := ids || pulled;
-                hashes := hashes || pulled_hashes;
-            END IF;
-        END IF;
-        -- A busy key's events here become tracked rows, due now (a claim hands them out once
-        -- the key is free), with the key's row, inserted only for a key that has none. An
-        -- existing key row mostly stays as it is: it already says when the key's head needs a
-        -- look (a run in flight, a backoff, a dead head), and the rows queue behind that head.
-        -- Making it due early would let a claim look at a key while its run is in flight and,
-        -- racing that run's ack, keep it for a whole lease. This claim holds
-        -- the stream's lock, which other claims wait for, so it waits for no row lock (a conflict
-        -- with a key row being changed would wait), and only a holder of the stream's lock
-        -- deletes idle key rows (outbox_claim). The batches that hold the key learn that a key
-        -- waits for them (SKIP LOCKED), so that settling them makes it due at once.
+                       WHERE b.claim_token >= c.batch_floor AND k = ANY (hashes))
+             || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                        JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                       WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
         IF cardinality(busy) > 0 THEN
-            diverted := ARRAY(SELECT t.id FROM unnest(ids, hashes) t(id, h) WHERE t.h = ANY (busy));
-            INSERT INTO @extschema@.outbox_tracked
-                (id, topic, event_key, event_type, payload, headers, status, retry_count,
-                 next_retry_time, created_at, updated_at, event_id, ordered)
-            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
-                   stamp, s.created_at, stamp, s.event_id, true
-              FROM @extschema@.outbox_stream s
-             WHERE s.id = ANY (diverted)
-             ORDER BY s.id
-            ON CONFLICT (id) DO NOTHING;
-            INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
-            SELECT DISTINCT s.topic, s.event_key, stamp
-              FROM @extschema@.outbox_stream s
-             WHERE s.id = ANY (diverted)
-               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
-                                WHERE d.topic = s.topic AND d.event_key = s.event_key)
-             ORDER BY 1, 2
-            ON CONFLICT DO NOTHING;
-            -- A key the claim of tracked keys holds for the stream looks again within a second:
-            -- now, since its owed event just became a tracked row.
-            UPDATE @extschema@.outbox_key k SET due_at = stamp
-              FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
-                     WHERE (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM @extschema@.outbox_stream s
-                                                       WHERE s.id = ANY (diverted))
-                       AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
-                     FOR UPDATE SKIP LOCKED) w
-             WHERE k.ctid = w.row_id;
-            UPDATE @extschema@.outbox_stream_batch b SET waiters = true
-             WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
-                                      WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
-                                      FOR UPDATE SKIP LOCKED);
-            SELECT coalesce(array_agg(t.id ORDER BY t.n), '{}'), coalesce(array_agg(t.h ORDER BY t.n), '{}')
+            PERFORM @extschema@.outbox_stream_divert(ids, busy, stamp, c.batch_floor);
+            SELECT coalesce(array_agg(t.id ORDER BY t.id), '{}'), coalesce(array_agg(t.h ORDER BY t.id), '{}')
               INTO ids, hashes
-              FROM unnest(ids, hashes) WITH ORDINALITY t(id, h, n)
+              FROM unnest(ids, hashes) t(id, h)
              WHERE (t.h = ANY (busy)) IS NOT TRUE;
         END IF;
     END IF;
@@ -770,21 +559,17 @@ BEGIN
         VALUES (token, owner, stamp, ARRAY(SELECT t FROM unnest(ids) t ORDER BY t),
                 ARRAY(SELECT DISTINCT t FROM unnest(hashes) t WHERE t IS NOT NULL));
         -- The floor moves up to the oldest unsettled batch, read by primary key from the old
-        -- floor (the batches settled since are the dead rows it steps over, few). least(): a
-        -- claim draws its token before it waits for the stream's lock, so a later token may have
-        -- written its batch first; this claim's batch is then below the floor it read.
-        floor := least(token, (SELECT min(b.claim_token) FROM @extschema@.outbox_stream_batch b
-                                WHERE b.claim_token >= floor));
+        -- floor. least(): a claim draws its token before it waits for the stream's lock, so a
+        -- later token may have written its batch first.
+        c.batch_floor := least(token, (SELECT min(b.claim_token) FROM @extschema@.outbox_stream_batch b
+                                        WHERE b.claim_token >= c.batch_floor));
     END IF;
-    -- The new position (and floor), after the batch: both commit together. A claim that took no
-    -- event writes none, so a poll of an idle outbox writes nothing.
-    IF format('%s/%s/%s/%s/%s/%s', prev_snap, cur_snap, pos_txid, pos_id, hwm, floor) <> was THEN
-        INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id, id_hwm,
-                                                      batch_floor)
-        VALUES (ver + 1, prev_snap, cur_snap, pos_txid, pos_id, hwm, floor);
-        -- By its key, not a range: under an old snapshot the dead versions stay in the index,
-        -- and a range would walk them all on every claim.
-        DELETE FROM @extschema@.outbox_stream_cursor c WHERE c.version = ver;
+    -- The new position and floor commit with the batch, as a new version: under an old snapshot
+    -- the dead versions stay in the index, so the old one goes by its key, not a range.
+    IF c::text <> was THEN
+        c.version := c.version + 1;
+        INSERT INTO @extschema@.outbox_stream_cursor SELECT c.*;
+        DELETE FROM @extschema@.outbox_stream_cursor v WHERE v.version = c.version - 1;
     END IF;
     RETURN ids;
 END
@@ -851,22 +636,23 @@ $$;
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- Every look is an index probe; bounds known only at run time must not lead to a scan.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
-    -- The stream: a committed event past the cursor (a plain read sees only committed rows), in
-    -- the range from xmax(prev_snap) or of a transaction prev_snap saw in progress.
+    -- The stream: the rest of the cursor's window, or a committed event of a later one (a plain
+    -- read sees only committed rows): after xmax(cur_snap), or of a transaction it saw running.
     SELECT EXISTS (SELECT 1 FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v
                                    ORDER BY v.version DESC LIMIT 1) c
-                    WHERE (SELECT e.id FROM @extschema@.outbox_stream e
-                            WHERE (e.txid, e.id) >
-                                  (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
-                                        THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
-                                   CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
-                                        THEN c.pos_id ELSE 0 END)
+                    WHERE c.pos_id < c.win_hi
+                       OR (SELECT e.id FROM @extschema@.outbox_stream e
+                            WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
                             ORDER BY e.txid, e.id
                             LIMIT 1) IS NOT NULL
-                       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.prev_snap) x
-                                    JOIN @extschema@.outbox_stream e ON e.txid = x
-                                   WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)))
+                       -- A scalar probe per txid: a join could be planned as a scan of the stream.
+                       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.cur_snap) x
+                                   WHERE (SELECT e.id FROM @extschema@.outbox_stream e
+                                           WHERE e.txid = x LIMIT 1) IS NOT NULL))
         -- (No such row: min is NULL, and the look must say false, not NULL.)
         OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
                       WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
@@ -1756,9 +1542,6 @@ BEGIN
         DELETE FROM @extschema@.outbox_stream s
          WHERE s.id = ANY (ARRAY(SELECT g.id FROM gone g))
         RETURNING s.id
-    ), went_early AS (
-        DELETE FROM @extschema@.outbox_stream_early x
-         WHERE x.id = ANY (ARRAY(SELECT o.id FROM originals o))
     )
     SELECT count(*) INTO done FROM gone;
     -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
@@ -1766,7 +1549,7 @@ BEGIN
     -- to find nothing: ids follow time closely enough for retention.
     IF done < max_rows THEN
         WITH c AS (
-            SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id, v.batch_floor
+            SELECT v.prev_snap, v.cur_snap, v.pos_id, v.batch_floor
               FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
         ), unsettled AS MATERIALIZED (
             -- The ids of unsettled batches, read once from the floor on.
@@ -1777,7 +1560,7 @@ BEGIN
               FROM (SELECT e.id, e.txid, e.created_at FROM @extschema@.outbox_stream e
                      ORDER BY e.id LIMIT max_rows - done) h, c
              WHERE h.created_at < now() - older_than
-               AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_txid, c.pos_id)
+               AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_id)
                AND NOT EXISTS (SELECT 1 FROM unsettled u WHERE u.id = h.id)
                AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
         )
@@ -1852,14 +1635,14 @@ BEGIN
       FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
       CROSS JOIN LATERAL (
           SELECT e.created_at FROM @extschema@.outbox_stream e
-           WHERE (e.txid, e.id) >
-                 (CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap)
-                       THEN c.pos_txid ELSE pg_snapshot_xmax(c.prev_snap) END,
-                  CASE WHEN c.pos_txid >= pg_snapshot_xmax(c.prev_snap) THEN c.pos_id ELSE 0 END)
+           WHERE e.id IN (SELECT r.id FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id,
+                                                                          c.win_lo, c.win_hi, NULL) r)
           UNION ALL
-          SELECT e.created_at FROM pg_snapshot_xip(c.prev_snap) x
-            JOIN @extschema@.outbox_stream e ON e.txid = x
-           WHERE (e.txid, e.id) > (c.pos_txid, c.pos_id)
+          SELECT e.created_at FROM @extschema@.outbox_stream e WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
+          UNION ALL
+          SELECT e.created_at FROM pg_snapshot_xip(c.cur_snap) x
+           CROSS JOIN LATERAL (SELECT e.created_at FROM @extschema@.outbox_stream e
+                                WHERE e.txid = x OFFSET 0) e
       ) w;
     due_wait := due_wait + stream_wait;
     oldest_due_age := CASE WHEN stream_oldest IS NULL THEN oldest_due_age

@@ -2,7 +2,7 @@
 -- functions to PUBLIC by default, so take it back from every function of the extension.
 -- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
 REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
-    @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch, @extschema@.outbox_stream_early,
+    @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch,
     @extschema@.outbox_key, @extschema@.outbox_owner FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION
@@ -11,17 +11,19 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_notify_enabled(),
     @extschema@.outbox_check_topic(text),
     @extschema@.outbox_topic_ordered(text),
-    @extschema@.outbox_key_lock_id(text, text),
     @extschema@.outbox_key_hash(text, text),
     @extschema@.outbox_stream_key_rows(bigint[], timestamptz),
     @extschema@.outbox_stream_lock_id(),
-    @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, xid8, bigint),
-    @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, xid8, bigint, bigint),
+    @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, bigint),
+    @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, bigint, bigint),
+    @extschema@.outbox_stream_lock(),
+    @extschema@.outbox_stream_window(pg_snapshot, pg_snapshot),
+    @extschema@.outbox_stream_walk(pg_snapshot, pg_snapshot, bigint, bigint, bigint, int),
+    @extschema@.outbox_stream_divert(bigint[], bigint[], timestamptz, bigint),
     @extschema@.outbox_snapshot_of_others(),
     @extschema@.outbox_stream_take(text, bigint, timestamptz, int),
     @extschema@.outbox_stream_settle(text, bigint, bigint[]),
     @extschema@.outbox_stream_restamp(),
-    @extschema@.outbox_stream_owed(pg_snapshot, pg_snapshot, xid8, bigint, xid8, xid8, int),
     @extschema@.outbox_uuidv7(),
     @extschema@.outbox_check_isolation(text),
     @extschema@.outbox_check_owner(text, text),
@@ -29,7 +31,6 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_check_claim_args(text, text, bigint, bigint[]),
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
     @extschema@.outbox_enqueue_begin(text, text),
-    @extschema@.outbox_xact_late_bound(),
     @extschema@.outbox_client_connected(),
     @extschema@.outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz),
     @extschema@.outbox_work_due(),

@@ -103,38 +103,29 @@ CREATE TABLE @extschema@.outbox_stream (
     payload     jsonb NOT NULL,
     headers     jsonb NOT NULL DEFAULT '{}',
     created_at  timestamptz NOT NULL DEFAULT now(),
-    event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7(),
-    -- For an ordered event: whether its transaction may have drawn its txid before an earlier
-    -- event of its key committed (outbox_xact_late_bound), which puts it before that event in (txid, id)
-    -- order. A claim looks for a key's earlier events only when a batch holds such an event.
-    -- NULL for unordered events.
-    late        boolean,
-    -- For a late event: every earlier event of its key has a transaction id below this one (the
-    -- next transaction id once its key's lock was held), so a claim reads the stream's owed
-    -- events from its position up to it (outbox_stream_owed) to find them. NULL when not late,
-    -- or unknown (restored rows): the claim reads to the end of its window.
-    late_bound  xid8
+    event_id    uuid NOT NULL DEFAULT @extschema@.outbox_uuidv7()
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_analyze_scale_factor = 0.02
 );
--- The cursor's walk: commit windows in (txid, id) order.
+-- A window's bounds and a long transaction's events, by txid (outbox_stream_window, _walk); the
+-- walk itself goes by primary key.
 CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
--- No index by key: an ordered event's earlier events are found in the walk's own order, between
--- the cursor and a bound on their transaction ids (outbox_stream_owed). An index entry per
--- ordered event cost more WAL than the rest of its claim and ack (docs/design-append-only.md).
 
 -- The stream's read position, one version per claim that moved it (the newest counts): events
 -- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
--- finished up to (pos_txid, pos_id); the rest are waiting. Versions are appended, not updated, so
+-- finished with an id up to pos_id; the rest are waiting. Versions are appended, not updated, so
 -- a long snapshot never makes the newest one expensive to find. Claims take turns on it with an
 -- advisory lock (outbox_stream_lock_id), which writes no WAL.
 CREATE TABLE @extschema@.outbox_stream_cursor (
     version   bigint PRIMARY KEY,
     prev_snap pg_snapshot NOT NULL,
     cur_snap  pg_snapshot NOT NULL,
-    pos_txid  xid8 NOT NULL,
     pos_id    bigint NOT NULL,
+    -- The window's bounds (outbox_stream_window): win_lo NULL when no transaction begun after
+    -- prev_snap has events in it.
+    win_lo    bigint,
+    win_hi    bigint NOT NULL,
     -- The largest stream id when cur_snap was taken: every event cur_snap sees has an id at most
     -- this (see outbox_stream_take, a cursor restored into another cluster).
     id_hwm    bigint NOT NULL DEFAULT 0,
@@ -160,8 +151,8 @@ $$;
 
 -- The first window is empty and starts here: every transaction still running (this one
 -- included) counts as unfinished, so an event it inserts later is still handed out.
-INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_txid, pos_id)
-SELECT 1, n.snap, n.snap, '0', 0 FROM (SELECT @extschema@.outbox_snapshot_of_others() AS snap) n;
+INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_id, win_hi)
+SELECT 1, n.snap, n.snap, 0, 0 FROM (SELECT @extschema@.outbox_snapshot_of_others() AS snap) n;
 
 -- One row per claim that handed out stream events: the claim's owner, token and lease, and the
 -- ids not yet settled. Acking the whole claim deletes the row.
@@ -191,28 +182,19 @@ CREATE TABLE @extschema@.outbox_owner (
     expires_at timestamptz NOT NULL
 );
 
--- Stream events handed out (or made tracked rows) before the cursor reached them: an ordered
--- event whose transaction drew its txid before an earlier event of its key committed sits after
--- it in (txid, id) order, and goes out with it. The cursor skips them, and drops their row, when
--- it passes them.
-CREATE TABLE @extschema@.outbox_stream_early (
-    id bigint PRIMARY KEY
-);
-
 -- Whether the stream's cursor has handed out the event (txid, id): its transaction finished
--- before prev_snap, or before cur_snap and it is at or before the position (purge, rebase; the
+-- before prev_snap, or before cur_snap and its id is at or before the position (purge, rebase; the
 -- view and the dump filter write it out, since a view's functions need its reader's EXECUTE). No
 -- SET clause, so the planner inlines it; every function and operator is named with its schema
 -- instead, so no search_path can redirect it.
 CREATE FUNCTION @extschema@.outbox_stream_passed(txid xid8, id bigint, prev_snap pg_snapshot,
-                                                 cur_snap pg_snapshot, pos_txid xid8, pos_id bigint)
+                                                 cur_snap pg_snapshot, pos_id bigint)
 RETURNS boolean
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$
     SELECT pg_catalog.pg_visible_in_snapshot(txid, prev_snap)
         OR (pg_catalog.pg_visible_in_snapshot(txid, cur_snap)
-            AND (txid OPERATOR(pg_catalog.<) pos_txid
-                 OR (txid OPERATOR(pg_catalog.=) pos_txid AND id OPERATOR(pg_catalog.<=) pos_id)))
+            AND id OPERATOR(pg_catalog.<=) pos_id)
 $$;
 
 -- What operators, dashboards and runbooks read: every event with the columns and statuses of a
@@ -231,13 +213,12 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
        (CASE WHEN b.claim_token IS NOT NULL THEN 'SENDING'
              WHEN pg_catalog.pg_visible_in_snapshot(s.txid, c.prev_snap)
                OR (pg_catalog.pg_visible_in_snapshot(s.txid, c.cur_snap)
-                   AND (s.txid, s.id) <= (c.pos_txid, c.pos_id))
-               OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = s.id) THEN 'SUCCESS'
+                   AND s.id <= c.pos_id) THEN 'SUCCESS'
              ELSE 'WAIT' END)::@extschema@.outbox_status,
        0, s.created_at, b.claim_owner, b.claim_token, b.claimed_at, NULL::text, s.created_at,
        coalesce(b.claimed_at, s.created_at), s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
   FROM @extschema@.outbox_stream s
- CROSS JOIN (SELECT v.prev_snap, v.cur_snap, v.pos_txid, v.pos_id
+ CROSS JOIN (SELECT v.prev_snap, v.cur_snap, v.pos_id
                FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
   LEFT JOIN (SELECT pg_catalog.unnest(p.pending) AS id, p.claim_owner, p.claim_token, p.claimed_at
                FROM @extschema@.outbox_stream_batch p) b ON b.id = s.id
@@ -245,18 +226,14 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
 
 -- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
 -- means nothing to this cursor (and would count as long handed out): it takes the restoring
--- transaction's instead, and an ordered one counts as late (its key's order among the restored
--- rows and new ones is then checked at the claim). outbox_enqueue's rows never fire it.
+-- transaction's instead: the restored events form one window, handed out in id order.
+-- outbox_enqueue's rows never fire it.
 CREATE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     NEW.txid := pg_current_xact_id();
-    IF NEW.key_hash IS NOT NULL THEN
-        NEW.late := true;
-        NEW.late_bound := NULL;
-    END IF;
     RETURN NEW;
 END
 $$;
@@ -275,15 +252,14 @@ BEGIN
                   AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');
         -- Stream events still owed (not yet handed out, or in an unsettled claim: the rule of
-        -- outbox_stream_passed, written out for the dumping role), unless one went out early or
-        -- its tracked copy (dumped above) stands for it; the cursor and the claims are not
+        -- outbox_stream_passed, written out for the dumping role), unless its tracked copy
+        -- (dumped above) stands for it; the cursor and the claims are not
         -- dumped: a restored outbox starts a fresh cursor that hands them out.
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
             'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'
             ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'
             ' AND (pg_catalog.pg_visible_in_snapshot(txid, c.prev_snap)'
-            ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND (txid, id) <= (c.pos_txid, c.pos_id))))'
-            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_early x WHERE x.id = outbox_stream.id)'
+            ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND id <= c.pos_id)))'
             ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = outbox_stream.id)'
             ' OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE id = ANY (b.pending))');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');

@@ -61,9 +61,9 @@ impl BulkResult {
     }
 }
 
-/// The row `outbox_enqueue` writes for a keyed event on an ordered topic: an `outbox_tracked` row.
-const INSERT_ROW: &str = "INSERT INTO outbox_tracked (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
-     VALUES ('bench.orders', $2::text, 'OrderCreated', $1::jsonb, '{}', 'WAIT', now(), true)";
+/// The row `outbox_enqueue` writes for a keyed event on an ordered topic: an `outbox_stream` row.
+const INSERT_ROW: &str = "INSERT INTO outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+     VALUES ('bench.orders', $2::text, outbox_key_hash('bench.orders', $2::text), 'OrderCreated', $1::jsonb, '{}')";
 const ENQUEUE_ROW: &str =
     "SELECT outbox_enqueue('bench.orders', $1::jsonb, $2::text, 'OrderCreated')";
 
@@ -159,10 +159,10 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
             "INSERT INTO bench_order (customer, amount) SELECT 'customer-' || g, 42.5 FROM generate_series(1, $1::bigint) g".into(),
         ),
         (
-            "plain INSERT into `outbox_tracked` (the rows `outbox_enqueue` writes, same table and indexes)",
-            format!("INSERT INTO outbox_tracked (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
-             SELECT '{TOPIC}', 'order-' || g, 'OrderCreated',
-                    jsonb_build_object('order_id', g, 'customer', 'customer-' || g, 'amount', 42.5), '{{}}', 'WAIT', now(), true
+            "plain INSERT into `outbox_stream` (the rows `outbox_enqueue` writes, same table and indexes)",
+            format!("INSERT INTO outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+             SELECT '{TOPIC}', 'order-' || g, outbox_key_hash('{TOPIC}', 'order-' || g), 'OrderCreated',
+                    jsonb_build_object('order_id', g, 'customer', 'customer-' || g, 'amount', 42.5), '{{}}'
                FROM generate_series(1, $1::bigint) g"),
         ),
         (
@@ -210,7 +210,7 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
         "÷ plain INSERT (CPU)",
     ]);
     t.row(vec![
-        "`INSERT INTO outbox_tracked … VALUES (…)` (the row `outbox_enqueue` writes)".into(),
+        "`INSERT INTO outbox_stream … VALUES (…)` (the row `outbox_enqueue` writes)".into(),
         f(stmt_insert_us),
         format!("{:.1}", median(&ins_wall)),
         "1.00".into(),
@@ -245,8 +245,8 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
          {} prepared single-row statements in one transaction (rolled back; commit costs the same \
          either way), after 200 not counted; backend CPU is the server process's utime + stime \
          from `/proc/<pid>/stat` around the statements (10 ms ticks), \
-         median of {} interleaved rounds. Both write the same row, keyed, into `outbox_tracked` \
-         (a keyed event on an ordered topic; fresh unordered events go to `outbox_stream`).\n\n{}\n\
+         median of {} interleaved rounds. Both write the same row, keyed, into `outbox_stream` \
+         (every event due now goes there).\n\n{}\n\
          **Set-based:** one statement of {} rows (what `sql/bench/enqueue-cost.sh` measures), \
          timed by the client in a transaction rolled back after, median of {} rounds. A \
          set-based INSERT pays its executor start once for all the rows; `outbox_enqueue` is a \

@@ -60,7 +60,7 @@ impl BenchDb for TestDb {
 /// Every table of events and claims, emptied between runs. The stream's cursor stays: its newest
 /// version must, and an emptied stream behind an old position is handed out as any new events.
 pub const TRUNCATE_OUTBOX: &str =
-    "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_stream_early, outbox_key";
+    "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key";
 
 /// Empties the outbox and loads `n` fresh events in one statement (handed out in id order), then
 /// VACUUM ANALYZE so every run starts from the same state.

@@ -177,7 +177,7 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
                  customer text NOT NULL,
                  amount numeric(12,2) NOT NULL,
                  created_at timestamptz NOT NULL DEFAULT now());
-             CREATE TABLE bench_event (LIKE outbox_tracked INCLUDING ALL);",
+             CREATE TABLE bench_event (LIKE outbox_stream INCLUDING ALL);",
         )
         .await?;
     // A relay waits in outbox_wait throughout; the notify-on contrast also gets a listener, as
@@ -278,8 +278,8 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
          the median of the rounds** (the machine is shared). One transaction = BEGIN; INSERT the \
          order row; write its event (~80-byte JSON built by the client, keyed by the order id, \
          topic `{TOPIC}` — keyed events take the per-key path); COMMIT. The plain-INSERT \
-         variant writes the same event row (`ordered = true`) into `bench_event`, created `LIKE \
-         outbox_tracked INCLUDING ALL` (the table of keyed events). Throughout, one session loops on `outbox_wait('1 second')` \
+         variant writes the same event row (with its key's hash) into `bench_event`, created `LIKE \
+         outbox_stream INCLUDING ALL` (the table every event due now goes to). Throughout, one session loops on `outbox_wait('1 second')` \
          as a relay's wake-up session does, in a second database of the server whose outbox stays \
          empty: every commit that enqueued sets its latch (server wake-up mode `{wake_mode}`; it \
          was woken {} times during the default variant, {:.2} per outbox transaction) and it waits \
@@ -369,8 +369,8 @@ async fn client_loop(
     // The row outbox_enqueue writes for a keyed event of an ordered topic.
     let plain = c
         .prepare(&format!(
-            "INSERT INTO bench_event (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
-             VALUES ('{TOPIC}', $2::text, 'OrderCreated', $1::jsonb, '{{}}', 'WAIT', now(), true)"
+            "INSERT INTO bench_event (topic, event_key, key_hash, event_type, payload, headers)
+             VALUES ('{TOPIC}', $2::text, outbox_key_hash('{TOPIC}', $2::text), 'OrderCreated', $1::jsonb, '{{}}')"
         ))
         .await?;
     let mut hist = crate::report::hist();

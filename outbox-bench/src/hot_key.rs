@@ -148,14 +148,6 @@ pub async fn run(p: &Profile, db: &TestDb, r: &mut Results) -> Result<()> {
             num(waiting as f64)
         );
         fill(db, waiting, 1, true).await?;
-        let late: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox_stream WHERE late IS NOT FALSE",
-                &[],
-            )
-            .await?
-            .get(0);
-        progress!("    {late} of them marked late");
         let (mut bufs, mut times, claimed) = measure(&c, method, CLAIM_SQL, calls).await?;
         if claimed != waiting.min(CLAIM_MAX_EVENTS as i64) {
             bail!("claim at one key with {waiting} waiting events claimed {claimed}");

@@ -38,7 +38,6 @@ extension_sql_file!(
         guc::outbox_notify_enabled,
         producer::outbox_check_topic,
         producer::outbox_topic_ordered,
-        producer::outbox_xact_late_bound,
         wake::outbox_enqueue_begin,
         wake::outbox_wait_for,
         wake::outbox_wake_mode

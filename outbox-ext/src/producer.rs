@@ -117,53 +117,6 @@ pub fn outbox_uuidv7() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
 }
 
-/// Whether an ordered event this transaction enqueues now may sort before an earlier event of its
-/// key in the stream's `(txid, id)` order, and if so a bound on that event's transaction id: NULL
-/// when not late, else the next transaction id (`outbox_stream.late_bound`; a claim reads the
-/// stream's owed events up to it to find the earlier ones, `outbox_stream_owed`). Called once the
-/// key's lock is held: every earlier event of the key belongs to a transaction that has finished,
-/// so its id is below the next one. Such an event sorts after this one only if its transaction
-/// drew a later id than this one, so the answer is NULL when this transaction has no id yet (its
-/// insert draws one now, later than all of them) or when no transaction with a later id has
-/// finished. It is a fresh snapshot's answer, whatever the isolation level.
-#[pg_extern(volatile, parallel_unsafe)]
-pub fn outbox_xact_late_bound() -> Option<i64> {
-    // SAFETY: reads this backend's transaction id, the next one, and a snapshot PostgreSQL builds
-    // and keeps (valid until the next GetLatestSnapshot); the arrays hold xcnt and subxcnt entries.
-    unsafe {
-        let me = pg_sys::GetTopTransactionIdIfAny();
-        if me == pg_sys::TransactionId::INVALID {
-            return None;
-        }
-        let snap = &*pg_sys::GetLatestSnapshot();
-        // Read after the snapshot: at or above its xmax, so above every finished transaction.
-        let next = pg_sys::ReadNextFullTransactionId().value as i64;
-        // Every id from xmax on counts as running: nothing after this one finished.
-        if !pg_sys::TransactionIdPrecedes(me, snap.xmax) {
-            return None;
-        }
-        // Subtransaction ids not all listed: cannot tell, so say yes (a claim only looks).
-        if snap.suboverflowed {
-            return Some(next);
-        }
-        let later_running = |list: *mut pg_sys::TransactionId, n: usize| -> u64 {
-            if n == 0 || list.is_null() {
-                return 0;
-            }
-            std::slice::from_raw_parts(list, n)
-                .iter()
-                .filter(|&&x| pg_sys::TransactionIdPrecedes(me, x))
-                .count() as u64
-        };
-        let running = later_running(snap.xip, snap.xcnt as usize)
-            + later_running(snap.subxip, snap.subxcnt.max(0) as usize);
-        // Ids strictly between this one and xmax; any not listed as running has finished (this
-        // transaction's own subtransactions are not listed: they count, which only costs a look).
-        let between = u64::from(snap.xmax.into_inner().wrapping_sub(me.into_inner())) - 1;
-        (running < between).then_some(next)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -341,27 +341,6 @@ BEGIN
 END
 $$;
 
--- Whether an ordered event enqueued now may sort before an earlier event of its key in the stream's
--- (txid, id) order, and if so a bound on that event's txid: NULL when not (producer.rs). The
--- native build asks a fresh snapshot whether a transaction with a later id has finished, and
--- reads the next transaction id; this build says yes whenever the transaction already has an id.
--- Under READ COMMITTED this statement's snapshot is taken now, after the key's lock: its xmax is
--- the bound. Under REPEATABLE READ there is no fresh snapshot: the bound is unknown (the largest
--- id), and a claim reads the rest of its window instead (docs/sql-only.md).
-CREATE FUNCTION @extschema@.outbox_xact_late_bound() RETURNS bigint
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    IF pg_current_xact_id_if_assigned() IS NULL THEN
-        RETURN NULL;
-    ELSIF current_setting('transaction_isolation') = 'read committed' THEN
-        RETURN pg_snapshot_xmax(pg_current_snapshot())::text::bigint;
-    END IF;
-    RETURN 9223372036854775807;
-END
-$$;
-
 -- Whether the session's client is still connected (client.rs): outbox_claim rolls back a claim
 -- whose client died while it ran. SQL cannot look at the socket, so here it always says yes, and
 -- such a claim waits out its lease (docs/sql-only.md).

@@ -282,7 +282,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
         // position is handed out as any new events are.
         s.admin
             .batch_execute(
-                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_stream_early, outbox_key",
+                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key",
             )
             .await,
     )?;

@@ -34,8 +34,14 @@ async fn first_arrivals_of_each_key_are_in_commit_order() {
         })
         .collect();
 
-    // Four producers commit 1 to 3 events per transaction on keys they share: who commits first
-    // is decided by the race, and the ids must follow it within each key.
+    // Four producers commit 1 to 3 events per transaction on keys they share, each first locking
+    // its orders' rows (in key order) as an order service does: who commits first is decided by
+    // the race, and the ids follow it within each key.
+    db.psql(&format!(
+        "CREATE TABLE orders_agg (key text PRIMARY KEY); \
+         INSERT INTO orders_agg SELECT 'order-' || k FROM generate_series(0, {}) k",
+        KEYS - 1
+    ));
     let mut producers = Vec::new();
     for p in 0..4i64 {
         let url = db.url();
@@ -44,13 +50,21 @@ async fn first_arrivals_of_each_key_are_in_commit_order() {
             let mut committed = Vec::new();
             for t in 0..60i64 {
                 let tx = c.transaction().await.unwrap();
+                let keys: Vec<String> = (0..(1 + (p + t) % 3))
+                    .map(|i| format!("order-{}", (p * 7 + t * 5 + i) % KEYS))
+                    .collect();
+                tx.execute(
+                    "SELECT 1 FROM orders_agg WHERE key = ANY ($1) ORDER BY key FOR UPDATE",
+                    &[&keys],
+                )
+                .await
+                .unwrap();
                 let mut ids = Vec::new();
-                for i in 0..(1 + (p + t) % 3) {
-                    let key = format!("order-{}", (p * 7 + t * 5 + i) % KEYS);
+                for key in &keys {
                     let id: i64 = tx
                         .query_one(
                             "SELECT outbox_enqueue('orders', jsonb_build_object('p', $1::int8, 't', $2::int8), key => $3)",
-                            &[&p, &t, &key],
+                            &[&p, &t, key],
                         )
                         .await
                         .unwrap()

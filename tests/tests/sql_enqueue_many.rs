@@ -167,9 +167,10 @@ async fn one_bad_element_fails_the_call_naming_its_position_and_writes_nothing()
 }
 
 #[tokio::test]
-async fn a_bulk_call_and_single_calls_of_the_same_keys_keep_commit_order() {
-    // Two producers, each in its own transaction: the bulk one takes its keys' turns first, so
-    // the single enqueue of a shared key waits for its commit and lands after its events.
+async fn a_bulk_call_keeps_array_order_and_waits_for_no_other_producer() {
+    // Two producers of one key, each in its own transaction, neither waiting for the other: the
+    // single enqueue commits first and goes out first; the bulk call's events follow in array
+    // order once it commits and the key's earlier claim is settled.
     let db = TestDb::create();
     let mut bulk = db.connect().await;
     let single = db.connect().await;
@@ -181,29 +182,42 @@ async fn a_bulk_call_and_single_calls_of_the_same_keys_keep_commit_order() {
     )
     .await
     .unwrap();
-    let later = tokio::spawn(async move {
-        single
-            .execute(
-                "SELECT outbox_enqueue('orders', '{\"n\": 3}', key => 'k')",
-                &[],
-            )
-            .await
-            .unwrap();
-        single
-    });
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    assert!(
-        !later.is_finished(),
-        "the single enqueue waits for the bulk transaction"
-    );
-    tx.commit().await.unwrap();
-    let single = later.await.unwrap();
-    let order: Vec<String> = single
-        .query("SELECT payload->>'n' FROM outbox_claim('r', 10)", &[])
+    single
+        .batch_execute("SET lock_timeout = '1s'")
         .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(order, vec!["1", "2", "3"]);
+        .unwrap();
+    single
+        .execute(
+            "SELECT outbox_enqueue('orders', '{\"n\": 3}', key => 'k')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let first = claim_payloads(&single).await;
+    assert_eq!(first.0, vec!["3"]);
+    tx.commit().await.unwrap();
+    let acked: i32 = scalar(
+        &single,
+        "SELECT outbox_ack('r', $1, $2)",
+        &[&first.1, &first.2],
+    )
+    .await;
+    assert_eq!(acked, 1);
+    assert_eq!(claim_payloads(&single).await.0, vec!["1", "2"]);
+}
+
+/// The payloads' "n" a claim by 'r' returns, with its token and ids.
+async fn claim_payloads(c: &Client) -> (Vec<String>, i64, Vec<i64>) {
+    let rows = c
+        .query(
+            "SELECT payload->>'n', claim_token, id FROM outbox_claim('r', 10)",
+            &[],
+        )
+        .await
+        .unwrap();
+    (
+        rows.iter().map(|r| r.get(0)).collect(),
+        rows.first().map(|r| r.get(1)).unwrap_or(0),
+        rows.iter().map(|r| r.get(2)).collect(),
+    )
 }

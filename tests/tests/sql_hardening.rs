@@ -512,7 +512,7 @@ async fn truncate_restart_identity_never_reissues_an_event_id() {
     let first: Vec<(i64, String)> = enqueue_and_read(&c, 3).await;
     // The id sequence belongs to outbox_tracked.id: RESTART IDENTITY resets it with that table.
     c.batch_execute(
-        "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_stream_early, outbox_key RESTART IDENTITY",
+        "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key RESTART IDENTITY",
     )
     .await
     .unwrap();

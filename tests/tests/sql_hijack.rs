@@ -702,7 +702,6 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_check_isolation", "'f'"),
         ("outbox_check_topic", "'orders'"),
         ("outbox_topic_ordered", "'orders'"),
-        ("outbox_key_lock_id", "'orders', 'k-1'"),
         ("outbox_key_hash", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
@@ -711,7 +710,6 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             "'relay-1', now() - interval '1 hour', now(), interval '10 minutes', '{}', '{}'",
         ),
         ("outbox_enqueue_begin", "'orders', 'k-1'"),
-        ("outbox_xact_late_bound", ""),
         ("outbox_client_connected", ""),
         (
             "outbox_enqueue_many",
@@ -740,7 +738,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_snapshot_of_others", ""),
         (
             "outbox_stream_passed",
-            "'5'::xid8, 1::bigint, pg_current_snapshot(), pg_current_snapshot(), '5'::xid8, 1::bigint",
+            "'5'::xid8, 1::bigint, pg_current_snapshot(), pg_current_snapshot(), 1::bigint",
         ),
         ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
         ("outbox_claim_tracked", "'relay-h', 424243, now(), 10"),
@@ -751,13 +749,19 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
         ("outbox_stream_key_rows", "'{1}', now()"),
         (
-            "outbox_stream_owed",
-            "pg_current_snapshot(), pg_current_snapshot(), '0'::xid8, 0::bigint, '0'::xid8, '100'::xid8, 10",
+            "outbox_stream_rebase",
+            "pg_current_snapshot(), pg_current_snapshot(), 0::bigint, 0::bigint",
+        ),
+        ("outbox_stream_lock", ""),
+        (
+            "outbox_stream_window",
+            "pg_current_snapshot(), pg_current_snapshot()",
         ),
         (
-            "outbox_stream_rebase",
-            "pg_current_snapshot(), pg_current_snapshot(), '0'::xid8, 0::bigint, 0::bigint",
+            "outbox_stream_walk",
+            "pg_current_snapshot(), pg_current_snapshot(), 0::bigint, 1::bigint, 10::bigint, 10",
         ),
+        ("outbox_stream_divert", "'{}', '{}', now(), 0::bigint"),
     ] {
         api.call(func, args, &[]).await;
     }

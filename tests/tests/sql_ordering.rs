@@ -39,7 +39,7 @@ async fn settle(c: &Client, call: &str, owner: &str, token: i64, ids: &[i64]) ->
     .await
 }
 
-/// Waits until `pid` waits for a lock (the producer queued behind another one of its key).
+/// Waits until `pid` waits for a lock (a producer queued behind another one on its order row).
 async fn wait_until_blocked(c: &Client, pid: i32) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -95,43 +95,43 @@ async fn commit_order_decides_not_start_order() {
     assert_eq!(types, ["OrderCreated", "OrderPaid"]);
 }
 
+/// Producers of one key take no lock of the extension's: a second one commits while the first is
+/// still open, and what has committed goes out first; the first follows once it commits (and once
+/// the key's earlier claim is settled). A rolled-back producer leaves nothing behind.
 #[tokio::test]
-async fn producers_of_one_key_take_turns_until_commit_and_other_keys_do_not_wait() {
+async fn producers_of_one_key_never_wait_for_each_other() {
     let db = TestDb::create();
     let watch = db.connect().await;
     let first = db.connect().await;
     let second = db.connect().await;
-    let other = db.connect().await;
     first.batch_execute("BEGIN").await.unwrap();
     let first_id = enqueue(&first, "k").await;
-    // Another key is not held up by the open transaction.
-    other.batch_execute("BEGIN").await.unwrap();
-    enqueue(&other, "other-key").await;
-    other.batch_execute("COMMIT").await.unwrap();
+    second
+        .batch_execute("SET lock_timeout = '1s'; BEGIN")
+        .await
+        .unwrap();
+    let second_id = enqueue(&second, "k").await;
+    second.batch_execute("COMMIT").await.unwrap();
+    let rolled_back = db.connect().await;
+    rolled_back.batch_execute("BEGIN").await.unwrap();
+    enqueue(&rolled_back, "k").await;
+    rolled_back.batch_execute("ROLLBACK").await.unwrap();
 
-    let second_pid: i32 = scalar(&second, "SELECT pg_backend_pid()", &[]).await;
-    let queued = tokio::spawn(async move {
-        second.batch_execute("BEGIN").await.unwrap();
-        let id = enqueue(&second, "k").await;
-        second.batch_execute("COMMIT").await.unwrap();
-        id
-    });
-    wait_until_blocked(&watch, second_pid).await;
-    first.batch_execute("COMMIT").await.unwrap();
-    let second_id = queued.await.unwrap();
-    assert!(
-        second_id > first_id,
-        "the event committed second ({second_id}) must come after the first ({first_id})"
+    let (ids, token) = claim(&watch, "relay-a", 10).await;
+    assert_eq!(
+        ids,
+        [second_id],
+        "only the committed event, though its id is higher"
     );
-
-    // A rolled-back producer lets the next one go on and leaves nothing behind.
-    first.batch_execute("BEGIN").await.unwrap();
-    enqueue(&first, "k").await;
-    first.batch_execute("ROLLBACK").await.unwrap();
+    first.batch_execute("COMMIT").await.unwrap();
+    let (ids2, _) = claim(&watch, "relay-b", 10).await;
+    assert!(
+        ids2.is_empty(),
+        "key k is busy until relay-a settles: {ids2:?}"
+    );
+    settle(&watch, "outbox_ack", "relay-a", token, &ids).await;
     let (ids, _) = claim(&watch, "relay-a", 10).await;
-    let mut keyed: Vec<i64> = ids.into_iter().filter(|&i| i != first_id + 1).collect();
-    keyed.retain(|&i| i == first_id || i == second_id);
-    assert_eq!(keyed, vec![first_id, second_id]);
+    assert_eq!(ids, [first_id]);
 }
 
 #[tokio::test]
@@ -403,9 +403,10 @@ async fn a_reclaimed_run_goes_back_to_its_key_in_order() {
     assert_eq!(ids, k);
 }
 
-/// Two producers of one key whose transactions drew their ids in the opposite order of their
-/// commits: the stream's cursor meets the later commit first (it walks transactions in txid
-/// order), and must hand out the earlier commit with it, first, and never again.
+/// Two producers of one key, the second of which began (and drew its txid) before the first but
+/// enqueued after the first committed, as a producer waiting for the key's aggregate row does: the
+/// cursor hands out a window in id order, so the first commit goes out first, and a batch never
+/// exceeds max_events.
 #[tokio::test]
 async fn an_event_committed_first_goes_out_first_though_its_transaction_started_later() {
     let db = TestDb::create();
@@ -419,7 +420,7 @@ async fn an_event_committed_first_goes_out_first_though_its_transaction_started_
     let committed_second = enqueue(&started_first, "k").await;
     started_first.batch_execute("COMMIT").await.unwrap();
     let other = enqueue(&c, "other").await;
-    let in_walk_order: Vec<i64> = c
+    let in_txid_order: Vec<i64> = c
         .query("SELECT id FROM outbox_stream ORDER BY txid, id", &[])
         .await
         .unwrap()
@@ -427,38 +428,24 @@ async fn an_event_committed_first_goes_out_first_though_its_transaction_started_
         .map(|r| r.get(0))
         .collect();
     assert_eq!(
-        in_walk_order,
+        in_txid_order,
         [committed_second, committed_first, other],
         "the case under test: the later commit has the lower txid"
-    );
-    // Only the event whose transaction had its txid before a later one finished is marked: a
-    // claim looks for earlier events of its key because of it, and for no other key.
-    let late: Vec<(i64, bool)> = c
-        .query("SELECT id, late FROM outbox_stream ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
-    assert_eq!(
-        late,
-        [
-            (committed_first, false),
-            (committed_second, true),
-            (other, false)
-        ]
     );
 
     let (ids, token) = claim(&c, "relay-a", 1).await;
     assert_eq!(
         ids,
-        [committed_first, committed_second],
-        "the earlier commit goes out with the later one, first"
+        [committed_first],
+        "one event: max_events is a hard cap"
     );
     let (ids2, token2) = claim(&c, "relay-b", 10).await;
-    assert_eq!(ids2, [other], "nothing of key k twice");
+    assert_eq!(ids2, [other], "key k is busy until relay-a settles");
     settle(&c, "outbox_ack", "relay-a", token, &ids).await;
     settle(&c, "outbox_ack", "relay-b", token2, &ids2).await;
+    let (ids, token) = claim(&c, "relay-a", 10).await;
+    assert_eq!(ids, [committed_second]);
+    settle(&c, "outbox_ack", "relay-a", token, &ids).await;
     let (ids, _) = claim(&c, "relay-a", 10).await;
     assert!(ids.is_empty(), "{ids:?}");
     let states: Vec<String> = c
@@ -469,11 +456,6 @@ async fn an_event_committed_first_goes_out_first_though_its_transaction_started_
         .map(|r| r.get(0))
         .collect();
     assert_eq!(states, ["SUCCESS", "SUCCESS", "SUCCESS"]);
-    let early: i64 = scalar(&c, "SELECT count(*) FROM outbox_stream_early", &[]).await;
-    assert_eq!(
-        early, 0,
-        "the cursor has passed the event that went out early"
-    );
 }
 
 /// While a claim holds events of a key, a second claim hands out none of its later events: they

@@ -17,6 +17,10 @@ use super::runner::Runner;
 /// stream's fires at commit, as the relay's own role: SECURITY DEFINER, so its owner (the
 /// superuser that installs it) writes the audit table.
 pub(super) const INSTALL: &str = "
+-- The producers' aggregates: a transaction locks the rows of its keys before it enqueues, as an
+-- order service locks its orders, so per key its events are in commit order.
+CREATE TABLE public.fault_aggregate (k text PRIMARY KEY);
+INSERT INTO public.fault_aggregate SELECT 'k-' || n FROM generate_series(0, 96) n;
 CREATE TABLE public.fault_ack (
     id bigint NOT NULL,
     acker text NOT NULL,
