@@ -1,0 +1,184 @@
+//! Fairness between the databases of one relay (issue 32): one `run --config` relay serves two
+//! databases through one producer; the steady one is offered a fixed rate, first alone, then
+//! while the other works off a large backlog. Its commit-to-ack p99 beside the backlog should
+//! stay within 2× of alone. Written to its own report: `scripts/bench --only fairness`.
+
+use anyhow::{anyhow, Result};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use tokio_postgres::Client;
+
+use outbox_tests::db::TestDb;
+use outbox_tests::relay::{write_config, ConfigDb};
+
+use crate::db::BenchDb;
+use crate::latency::{latency, LatencyRun, MAIN_SERVER};
+use crate::relay_env::RelayEnv;
+use crate::report::{ms, num, Table};
+use crate::results::Results;
+use crate::Profile;
+
+const BACKLOG_TOPIC: &str = "bench.fair.backlog";
+/// The goal: p99 beside the backlog at most this many times p99 alone.
+pub const GOAL_RATIO: f64 = 2.0;
+
+/// The steady database's run, and what the backlog did meanwhile.
+struct Side {
+    run: LatencyRun,
+    /// Events of the other database due when the relay started, and when the window ended.
+    backlog_start: i64,
+    backlog_end: i64,
+    /// From the relay's start until the other database had nothing due.
+    drained_in: Duration,
+}
+
+pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
+    let steady = TestDb::create_on(&env.db.server, "outbox_bench");
+    let monitor = steady.client().await?;
+    let steady_env = RelayEnv {
+        db: &steady,
+        monitor: &monitor,
+        ..*env
+    };
+    let config = env.workdir.join("fairness.toml");
+    let (backlog_url, steady_url) = (env.db.url(), steady.url());
+    write_config(
+        &config,
+        &[
+            ConfigDb {
+                name: "backlog",
+                url: backlog_url,
+                extra: &[],
+            },
+            ConfigDb {
+                name: "steady",
+                url: steady_url,
+                extra: &[],
+            },
+        ],
+    );
+    env.broker
+        .try_create_topic(BACKLOG_TOPIC)
+        .map_err(|e| anyhow!(e))?;
+    let alone = side(p, &steady_env, env.monitor, "alone").await?;
+    progress!(
+        "  seeding {} events in the backlog database",
+        num(p.fair_backlog as f64)
+    );
+    env.monitor
+        .execute(
+            "SELECT outbox_enqueue($1::text, jsonb_build_object('n', g)) \
+             FROM generate_series(1, $2::bigint) g",
+            &[&BACKLOG_TOPIC, &p.fair_backlog],
+        )
+        .await?;
+    let beside = side(p, &steady_env, env.monitor, "beside").await?;
+    let ratio = beside.run.commit_to_ack[1] / alone.run.commit_to_ack[1];
+    let met = ratio <= GOAL_RATIO;
+    if !met {
+        r.failures.push(format!(
+            "fairness: commit-to-ack p99 beside the backlog is {ratio:.2}× alone (goal ≤ {GOAL_RATIO}×)"
+        ));
+    }
+    r.fairness_md = Some(render(p, &alone, &beside, ratio));
+    r.fairness = Some(json!({
+        "rate": p.fair_rate, "backlog": p.fair_backlog, "ratio_p99": ratio,
+        "alone": side_json(&alone), "beside": side_json(&beside),
+    }));
+    Ok(())
+}
+
+/// A fleet relay over both databases while the steady one is offered `p.fair_rate`.
+async fn side(p: &Profile, steady: &RelayEnv<'_>, backlog: &Client, tag: &str) -> Result<Side> {
+    progress!("  {} ev/s for {:?}, {tag}", num(p.fair_rate), p.fair_time);
+    let config = steady.workdir.join("fairness.toml");
+    let relay = steady.start_fleet(&config, &format!("fairness-{tag}"))?;
+    let started = Instant::now();
+    let backlog_start = due(backlog).await?;
+    let run = latency(
+        steady,
+        &format!("bench.fair.{tag}"),
+        p.fair_rate,
+        p.fair_time.as_secs_f64(),
+        false,
+        Duration::from_secs(15),
+        "fleet of two databases",
+        MAIN_SERVER,
+    )
+    .await?;
+    let backlog_end = due(backlog).await?;
+    crate::db::wait_drained(backlog, Duration::from_secs(600)).await?;
+    let drained_in = started.elapsed();
+    relay.stop()?;
+    Ok(Side {
+        run,
+        backlog_start,
+        backlog_end,
+        drained_in,
+    })
+}
+
+/// Events due or claimed in a database.
+async fn due(c: &Client) -> Result<i64> {
+    let row = c
+        .query_one("SELECT due_wait + sending FROM outbox_stats()", &[])
+        .await?;
+    Ok(row.get(0))
+}
+
+fn side_json(s: &Side) -> Value {
+    json!({
+        "sent": s.run.sent, "achieved_rate": s.run.achieved_rate, "missing": s.run.missing,
+        "commit_to_ack_us": s.run.commit_to_ack, "ack_source": s.run.ack_source,
+        "statement_to_consumer_p99_us": s.run.sq(0.99),
+        "backlog_start": s.backlog_start, "backlog_end": s.backlog_end,
+        "backlog_drained_secs": s.drained_in.as_secs_f64(),
+    })
+}
+
+fn render(p: &Profile, alone: &Side, beside: &Side, ratio: f64) -> String {
+    let mut t = Table::new(&[
+        "steady database",
+        "events",
+        "achieved ev/s",
+        "commit→ack p50 ms",
+        "p99 ms",
+        "max ms",
+        "statement→consumer p99 ms",
+        "other database due at start / end of window",
+    ]);
+    for (name, s) in [("alone", alone), ("beside the backlog", beside)] {
+        t.row(vec![
+            name.into(),
+            num(s.run.sent as f64),
+            num(s.run.achieved_rate),
+            ms(s.run.commit_to_ack[0]),
+            ms(s.run.commit_to_ack[1]),
+            ms(s.run.commit_to_ack[3]),
+            ms(s.run.sq(0.99)),
+            format!(
+                "{} / {}",
+                num(s.backlog_start as f64),
+                num(s.backlog_end as f64)
+            ),
+        ]);
+    }
+    format!(
+        "One relay (`run --config`, defaults: one shared producer, each database its own claim \
+         loops) serves two databases on the same server. The steady database is offered {} \
+         single-event transactions per second for {:?}; beside, the other database starts with \
+         a backlog of {} events, which the relay worked off in {:.1} s. Commit→ack: {}.\n\n{}\n\
+         **p99 beside / alone: {ratio:.2}×** (goal ≤ {GOAL_RATIO}×: {}).\n",
+        num(p.fair_rate),
+        p.fair_time,
+        num(p.fair_backlog as f64),
+        beside.drained_in.as_secs_f64(),
+        alone.run.ack_source,
+        t.render(),
+        if ratio <= GOAL_RATIO {
+            "met"
+        } else {
+            "NOT met"
+        }
+    )
+}
