@@ -59,6 +59,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let m = metrics.clone();
     shutdown::spawn_signal_handler(cancel.clone(), move || m.health.set_stopping());
     shutdown::spawn_deadline(cancel.clone(), args.shutdown_timeout);
+    shutdown::ignore_hangup();
     let props = args.producer_properties()?;
     let db = Database::open(&args).await?;
     // Created after the database checks: librdkafka starts connecting at once.

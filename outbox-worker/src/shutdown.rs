@@ -45,3 +45,14 @@ pub fn spawn_deadline(cancel: CancellationToken, timeout: Duration) {
         std::process::exit(1);
     });
 }
+
+/// SIGHUP re-reads `--config` (`fleet.rs`); a relay without one has nothing to re-read, and a
+/// reload signal sent to every relay must not stop it.
+pub fn ignore_hangup() {
+    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP ignored: this relay has no --config to re-read");
+        }
+    });
+}
