@@ -11,6 +11,7 @@ use outbox_tests::db::{test_prefix, TestDb};
 use outbox_tests::events::{enqueue, enqueue_burst, wait_counts};
 use outbox_tests::pg_cluster::PgCluster;
 use outbox_tests::relay::{run_cmd, write_config, ConfigDb, Relay};
+use outbox_worker::WAKEUP_READY;
 use serde_json::json;
 use tokio_postgres::Client;
 
@@ -295,6 +296,49 @@ async fn sighup_adds_and_removes_databases_and_a_removed_one_keeps_no_claim() {
     assert!(l[2] < Duration::from_secs(2), "{l:?}");
     let st = relay.terminate(Duration::from_secs(30)).expect("stops");
     assert!(st.success(), "{st:?}\n{}", relay.log_tail(20));
+    let _ = std::fs::remove_file(&config);
+
+    // A relay without --config (reloads sent to every relay on a host) is not stopped by it.
+    let mut single = Relay::spawn(&a.url(), &broker.addr(), &[]);
+    assert!(single
+        .wait_log(&[WAKEUP_READY], Duration::from_secs(30))
+        .is_some());
+    single.signal(libc::SIGHUP);
+    assert!(single
+        .wait_log(&["SIGHUP ignored"], Duration::from_secs(10))
+        .is_some());
+    assert!(single.is_running(), "{}", single.log_tail(10));
+}
+
+#[test]
+fn a_bad_config_file_stops_run_with_one_line() {
+    let config = config_path("multidb-bad");
+    for (text, extra, want) in [
+        (
+            "[databases.a]\nurl = \"x\"\nbatch = 1\n",
+            &[][..],
+            "line 3: unknown field `batch`",
+        ),
+        (
+            "[databases.a]\nurl_file = \"/nonexistent\"\nlease = \"4s\"\n",
+            &[],
+            "database a: --send-timeout",
+        ),
+        (
+            "[databases.a]\nurl = \"x\"\n",
+            &["--database-url", "host=h"],
+            "not both",
+        ),
+    ] {
+        std::fs::write(&config, text).expect("write");
+        let mut args = vec!["run", "--config", config.to_str().expect("utf-8")];
+        args.extend_from_slice(extra);
+        let out = run_cmd(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(want), "{want}: {stderr}");
+    }
     let _ = std::fs::remove_file(&config);
 }
 
