@@ -186,12 +186,11 @@ impl Database {
         let probe = publisher.clone().probe();
         let m = metrics.clone();
         tokio::spawn(async move { m.health.set_broker_reachable(probe.await) }.in_current_span());
-        let breaker = Arc::new(Breaker::new());
         let (rounds_tx, rounds_rx) = watch::channel(0usize);
         let relay = Arc::new(Relay {
             store: self.store,
             publisher: publisher.clone(),
-            breaker: breaker.clone(),
+            breaker: Arc::new(Breaker::new()),
             metrics: metrics.clone(),
             owner,
             batch_size: args.batch_size,
@@ -203,25 +202,7 @@ impl Database {
             claiming: Default::default(),
         });
 
-        // The first beat before the first claim, so that every claim is covered; a relay that
-        // may not beat (no EXECUTE on outbox_heartbeat) stops here with one line.
-        let heartbeat_timeout = heartbeat_timeout(&relay, args.heartbeat_timeout()).await?;
-        // Called after a claim whose reply was lost; checked now (a new owner holds nothing), so
-        // a role without EXECUTE on it stops here with one line rather than at that moment.
-        call_at_start(
-            &relay.store,
-            "release_orphans",
-            "; grant it to the relay's role (sql/examples/grant-roles.sql)",
-            || relay.store.release_orphans(&relay.owner, &[]),
-        )
-        .await?;
-        let beat_cancel = CancellationToken::new();
-        let beats = heartbeat_timeout.map(|timeout| {
-            tokio::spawn(
-                heartbeat_loop(relay.clone(), timeout, beat_cancel.clone()).in_current_span(),
-            )
-        });
-
+        let beats = Beats::start(&relay, args).await?;
         let (wake_tx, wake_rx) = watch::channel(0u64);
         let mut tasks = Tasks::new(cancel.clone());
         let waiter = wakeup::run(
@@ -240,15 +221,49 @@ impl Database {
         // Until a signal, or a task's failure, cancels them all; either way every claim loop
         // settles its round before it stops.
         let result = tasks.join().await;
-        beat_cancel.cancel();
-        if let Some(beats) = beats {
-            let _ = beats.await;
-        }
-        settle_leftovers(&relay, heartbeat_timeout.is_some()).await;
+        let beating = beats.stop().await;
+        settle_leftovers(&relay, beating).await;
         // Held until every claim loop has stopped: with no sender left, a loop's wait for a
         // wake-up would end at once and fall back to a plain sleep that ignores the shutdown.
         drop(wake_tx);
         result
+    }
+}
+
+/// The heartbeat loop of a database's owner, when heartbeats are on.
+struct Beats {
+    task: Option<tokio::task::JoinHandle<()>>,
+    cancel: CancellationToken,
+}
+
+impl Beats {
+    /// The first beat before the first claim, so that every claim is covered; a relay that may
+    /// not beat (no EXECUTE on outbox_heartbeat) or release (outbox_release_orphans, called after
+    /// a claim whose reply was lost) stops here with one line rather than at that moment.
+    async fn start(relay: &Arc<Relay>, args: &RunArgs) -> Result<Beats, Fatal> {
+        let timeout = heartbeat_timeout(relay, args.heartbeat_timeout()).await?;
+        call_at_start(
+            &relay.store,
+            "release_orphans",
+            "; grant it to the relay's role (sql/examples/grant-roles.sql)",
+            || relay.store.release_orphans(&relay.owner, &[]),
+        )
+        .await?;
+        let cancel = CancellationToken::new();
+        let task = timeout.map(|t| {
+            tokio::spawn(heartbeat_loop(relay.clone(), t, cancel.clone()).in_current_span())
+        });
+        Ok(Beats { task, cancel })
+    }
+
+    /// Stops beating (after the rounds have ended); whether heartbeats were on.
+    async fn stop(self) -> bool {
+        self.cancel.cancel();
+        let Some(task) = self.task else {
+            return false;
+        };
+        let _ = task.await;
+        true
     }
 }
 
