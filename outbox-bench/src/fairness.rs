@@ -5,6 +5,7 @@
 
 use anyhow::{anyhow, Result};
 use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
@@ -45,45 +46,45 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
         monitor: &monitor,
         ..*env
     };
-    let config = env.workdir.join("fairness.toml");
-    let (backlog_url, steady_url) = (env.db.url(), steady.url());
-    write_config(
-        &config,
-        &[
-            ConfigDb {
-                name: "backlog",
-                url: backlog_url,
-                extra: &[],
-            },
-            ConfigDb {
-                name: "steady",
-                url: steady_url,
-                extra: &[],
-            },
-        ],
-    );
+    let shared = fleet_config(env, &steady, "fairness.toml", &[]);
+    let own = fleet_config(env, &steady, "fairness-own.toml", &["producer = \"own\""]);
     env.broker
         .try_create_topic(BACKLOG_TOPIC)
         .map_err(|e| anyhow!(e))?;
     let envs = (&steady_env, env);
-    let alone = side(p, envs, "alone", true).await?;
+    let alone = side(p, envs, "alone", Some(&shared)).await?;
     seed_backlog(p, env.monitor).await?;
-    let beside = side(p, envs, "beside", true).await?;
+    let beside = side(p, envs, "beside", Some(&shared)).await?;
     seed_backlog(p, env.monitor).await?;
-    let apart = side(p, envs, "separate", false).await?;
+    let own_producer = side(p, envs, "own", Some(&own)).await?;
+    seed_backlog(p, env.monitor).await?;
+    let apart = side(p, envs, "separate", None).await?;
     let ratio = beside.overlap.0 / alone.run.commit_to_ack[1];
     if ratio > GOAL_RATIO {
         r.failures.push(format!(
             "fairness: commit-to-ack p99 beside the backlog is {ratio:.2}× alone (goal ≤ {GOAL_RATIO}×)"
         ));
     }
-    r.fairness_md = Some(render(p, [&alone, &beside, &apart], ratio));
+    r.fairness_md = Some(render(p, [&alone, &beside, &own_producer, &apart], ratio));
     r.fairness = Some(json!({
         "rate": p.fair_rate, "backlog": p.fair_backlog, "ratio_p99": ratio,
         "alone": side_json(&alone), "beside": side_json(&beside),
+        "beside_own_producer": side_json(&own_producer),
         "beside_separate_relays": side_json(&apart),
     }));
     Ok(())
+}
+
+/// The config file of a relay over both databases, `steady` (the steady one's extra lines).
+fn fleet_config(env: &RelayEnv<'_>, steady_db: &TestDb, file: &str, steady: &[&str]) -> PathBuf {
+    let path = env.workdir.join(file);
+    let db = |name, url, extra| ConfigDb { name, url, extra };
+    let dbs = [
+        db("backlog", env.db.url(), &[][..]),
+        db("steady", steady_db.url(), steady),
+    ];
+    write_config(&path, &dbs);
+    path
 }
 
 async fn seed_backlog(p: &Profile, c: &Client) -> Result<()> {
@@ -101,24 +102,22 @@ async fn seed_backlog(p: &Profile, c: &Client) -> Result<()> {
 }
 
 /// The relays while the steady database is offered `p.fair_rate`: one over both databases
-/// (`shared`), or one per database (the control: no shared producer, same machine).
+/// (`config`), or one per database (None, the control: no shared producer, same machine).
 async fn side(
     p: &Profile,
     (steady, backlog_env): (&RelayEnv<'_>, &RelayEnv<'_>),
     tag: &str,
-    shared: bool,
+    config: Option<&Path>,
 ) -> Result<Side> {
     progress!("  {} ev/s for {:?}, {tag}", num(p.fair_rate), p.fair_time);
     let backlog = backlog_env.monitor;
-    let config = steady.workdir.join("fairness.toml");
     let log = format!("fairness-{tag}");
-    let relays = if shared {
-        vec![steady.start_fleet(&config, &log)?]
-    } else {
-        vec![
+    let relays = match config {
+        Some(config) => vec![steady.start_fleet(config, &log)?],
+        None => vec![
             steady.start_relay(&[], &log)?,
             backlog_env.start_relay(&[], &format!("{log}-backlog"))?,
-        ]
+        ],
     };
     let started = Instant::now();
     let backlog_start = due(backlog).await?;
@@ -190,7 +189,7 @@ fn side_json(s: &Side) -> Value {
     })
 }
 
-fn render(p: &Profile, [alone, beside, apart]: [&Side; 3], ratio: f64) -> String {
+fn render(p: &Profile, [alone, beside, own, apart]: [&Side; 4], ratio: f64) -> String {
     let mut t = Table::new(&[
         "steady database",
         "events",
@@ -205,6 +204,7 @@ fn render(p: &Profile, [alone, beside, apart]: [&Side; 3], ratio: f64) -> String
     let rows = [
         ("alone", alone),
         ("beside the backlog, one relay", beside),
+        ("beside the backlog, one relay, `producer = \"own\"`", own),
         ("beside the backlog, a relay each (control)", apart),
     ];
     for (name, s) in rows {
@@ -227,7 +227,8 @@ fn render(p: &Profile, [alone, beside, apart]: [&Side; 3], ratio: f64) -> String
             ),
         ]);
     }
-    let control = apart.overlap.0 / alone.run.commit_to_ack[1];
+    let ratio_of = |s: &Side| s.overlap.0 / alone.run.commit_to_ack[1];
+    let (own, control) = (ratio_of(own), ratio_of(apart));
     format!(
         "One relay (`run --config`, defaults: one shared producer, each database its own claim \
          loops) serves two databases on the same server. The steady database is offered {} \
@@ -238,7 +239,8 @@ fn render(p: &Profile, [alone, beside, apart]: [&Side; 3], ratio: f64) -> String
          slowdown there is the machine (database, broker and relays on 2 cores), not the \
          sharing. Commit→ack: {}.\n\n{}\n\
          **p99 of the events committed while the backlog drained / p99 alone: {ratio:.2}×** \
-         (goal ≤ {GOAL_RATIO}×: {}); with a relay per database: {control:.2}×.\n",
+         (goal ≤ {GOAL_RATIO}×: {}); with its own producer: {own:.2}×; with a relay per database: \
+         {control:.2}×.\n",
         num(p.fair_rate),
         p.fair_time,
         num(p.fair_backlog as f64),

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::cli::RunArgs;
-use crate::config::{self, DatabaseConfig};
+use crate::config::{self, DatabaseConfig, Producer};
 use crate::health::Health;
 use crate::metrics::{render_all, Metrics, Status};
 use crate::publisher::Publisher;
@@ -199,8 +199,9 @@ async fn apply(members: &mut BTreeMap<String, Member>, plan: Plan, shared: &Shar
         }
         let cancel = shared.cancel.child_token();
         let span = tracing::info_span!("db", database = %name);
+        let own = config.producer == Producer::Own;
         let task = tokio::spawn(
-            supervise(name.clone(), args, shared.clone(), cancel.clone()).instrument(span),
+            supervise(name.clone(), args, own, shared.clone(), cancel.clone()).instrument(span),
         );
         members.insert(
             name,
@@ -215,8 +216,24 @@ async fn apply(members: &mut BTreeMap<String, Member>, plan: Plan, shared: &Shar
 
 /// Runs one database until `cancel`, starting it again (after a growing pause) whenever it
 /// fails; the other databases never wait for it.
-async fn supervise(name: String, args: RunArgs, shared: Shared, cancel: CancellationToken) {
+async fn supervise(
+    name: String,
+    args: RunArgs,
+    own_producer: bool,
+    shared: Shared,
+    cancel: CancellationToken,
+) {
     let metrics = shared.fleet.add(&name, &args);
+    let publisher = match own_producer {
+        false => shared.publisher.clone(),
+        true => match args
+            .producer_properties()
+            .and_then(|props| shared_publisher(&args, &props, &metrics.registry))
+        {
+            Ok(p) => p,
+            Err(e) => return not_started(&name, &e, &metrics, &shared.fleet, &cancel).await,
+        },
+    };
     let mut backoff = RESTART_MIN;
     while !cancel.is_cancelled() {
         let started = Instant::now();
@@ -224,7 +241,7 @@ async fn supervise(name: String, args: RunArgs, shared: Shared, cancel: Cancella
             Ok(db) => {
                 metrics.health.db_result(true);
                 let run = cancel.child_token();
-                db.serve(&args, metrics.clone(), shared.publisher.clone(), run)
+                db.serve(&args, metrics.clone(), publisher.clone(), run)
                     .await
             }
             Err(e) => Err(e),
@@ -244,7 +261,26 @@ async fn supervise(name: String, args: RunArgs, shared: Shared, cancel: Cancella
         pause(&metrics, backoff, &cancel).await;
         backoff = (backoff * 2).min(RESTART_MAX);
     }
+    if own_producer {
+        publisher.flush();
+    }
     shared.fleet.remove(&name);
+}
+
+/// A database whose own producer could not be built: shown unready until removed or stopped.
+async fn not_started(
+    name: &str,
+    e: &Fatal,
+    metrics: &Metrics,
+    fleet: &Fleet,
+    cancel: &CancellationToken,
+) {
+    tracing::error!("database {name} not started: {}", e.message);
+    metrics.health.db_result(false);
+    while !cancel.is_cancelled() {
+        pause(metrics, RESTART_MAX, cancel).await;
+    }
+    fleet.remove(name);
 }
 
 /// Waits `d` (or until `cancel`), counting as rounds for /live: the wait is on purpose.

@@ -135,6 +135,8 @@ async fn a_stopped_cluster_does_not_hold_up_the_others_and_its_backlog_drains() 
     let config = config_path("multidb-isolation");
     // c's rows claimed when its server dies come back after a short lease, not ten minutes.
     let c_extra = ["lease = \"20s\"", "reclaim_interval = \"1s\""];
+    // b publishes through a producer of its own, a and c share the relay's.
+    let b_extra = ["producer = \"own\""];
     write_config(
         &config,
         &[
@@ -146,7 +148,7 @@ async fn a_stopped_cluster_does_not_hold_up_the_others_and_its_backlog_drains() 
             ConfigDb {
                 name: "b",
                 url: b.url(),
-                extra: &[],
+                extra: &b_extra,
             },
             ConfigDb {
                 name: "c",
@@ -213,6 +215,8 @@ async fn a_stopped_cluster_does_not_hold_up_the_others_and_its_backlog_drains() 
             relay.metric_where("outbox_published_total", &format!("database=\"{name}\""));
         assert!(published.is_some_and(|n| n > 0.0), "{name}: {published:?}");
     }
+    let own = relay.metric_where("outbox_relay_build_info", "database=\"b\"");
+    assert_eq!(own, Some(1.0), "b's own producer reports under its name");
     let st = relay.terminate(Duration::from_secs(30)).expect("stops");
     assert!(st.success(), "{st:?}\n{}", relay.log_tail(20));
     let _ = std::fs::remove_file(&config);
