@@ -294,3 +294,65 @@ async fn pause(metrics: &Metrics, d: Duration, cancel: &CancellationToken) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args() -> RunArgs {
+        match crate::cli::Cli::try_parse_from(["outbox-worker", "run"])
+            .expect("parse")
+            .command
+        {
+            crate::cli::Command::Run(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn ready_while_one_database_is_and_names_the_others() {
+        let fleet = Fleet::default();
+        let (a, b) = (fleet.add("a", &args()), fleet.add("b", &args()));
+        for m in [&a, &b] {
+            m.health.set_broker_reachable(true);
+        }
+        assert_eq!(fleet.ready(), Ok("ok\n".to_string()));
+        b.health.db_result(false);
+        assert_eq!(
+            fleet.ready(),
+            Ok("ok, degraded: database b: database unreachable\n".to_string())
+        );
+        a.health.db_result(false);
+        assert_eq!(
+            fleet.ready(),
+            Err("database a: database unreachable; database b: database unreachable".into())
+        );
+        a.health.db_result(true);
+        fleet.stopping.store(true, Ordering::Relaxed);
+        assert_eq!(fleet.ready(), Err("stopping".into()));
+    }
+
+    #[test]
+    fn every_series_carries_its_database_under_one_family() {
+        let fleet = Fleet::default();
+        for name in ["a", "b"] {
+            fleet.add(name, &args()).backlog.set(7);
+        }
+        let text = fleet.render();
+        assert_eq!(
+            text.matches("# TYPE outbox_backlog_events gauge").count(),
+            1
+        );
+        assert!(
+            text.contains("outbox_backlog_events{database=\"a\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("outbox_backlog_events{database=\"b\"} 7"),
+            "{text}"
+        );
+        fleet.remove("a");
+        assert!(!fleet.render().contains("database=\"a\""));
+    }
+}
