@@ -243,8 +243,15 @@ async fn sighup_adds_and_removes_databases_and_a_removed_one_keeps_no_claim() {
         .contains("200"));
     let (ca, cb) = (a.connect().await, b.connect().await);
 
-    // Added: b's backlog is relayed without a restart.
+    // Added: b's backlog is relayed without a restart; a database that does not exist is
+    // retried on its own and named by /ready.
     enqueue_burst(&cb, &topic("b"), 30_000).await;
+    let ghost_url = format!("{} dbname=no_such_database", server(&cluster));
+    let ghost = || ConfigDb {
+        name: "ghost",
+        url: ghost_url.clone(),
+        extra: &[],
+    };
     write_config(
         &config,
         &[
@@ -254,6 +261,7 @@ async fn sighup_adds_and_removes_databases_and_a_removed_one_keeps_no_claim() {
                 url: b.url(),
                 extra: &[],
             },
+            ghost(),
         ],
     );
     relay.signal(libc::SIGHUP);
@@ -265,7 +273,7 @@ async fn sighup_adds_and_removes_databases_and_a_removed_one_keeps_no_claim() {
     );
 
     // Removed mid-drain: its rounds settle, and nothing stays claimed for the lease (10 min).
-    write_config(&config, &[db_a()]);
+    write_config(&config, &[db_a(), ghost()]);
     relay.signal(libc::SIGHUP);
     let stopped = relay.wait_log(&["database stopped", "database=b"], Duration::from_secs(30));
     assert!(stopped.is_some(), "{}", relay.log_tail(30));
@@ -285,6 +293,10 @@ async fn sighup_adds_and_removes_databases_and_a_removed_one_keeps_no_claim() {
         relay.metric_where("outbox_published_total", "database=\"b\""),
         None
     );
+    let (status, body) = wait_ready(&relay, "database ghost", Duration::from_secs(30));
+    assert!(status.contains("200"), "{status} {body}");
+    let failed = relay.wait_log(&["database ghost failed", "3D000"], Duration::from_secs(10));
+    assert!(failed.is_some(), "{}", relay.log_tail(20));
 
     // a was served throughout; a bad file is refused and changes nothing.
     std::fs::write(&config, "[databases.a]\nurl = 1\n").expect("write");
