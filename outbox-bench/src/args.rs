@@ -48,15 +48,19 @@ impl Args {
     /// run adds (its report is docs/INDEXES.md, not BENCHMARKS.md).
     pub fn wants(&self, s: Section) -> bool {
         if self.only.is_empty() {
-            s != Section::Indexes || self.smoke
+            !matches!(s, Section::Indexes | Section::Fairness) || self.smoke
         } else {
             self.only.contains(&s)
         }
     }
 
-    /// `--only indexes`: the run writes the index report instead of the benchmark report.
-    pub fn index_report(&self) -> bool {
-        self.only == [Section::Indexes]
+    /// `--only indexes` or `--only fairness`: the run writes that section's own report instead
+    /// of the benchmark report.
+    pub fn own_report(&self) -> Option<Section> {
+        match self.only.as_slice() {
+            [s @ (Section::Indexes | Section::Fairness)] => Some(*s),
+            _ => None,
+        }
     }
 
     /// The selection flags of this run as `scripts/bench` takes them (for the report's header).
@@ -106,4 +110,6 @@ pub enum Section {
     /// Long transactions: steady load with a REPEATABLE READ transaction held open (issue 9).
     #[value(name = "held_snapshot", alias = "held-snapshot")]
     HeldSnapshot,
+    /// Two databases on one relay, one with a backlog (docs/FAIRNESS.md, issue 32).
+    Fairness,
 }

@@ -48,6 +48,8 @@ pub struct LatencyRun {
     /// round trip, and over-states it by the enqueue statement's own time.
     pub commit_to_ack: [f64; 4],
     pub ack_source: &'static str,
+    /// Per event, when the database runs on this machine: (commit as Unix µs, commit to ack µs).
+    pub acks: Vec<(f64, f64)>,
 }
 
 impl LatencyRun {
@@ -201,6 +203,7 @@ pub async fn latency(
     // the database-only measure (transaction start to ack) is used.
     let mut commit_to_ack = [f(4), f(5), f(6), f(7)];
     let mut ack_source = "DB clock: transaction start → ack";
+    let mut samples = Vec::new();
     if env.db.is_local() {
         let acks: std::collections::HashMap<i64, f64> = env
             .monitor
@@ -217,6 +220,7 @@ pub async fn latency(
         for (id, wall) in &commit_wall {
             if let Some(a) = acks.get(id) {
                 h.saturating_record((a - wall).max(0.0) as u64);
+                samples.push((*wall, (a - wall).max(0.0)));
             }
         }
         if !h.is_empty() {
@@ -243,6 +247,7 @@ pub async fn latency(
         to_ack: (f(2), f(3)),
         commit_to_ack,
         ack_source,
+        acks: samples,
         rate,
         server,
         wake,
@@ -291,7 +296,7 @@ const ACKED: &str = "
       FROM outbox_stream s JOIN bench_stream_ack_log l ON l.id = s.id
      WHERE s.topic = $1 AND NOT EXISTS (SELECT 1 FROM outbox_tracked t WHERE t.id = s.id)";
 
-fn unix_us() -> f64 {
+pub fn unix_us() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64() * 1e6)

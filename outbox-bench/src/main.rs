@@ -25,6 +25,7 @@ mod cost;
 mod db;
 mod enqueue;
 mod ext_rels;
+mod fairness;
 mod goals;
 mod health;
 mod held_snapshot;

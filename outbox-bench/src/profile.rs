@@ -68,6 +68,10 @@ pub struct Profile {
     pub held_time: Duration,
     pub held_interval: Duration,
     pub held_warmup: Duration,
+    /// Fairness (issue 32): the other database's backlog, the steady one's rate and duration.
+    pub fair_backlog: i64,
+    pub fair_rate: f64,
+    pub fair_time: Duration,
 }
 
 impl Profile {
@@ -130,6 +134,9 @@ impl Profile {
             held_time: Duration::from_secs(120),
             held_interval: Duration::from_secs(10),
             held_warmup: Duration::from_secs(20),
+            fair_backlog: 200_000,
+            fair_rate: 500.0,
+            fair_time: Duration::from_secs(10),
         }
     }
 
@@ -155,6 +162,7 @@ impl Profile {
             held_time: Duration::from_secs(600),
             held_interval: Duration::from_secs(30),
             held_warmup: Duration::from_secs(150),
+            fair_time: Duration::from_secs(30),
             ..Profile::quick()
         }
     }
@@ -208,6 +216,9 @@ impl Profile {
             held_time: Duration::from_secs(3),
             held_interval: Duration::from_secs(1),
             held_warmup: Duration::from_secs(1),
+            fair_backlog: 2_000,
+            fair_rate: 100.0,
+            fair_time: Duration::from_secs(1),
         }
     }
 }

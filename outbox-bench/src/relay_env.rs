@@ -24,6 +24,16 @@ impl RelayEnv<'_> {
     /// variable of the caller ("default settings" means defaults) and the URL in the environment
     /// (a password never shows in `ps`); its log is written to `relay-<tag>.log` in the workdir.
     pub fn start_relay(&self, extra: &[String], tag: &str) -> Result<BenchRelay> {
+        self.spawn(extra, tag, Some(self.db.url()))
+    }
+
+    /// `outbox-worker run --brokers BROKERS --config CONFIG`: the databases of the file.
+    pub fn start_fleet(&self, config: &Path, tag: &str) -> Result<BenchRelay> {
+        let extra = ["--config".to_string(), config.display().to_string()];
+        self.spawn(&extra, tag, None)
+    }
+
+    fn spawn(&self, extra: &[String], tag: &str, url: Option<String>) -> Result<BenchRelay> {
         let mut cmd = Command::new(self.relay_bin);
         cmd.arg("run")
             .arg("--brokers")
@@ -34,7 +44,9 @@ impl RelayEnv<'_> {
                 cmd.env_remove(k);
             }
         }
-        cmd.env("OUTBOX_DATABASE_URL", self.db.url());
+        if let Some(url) = url {
+            cmd.env("OUTBOX_DATABASE_URL", url);
+        }
         let relay =
             Relay::start(cmd).map_err(|e| anyhow!("starting {}: {e}", self.relay_bin.display()))?;
         let mut r = BenchRelay {

@@ -31,6 +31,8 @@ pub struct Results {
     pub claim_cost: Option<hot_key::ClaimCosts>,
     pub indexes_md: Option<String>,
     pub indexes: Option<Value>,
+    pub fairness_md: Option<String>,
+    pub fairness: Option<Value>,
     pub lifecycle: Option<lifecycle::Lifecycle>,
     pub held: Vec<held_snapshot::HeldRun>,
     pub broker_note: Option<String>,
@@ -206,11 +208,18 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
 }
 
 /// The JSON of the index report (`--only indexes`, `INDEXES.json`).
-pub fn indexes_json(p: &Profile, r: &Results, took_secs: f64) -> Value {
+/// The figures of a section with its own report (`indexes`, `fairness`).
+pub fn section_json(
+    p: &Profile,
+    name: &str,
+    figures: &Option<Value>,
+    r: &Results,
+    took_secs: f64,
+) -> Value {
     json!({
         "profile": p.name,
         "took_secs": took_secs,
-        "indexes": r.indexes,
+        name: figures,
         "failures": r.failures,
     })
 }

@@ -11,8 +11,8 @@ use crate::db::BenchDb;
 use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
-    broker_drain, contention, enqueue, goals, health, held_snapshot, hot_key, idle, indexes,
-    latency, lifecycle, null_sink, ordering, polling, report, seed, sys,
+    broker_drain, contention, enqueue, fairness, goals, health, held_snapshot, hot_key, idle,
+    indexes, latency, lifecycle, null_sink, ordering, polling, report, seed, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -56,7 +56,8 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let broker_wanted = want(Section::Broker)
         || want(Section::Latency)
         || want(Section::Idle)
-        || want(Section::Ordering);
+        || want(Section::Ordering)
+        || want(Section::Fairness);
     if !args.no_broker && broker_wanted {
         let relay_bin = outbox_tests::relay::find_relay_bin();
         if let Ok(bin) = &relay_bin {
@@ -93,20 +94,35 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
         .unwrap_or_else(|e| format!("(could not query the environment: {e:#})\n"));
     let goals = goals::goals(&r);
     let took = t_start.elapsed();
-    let md = if args.index_report() {
-        report::render_indexes(p, &r, &env, took)
-    } else {
-        report::render(p, &r, &goals, &env, took, &args.flags())
+    let own = match args.own_report() {
+        Some(Section::Indexes) => Some((
+            "Index comparison: partial vs composite",
+            "indexes",
+            r.indexes_md.as_deref(),
+            "INDEXES.json",
+        )),
+        Some(_) => Some((
+            "Fairness between the databases of one relay",
+            "fairness",
+            r.fairness_md.as_deref(),
+            "FAIRNESS.json",
+        )),
+        None => None,
+    };
+    let md = match own {
+        Some(o) => report::render_own(p, &r, o, &env, took),
+        None => report::render(p, &r, &goals, &env, took, &args.flags()),
     };
     println!("{md}");
     if let Some(out) = &args.output {
         std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
         progress!("==> report written to {}", out.display());
     }
-    let json = if args.index_report() {
-        results::indexes_json(p, &r, took.as_secs_f64())
-    } else {
-        results::to_json(p, &r, &goals, took.as_secs_f64())
+    let secs = took.as_secs_f64();
+    let json = match args.own_report() {
+        Some(Section::Indexes) => results::section_json(p, "indexes", &r.indexes, &r, secs),
+        Some(_) => results::section_json(p, "fairness", &r.fairness, &r, secs),
+        None => results::to_json(p, &r, &goals, secs),
     };
     if let Some(out) = args.json_path() {
         let text = serde_json::to_string_pretty(&json)?;
@@ -202,6 +218,10 @@ async fn broker_sections(
     if want(Section::Ordering) {
         progress!("==> 7. per-key order: ordered vs unordered drain to the broker");
         ordering::run_drains(p, &env, r).await?;
+    }
+    if want(Section::Fairness) {
+        progress!("==> fairness: two databases on one relay, one with a backlog");
+        fairness::run(p, &env, r).await?;
     }
     Ok(())
 }

@@ -72,6 +72,15 @@ pub struct DbArgs {
     /// File whose content (trimmed) is the connection string.
     #[arg(long, env = "OUTBOX_DATABASE_URL_FILE")]
     pub database_url_file: Option<PathBuf>,
+
+    /// Config file (TOML) listing databases by name (docs/relay.md, "Many databases"): `run`
+    /// serves them all; an operator command works on the one --database names.
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// The database of --config an operator command works on (not needed when it lists one).
+    #[arg(long, env = "OUTBOX_DATABASE")]
+    pub database: Option<String>,
 }
 
 /// The Kafka connection of `run` (producer) and `tail` (consumer).
@@ -115,7 +124,7 @@ impl KafkaArgs {
 
 /// Duration defaults are written as text (that is what `--help` shows); a test keeps them equal to
 /// the constants in `defaults`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     #[command(flatten)]
     pub db: DbArgs,

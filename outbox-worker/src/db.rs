@@ -41,6 +41,9 @@ pub struct Target {
 /// Reads the connection string from the flag/env or the file, parses it (TLS parameters with
 /// libpq's meaning) and returns it with a password-free description for logs.
 pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
+    if let Some(chosen) = crate::config::selected(args)? {
+        return config(&chosen);
+    }
     let text = match (&args.database_url, &args.database_url_file) {
         (Some(_), Some(_)) => {
             return Err(Fatal::usage(
@@ -352,6 +355,8 @@ mod tests {
         DbArgs {
             database_url: Some(url.into()),
             database_url_file: None,
+            config: None,
+            database: None,
         }
     }
 

@@ -46,6 +46,14 @@ impl Health {
         }
     }
 
+    /// Every claim loop counts as having completed a round now: a fleet's database waiting to be
+    /// started again waits on purpose, and a restart of the process would not help it.
+    pub fn all_rounds_completed(&self) {
+        for n in 0..self.rounds.len() {
+            self.round_completed(n);
+        }
+    }
+
     /// Records whether the last database call succeeded.
     pub fn db_result(&self, ok: bool) {
         self.db_ok.store(ok, Ordering::Relaxed);

@@ -23,11 +23,11 @@ pub fn init(directives: Option<&str>, format: LogFormat) -> Result<(), String> {
     match format {
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
         // Fields (message included) at the top level: what log shippers index without
-        // configuration.
+        // configuration; a fleet's database name under "span" (absent with one database).
         LogFormat::Json => builder
             .json()
             .flatten_event(true)
-            .with_current_span(false)
+            .with_current_span(true)
             .with_span_list(false)
             .init(),
     }

@@ -93,7 +93,11 @@ fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogr
 impl Metrics {
     /// `health` is the state the health endpoints read.
     pub fn new(health: Health) -> Arc<Metrics> {
-        let r = Registry::new();
+        Metrics::in_registry(health, Registry::new())
+    }
+
+    /// The metrics registered in `r` (one with a `database` label per database of a fleet).
+    pub fn in_registry(health: Health, r: Registry) -> Arc<Metrics> {
         Arc::new(Metrics {
             published: counter_vec(
                 &r,
@@ -241,12 +245,60 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding");
-        String::from_utf8(buf).expect("utf-8")
+        render_all(&[&self.registry])
     }
+}
+
+/// What the endpoints serve: one relay's [`Metrics`], or a fleet's (`fleet.rs`).
+pub trait Status: Send + Sync + 'static {
+    /// The Prometheus text of `/metrics`.
+    fn render(&self) -> String;
+    /// `/live`: `Err(why)` answers 503.
+    fn live(&self) -> Result<(), String>;
+    /// `/ready`: `Ok(body)` answers 200 (the body may name a degraded database), `Err` 503.
+    fn ready(&self) -> Result<String, String>;
+    /// `/health`: the database(s) alone.
+    fn health(&self) -> Result<(), String>;
+}
+
+impl Status for Metrics {
+    fn render(&self) -> String {
+        Metrics::render(self)
+    }
+    fn live(&self) -> Result<(), String> {
+        self.health.live()
+    }
+    fn ready(&self) -> Result<String, String> {
+        self.health
+            .ready()
+            .map(|()| "ok\n".to_string())
+            .map_err(str::to_string)
+    }
+    fn health(&self) -> Result<(), String> {
+        match (self.health.stopping(), self.health.db_ok()) {
+            (true, _) => Err("stopping".into()),
+            (false, true) => Ok(()),
+            (false, false) => Err("database unreachable".into()),
+        }
+    }
+}
+
+/// Prometheus text of several registries, the series of a name under one family (a fleet's
+/// databases each register the same names with their own `database` label).
+pub fn render_all(registries: &[&Registry]) -> String {
+    let mut families: Vec<prometheus::proto::MetricFamily> = Vec::new();
+    for mut f in registries.iter().flat_map(|r| r.gather()) {
+        match families.iter_mut().find(|g| g.name() == f.name()) {
+            Some(g) => g.mut_metric().extend(f.take_metric()),
+            None => families.push(f),
+        }
+    }
+    families.sort_by(|a, b| a.name().cmp(b.name()));
+    let mut buf = Vec::new();
+    TextEncoder::new()
+        .encode(&families, &mut buf)
+        .expect("text encoding");
+    String::from_utf8(buf).expect("utf-8")
 }
 
 /// The pause after a failed accept.
@@ -255,7 +307,7 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// Binds the address now (so a bad address fails start-up) and serves until cancelled.
 pub async fn serve(
     addr: SocketAddr,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn Status>,
     cancel: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, Fatal> {
     let listener = TcpListener::bind(addr)
@@ -289,7 +341,7 @@ pub async fn serve(
     }))
 }
 
-async fn handle(mut stream: tokio::net::TcpStream, m: Arc<Metrics>) -> std::io::Result<()> {
+async fn handle(mut stream: tokio::net::TcpStream, m: Arc<dyn Status>) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
@@ -310,16 +362,10 @@ async fn handle(mut stream: tokio::net::TcpStream, m: Arc<Metrics>) -> std::io::
             "text/plain; version=0.0.4; charset=utf-8",
             m.render(),
         ),
-        ("GET", "/live") => status(m.health.live()),
-        ("GET", "/ready") => status(m.health.ready()),
+        ("GET", "/live") => status(m.live().map(|()| "ok\n".to_string())),
+        ("GET", "/ready") => status(m.ready()),
         // Before /live and /ready: the database alone (kept for existing probes).
-        ("GET", "/health") => status(if m.health.stopping() {
-            Err("stopping")
-        } else if m.health.db_ok() {
-            Ok(())
-        } else {
-            Err("database unreachable")
-        }),
+        ("GET", "/health") => status(m.health().map(|()| "ok\n".to_string())),
         ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
         _ => (
             "405 Method Not Allowed",
@@ -335,10 +381,10 @@ async fn handle(mut stream: tokio::net::TcpStream, m: Arc<Metrics>) -> std::io::
     stream.shutdown().await
 }
 
-/// A health check's answer: `200 ok`, or `503` with the reason.
-fn status<E: std::fmt::Display>(r: Result<(), E>) -> (&'static str, &'static str, String) {
+/// A health check's answer: `200` with its body, or `503` with the reason.
+fn status(r: Result<String, String>) -> (&'static str, &'static str, String) {
     match r {
-        Ok(()) => ("200 OK", "text/plain", "ok\n".to_string()),
+        Ok(body) => ("200 OK", "text/plain", body),
         Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::breaker::{probe_loop, Breaker};
 use crate::claim::{claim_loop, Relay};
@@ -45,71 +46,42 @@ pub fn default_owner() -> String {
     format!("{host}-{}-{:08x}", std::process::id(), h.finish() as u32)
 }
 
+/// `outbox-worker run`: one database (`--database-url`), or every database of `--config`
+/// (`fleet.rs`).
 pub async fn run(args: RunArgs) -> Result<(), Fatal> {
+    if args.db.config.is_some() {
+        return crate::fleet::run(args).await;
+    }
     args.validate()?;
     // Signals from here on stop the relay cleanly (exit 0), even during start-up.
     let metrics = Metrics::new(Health::new(args.concurrency, args.live_timeout()));
     let cancel = CancellationToken::new();
-    shutdown::spawn_signal_handler(cancel.clone(), metrics.clone());
+    let m = metrics.clone();
+    shutdown::spawn_signal_handler(cancel.clone(), move || m.health.set_stopping());
     shutdown::spawn_deadline(cancel.clone(), args.shutdown_timeout);
+    shutdown::ignore_hangup();
     let props = args.producer_properties()?;
-    let mut target = db::config(&args.db)?;
-    let asked_timeout = db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
-    let desc = target.desc.clone();
-    // One connection per claim loop, one for the reclaimer, one for the stats poller, and one
-    // for the heartbeat: a beat never waits behind a round.
-    let store = Store::open(
-        target.clone(),
-        args.concurrency + 3,
-        args.pool_timeout(),
-        args.call_timeout(),
-    )
-    .await?;
-    let Settings {
-        max_retry,
-        max_claim,
-        statement_timeout,
-    } = read_settings(&store).await?;
-    check_statement_timeout(asked_timeout, statement_timeout);
-    if let Some(max_claim) = max_claim {
-        if args.batch_size > max_claim {
-            return Err(Fatal::usage(format!(
-                "--batch-size {} is above the database's outbox.max_claim ({max_claim})",
-                args.batch_size
-            )));
-        }
-    }
-
+    let db = Database::open(&args).await?;
     // Created after the database checks: librdkafka starts connecting at once.
-    let kafka_metrics = Arc::new(KafkaMetrics::register(&metrics.registry));
-    let publisher = Publisher::new(
-        &args.kafka.brokers,
-        args.send_timeout,
-        &props,
-        kafka_metrics,
-    )?;
+    let publisher = shared_publisher(&args, &props, &metrics.registry)?;
+    let server = Server::start(args.metrics_addr, metrics.clone()).await?;
+    let result = db.serve(&args, metrics, publisher.clone(), cancel).await;
+    publisher.flush();
+    let result = server.stop(result).await;
+    if result.is_ok() {
+        tracing::info!("relay stopped: in-flight events settled");
+    }
+    result
+}
 
-    let server_cancel = CancellationToken::new();
-    let server = match args.metrics_addr {
-        Some(addr) => Some(metrics::serve(addr, metrics.clone(), server_cancel.clone()).await?),
-        None => None,
-    };
-
-    let owner = args.owner.clone().unwrap_or_else(default_owner);
-    tracing::info!(
-        owner = %owner,
-        database = %desc,
-        brokers = %args.kafka.brokers,
-        batch_size = args.batch_size,
-        concurrency = args.concurrency,
-        poll_interval = %humantime::format_duration(args.poll_interval),
-        lease = %humantime::format_duration(args.lease),
-        heartbeat_timeout = %humantime::format_duration(args.heartbeat_timeout()),
-        send_timeout = %humantime::format_duration(args.send_timeout),
-        statement_timeout = %humantime::format_duration(args.statement_timeout()),
-        max_retry,
-        "relay started"
-    );
+/// The producer all databases' claim loops share, its librdkafka statistics in `registry`.
+pub fn shared_publisher(
+    args: &RunArgs,
+    props: &[(String, String)],
+    registry: &prometheus::Registry,
+) -> Result<Arc<Publisher>, Fatal> {
+    let kafka_metrics = Arc::new(KafkaMetrics::register(registry));
+    let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, props, kafka_metrics)?;
     let (rdkafka_version, rdkafka_features) = librdkafka_build();
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
@@ -117,63 +89,199 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
         features = %rdkafka_features,
         "librdkafka build"
     );
+    Ok(Arc::new(publisher))
+}
 
-    let publisher = Arc::new(publisher);
-    let probe = publisher.clone().probe();
-    let m = metrics.clone();
-    tokio::spawn(async move { m.health.set_broker_reachable(probe.await) });
-    let breaker = Arc::new(Breaker::new());
-    let (rounds_tx, rounds_rx) = watch::channel(0usize);
-    let relay = Arc::new(Relay {
-        store,
-        publisher: publisher.clone(),
-        breaker: breaker.clone(),
-        metrics: metrics.clone(),
-        owner,
-        batch_size: args.batch_size,
-        poll_interval: args.poll_interval,
-        lease: args.lease,
-        rounds: rounds_tx,
-        unknown: UnknownErrors::new(defaults::UNKNOWN_ERROR_GRACE),
-        held: Default::default(),
-        claiming: Default::default(),
-    });
+/// The metrics and health endpoints, when `--metrics-addr` is set.
+pub struct Server {
+    task: Option<tokio::task::JoinHandle<()>>,
+    cancel: CancellationToken,
+}
 
-    // The first beat before the first claim, so that every claim is covered; a relay that may
-    // not beat (no EXECUTE on outbox_heartbeat) stops here with one line.
-    let heartbeat_timeout = heartbeat_timeout(&relay, args.heartbeat_timeout()).await?;
-    // Called after a claim whose reply was lost; checked now (a new owner holds nothing), so a
-    // role without EXECUTE on it stops here with one line rather than at that moment.
-    call_at_start(
-        &relay.store,
-        "release_orphans",
-        "; grant it to the relay's role (sql/examples/grant-roles.sql)",
-        || relay.store.release_orphans(&relay.owner, &[]),
-    )
-    .await?;
-    let beat_cancel = CancellationToken::new();
-    let beats = heartbeat_timeout
-        .map(|timeout| tokio::spawn(heartbeat_loop(relay.clone(), timeout, beat_cancel.clone())));
+impl Server {
+    pub async fn start(
+        addr: Option<std::net::SocketAddr>,
+        status: Arc<dyn metrics::Status>,
+    ) -> Result<Server, Fatal> {
+        let cancel = CancellationToken::new();
+        let task = match addr {
+            Some(addr) => Some(metrics::serve(addr, status, cancel.clone()).await?),
+            None => None,
+        };
+        Ok(Server { task, cancel })
+    }
 
-    let (wake_tx, wake_rx) = watch::channel(0u64);
-    let mut tasks = Tasks::new(cancel.clone());
-    let waiter = wakeup::run(
-        target,
-        relay.store.schema().to_string(),
-        wake_tx.clone(),
-        rounds_rx,
-        cancel.clone(),
-    );
-    tasks.spawn("wake-up session", async move {
-        waiter.await;
-        Ok(())
-    });
+    /// Stops serving; a server failure becomes the result unless the relay failed already.
+    pub async fn stop(self, result: Result<(), Fatal>) -> Result<(), Fatal> {
+        self.cancel.cancel();
+        let Some(Err(e)) = (match self.task {
+            Some(t) => Some(t.await),
+            None => None,
+        }) else {
+            return result;
+        };
+        let f = Fatal::runtime(format!("metrics server: {e}"));
+        match result {
+            Ok(()) => Err(f),
+            Err(first) => {
+                tracing::error!("{}", f.message);
+                Err(first)
+            }
+        }
+    }
+}
+
+/// A database the relay checked at start-up: its pool, its address for the wake-up session and
+/// `outbox.max_retry`.
+pub struct Database {
+    store: Store,
+    target: db::Target,
+    max_retry: i32,
+}
+
+impl Database {
+    /// Connects, checks the extension and the settings against the flags.
+    pub async fn open(args: &RunArgs) -> Result<Database, Fatal> {
+        let mut target = db::config(&args.db)?;
+        let asked_timeout = db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
+        // One connection per claim loop, one for the reclaimer, one for the stats poller, and
+        // one for the heartbeat: a beat never waits behind a round.
+        let store = Store::open(
+            target.clone(),
+            args.concurrency + 3,
+            args.pool_timeout(),
+            args.call_timeout(),
+        )
+        .await?;
+        let Settings {
+            max_retry,
+            max_claim,
+            statement_timeout,
+        } = read_settings(&store).await?;
+        check_statement_timeout(asked_timeout, statement_timeout);
+        if let Some(max_claim) = max_claim.filter(|m| args.batch_size > *m) {
+            return Err(Fatal::usage(format!(
+                "--batch-size {} is above the database's outbox.max_claim ({max_claim})",
+                args.batch_size
+            )));
+        }
+        Ok(Database {
+            store,
+            target,
+            max_retry,
+        })
+    }
+
+    /// Runs the claim loops, the reclaimer, the stats poller and the wake-up session until
+    /// `cancel` (or a task's failure, which fires it); then settles and stops.
+    pub async fn serve(
+        self,
+        args: &RunArgs,
+        metrics: Arc<Metrics>,
+        publisher: Arc<Publisher>,
+        cancel: CancellationToken,
+    ) -> Result<(), Fatal> {
+        let owner = args.owner.clone().unwrap_or_else(default_owner);
+        log_start(args, &owner, &self);
+        let probe = publisher.clone().probe();
+        let m = metrics.clone();
+        tokio::spawn(async move { m.health.set_broker_reachable(probe.await) }.in_current_span());
+        let (rounds_tx, rounds_rx) = watch::channel(0usize);
+        let relay = Arc::new(Relay {
+            store: self.store,
+            publisher: publisher.clone(),
+            breaker: Arc::new(Breaker::new()),
+            metrics: metrics.clone(),
+            owner,
+            batch_size: args.batch_size,
+            poll_interval: args.poll_interval,
+            lease: args.lease,
+            rounds: rounds_tx,
+            unknown: UnknownErrors::new(defaults::UNKNOWN_ERROR_GRACE),
+            held: Default::default(),
+            claiming: Default::default(),
+        });
+
+        let beats = Beats::start(&relay, args).await?;
+        let (wake_tx, wake_rx) = watch::channel(0u64);
+        let mut tasks = Tasks::new(cancel.clone());
+        let waiter = wakeup::run(
+            self.target,
+            relay.store.schema().to_string(),
+            wake_tx.clone(),
+            rounds_rx,
+            cancel.clone(),
+        );
+        tasks.spawn("wake-up session", async move {
+            waiter.await;
+            Ok(())
+        });
+        spawn_loops(&mut tasks, &relay, args, (&wake_tx, &wake_rx), &cancel);
+
+        // Until a signal, or a task's failure, cancels them all; either way every claim loop
+        // settles its round before it stops.
+        let result = tasks.join().await;
+        let beating = beats.stop().await;
+        settle_leftovers(&relay, beating).await;
+        // Held until every claim loop has stopped: with no sender left, a loop's wait for a
+        // wake-up would end at once and fall back to a plain sleep that ignores the shutdown.
+        drop(wake_tx);
+        result
+    }
+}
+
+/// The heartbeat loop of a database's owner, when heartbeats are on.
+struct Beats {
+    task: Option<tokio::task::JoinHandle<()>>,
+    cancel: CancellationToken,
+}
+
+impl Beats {
+    /// The first beat before the first claim, so that every claim is covered; a relay that may
+    /// not beat (no EXECUTE on outbox_heartbeat) or release (outbox_release_orphans, called after
+    /// a claim whose reply was lost) stops here with one line rather than at that moment.
+    async fn start(relay: &Arc<Relay>, args: &RunArgs) -> Result<Beats, Fatal> {
+        let timeout = heartbeat_timeout(relay, args.heartbeat_timeout()).await?;
+        call_at_start(
+            &relay.store,
+            "release_orphans",
+            "; grant it to the relay's role (sql/examples/grant-roles.sql)",
+            || relay.store.release_orphans(&relay.owner, &[]),
+        )
+        .await?;
+        let cancel = CancellationToken::new();
+        let task = timeout.map(|t| {
+            tokio::spawn(heartbeat_loop(relay.clone(), t, cancel.clone()).in_current_span())
+        });
+        Ok(Beats { task, cancel })
+    }
+
+    /// Stops beating (after the rounds have ended); whether heartbeats were on.
+    async fn stop(self) -> bool {
+        self.cancel.cancel();
+        let Some(task) = self.task else {
+            return false;
+        };
+        let _ = task.await;
+        true
+    }
+}
+
+/// The reclaimer, the broker prober and watch, the stats poller and the claim loops.
+fn spawn_loops(
+    tasks: &mut Tasks,
+    relay: &Arc<Relay>,
+    args: &RunArgs,
+    (wake_tx, wake_rx): (&watch::Sender<u64>, &watch::Receiver<u64>),
+    cancel: &CancellationToken,
+) {
+    let every = args.reclaim_interval;
     tasks.spawn(
         "reclaimer",
         reclaim_loop(
             relay.clone(),
             args.lease,
-            args.reclaim_interval,
+            every,
             wake_tx.clone(),
             cancel.clone(),
         ),
@@ -181,10 +289,10 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     tasks.spawn(
         "broker prober",
         probe_loop(
-            breaker,
-            publisher,
+            relay.breaker.clone(),
+            relay.publisher.clone(),
             args.send_timeout,
-            metrics.clone(),
+            relay.metrics.clone(),
             cancel.clone(),
         ),
     );
@@ -207,38 +315,39 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
             claim_loop(n, relay.clone(), wake_rx.clone(), cancel.clone()),
         );
     }
+}
 
-    // Until a signal, or a task's failure, cancels them all; either way every claim loop
-    // settles its round before it stops.
-    let mut result = tasks.join().await;
-    // Rounds have ended: the last beat says this relay stops, so whatever a round could not
-    // settle (a failed ack) is reclaimed at the next reclaim of any relay. (Past the shutdown
-    // deadline the process exits without it; its beats then run out within the timeout.)
-    beat_cancel.cancel();
-    if let Some(beats) = beats {
-        let _ = beats.await;
+/// After the rounds have ended: whatever a round could not settle (a failed ack) is released
+/// (outbox_release_orphans) rather than left to the lease, and the last beat says this relay
+/// stops. (Past the shutdown deadline the process exits without it; its beats then run out.)
+async fn settle_leftovers(relay: &Relay, beating: bool) {
+    match relay.store.release_orphans(&relay.owner, &[]).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(released = n, "released the claims no round settled"),
+        Err(e) => tracing::warn!("could not release the claims no round settled: {e}"),
+    }
+    if beating {
         if let Err(e) = relay.store.heartbeat(&relay.owner, Duration::ZERO).await {
             tracing::warn!("could not say this relay stops (outbox_heartbeat): {e}");
         }
     }
-    // Held until every claim loop has stopped: with no sender left, a loop's wait for a wake-up
-    // would end at once and fall back to a plain sleep that ignores the shutdown.
-    drop(wake_tx);
-    relay.publisher.flush();
-    server_cancel.cancel();
-    if let Some(server) = server {
-        if let Err(e) = server.await {
-            let f = Fatal::runtime(format!("metrics server: {e}"));
-            match result {
-                Ok(()) => result = Err(f),
-                Err(_) => tracing::error!("{}", f.message),
-            }
-        }
-    }
-    if result.is_ok() {
-        tracing::info!("relay stopped: in-flight events settled");
-    }
-    result
+}
+
+fn log_start(args: &RunArgs, owner: &str, db: &Database) {
+    tracing::info!(
+        owner = %owner,
+        database_address = %db.store.desc(),
+        brokers = %args.kafka.brokers,
+        batch_size = args.batch_size,
+        concurrency = args.concurrency,
+        poll_interval = %humantime::format_duration(args.poll_interval),
+        lease = %humantime::format_duration(args.lease),
+        heartbeat_timeout = %humantime::format_duration(args.heartbeat_timeout()),
+        send_timeout = %humantime::format_duration(args.send_timeout),
+        statement_timeout = %humantime::format_duration(args.statement_timeout()),
+        max_retry = db.max_retry,
+        "relay started"
+    );
 }
 
 /// The first heartbeat: the timeout to keep beating with, None when heartbeats are off.

@@ -3,15 +3,13 @@
 //! after their lease with heartbeats off). Either way the stop is bounded: past the shutdown
 //! timeout the process exits 1 whatever it was waiting for.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
-
-pub fn spawn_signal_handler(cancel: CancellationToken, metrics: Arc<Metrics>) {
+/// `on_stop` runs at the first signal (readiness says "stopping" from then on).
+pub fn spawn_signal_handler(cancel: CancellationToken, on_stop: impl FnOnce() + Send + 'static) {
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
     tokio::spawn(async move {
@@ -20,7 +18,7 @@ pub fn spawn_signal_handler(cancel: CancellationToken, metrics: Arc<Metrics>) {
             _ = int.recv() => "SIGINT",
         };
         tracing::info!("{name} received: stopping claims, settling in-flight events");
-        metrics.health.set_stopping();
+        on_stop();
         cancel.cancel();
         let name = tokio::select! {
             _ = term.recv() => "SIGTERM",
@@ -45,5 +43,16 @@ pub fn spawn_deadline(cancel: CancellationToken, timeout: Duration) {
             humantime::format_duration(timeout)
         );
         std::process::exit(1);
+    });
+}
+
+/// SIGHUP re-reads `--config` (`fleet.rs`); a relay without one has nothing to re-read, and a
+/// reload signal sent to every relay must not stop it.
+pub fn ignore_hangup() {
+    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP ignored: this relay has no --config to re-read");
+        }
     });
 }

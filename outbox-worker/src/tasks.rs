@@ -34,7 +34,8 @@ impl Tasks {
     where
         F: Future<Output = Result<(), DbError>> + Send + 'static,
     {
-        let handle = self.set.spawn(task);
+        // A fleet's database runs in a span naming it: its tasks' lines carry the name.
+        let handle = self.set.spawn(tracing::Instrument::in_current_span(task));
         self.names.insert(handle.id(), name.into());
     }
 

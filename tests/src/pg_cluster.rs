@@ -106,26 +106,38 @@ impl PgCluster {
             dir.display()
         )
         .expect("write postgresql.conf");
-        let log = dir.join("server.log");
-        check(
-            "pg_ctl start",
-            as_postgres(&[
-                &format!("{bin_s}/pg_ctl"),
-                "-D",
-                data_s,
-                "-l",
-                log.to_str().expect("utf-8"),
-                "-w",
-                "-t",
-                "30",
-                "start",
-            ]),
-        );
-        PgCluster {
+        let cluster = PgCluster {
             dir,
             port,
             bin: bin.to_path_buf(),
-        }
+        };
+        cluster.start_again();
+        cluster
+    }
+
+    /// `pg_ctl ARGS` on this cluster's data directory, as postgres.
+    fn pg_ctl(&self, args: &[&str]) -> Output {
+        let data = self.dir.join("data");
+        let pg_ctl = format!("{}/pg_ctl", self.bin.display());
+        let mut argv = vec![pg_ctl.as_str(), "-D", data.to_str().unwrap_or("")];
+        argv.extend_from_slice(args);
+        as_postgres(&argv)
+    }
+
+    /// Starts the (stopped) server and waits until it accepts connections.
+    pub fn start_again(&self) {
+        let log = self.dir.join("server.log");
+        let log = log.to_str().expect("utf-8");
+        check(
+            "pg_ctl start",
+            self.pg_ctl(&["-l", log, "-w", "-t", "30", "start"]),
+        );
+    }
+
+    /// Stops the server with `pg_ctl stop -m MODE` (`fast`, `immediate`: a crash, as for the
+    /// clients).
+    pub fn stop(&self, mode: &str) {
+        check("pg_ctl stop", self.pg_ctl(&["-m", mode, "-w", "stop"]));
     }
 
     /// libpq parameters for `dbname` over TCP on localhost, without TLS settings.
@@ -153,16 +165,7 @@ impl PgCluster {
 
 impl Drop for PgCluster {
     fn drop(&mut self) {
-        let data = self.dir.join("data");
-        let _ = as_postgres(&[
-            &format!("{}/pg_ctl", self.bin.display()),
-            "-D",
-            data.to_str().unwrap_or(""),
-            "-m",
-            "immediate",
-            "-w",
-            "stop",
-        ]);
+        let _ = self.pg_ctl(&["-m", "immediate", "-w", "stop"]);
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }

@@ -255,3 +255,23 @@ impl Drop for Relay {
         let _ = self.child.wait();
     }
 }
+
+/// One `[databases.NAME]` table of a relay config file: its connection string and extra TOML
+/// lines (`concurrency = 2`, `lease = "20s"`).
+pub struct ConfigDb<'a> {
+    pub name: &'a str,
+    pub url: String,
+    pub extra: &'a [&'a str],
+}
+
+/// Writes a relay config file (`run --config`) listing `dbs` to `path`.
+pub fn write_config(path: &std::path::Path, dbs: &[ConfigDb<'_>]) {
+    let mut text = String::new();
+    for db in dbs {
+        text += &format!("[databases.{}]\nurl = {:?}\n", db.name, db.url);
+        for line in db.extra {
+            text += &format!("{line}\n");
+        }
+    }
+    std::fs::write(path, text).expect("write the relay config");
+}
