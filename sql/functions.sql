@@ -408,24 +408,27 @@ $$;
 
 -- Up to `need` events of the window after the position pos_id, in id order: those of
 -- transactions prev_snap saw running, by txid, and those of transactions begun after it, one
--- primary-key range from lo to hi (outbox_stream_window).
+-- primary-key range from lo to hi (outbox_stream_window). No SET clause, so the planner inlines
+-- it and the claim keeps its plan; every function and operator is named with its schema instead.
 CREATE FUNCTION @extschema@.outbox_stream_walk(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_id bigint,
                                                lo bigint, hi bigint, need int)
 RETURNS TABLE (id bigint, key_hash bigint)
 LANGUAGE sql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT w.id, w.key_hash FROM (
         SELECT e.id, e.key_hash
-          FROM pg_snapshot_xip(prev_snap) x
+          FROM pg_catalog.pg_snapshot_xip(prev_snap) x
          CROSS JOIN LATERAL (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
-                              WHERE e.txid = x AND e.id > pos_id
-                              ORDER BY e.id LIMIT need) e
-         WHERE pg_visible_in_snapshot(x, cur_snap)
+                              WHERE e.txid OPERATOR(pg_catalog.=) x AND e.id OPERATOR(pg_catalog.>) pos_id
+                              ORDER BY e.txid, e.id LIMIT need) e
+         WHERE pg_catalog.pg_visible_in_snapshot(x, cur_snap)
         UNION ALL
         (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
-          WHERE lo IS NOT NULL AND e.id > greatest(pos_id, lo - 1) AND e.id <= hi
-            AND e.txid >= pg_snapshot_xmax(prev_snap) AND pg_visible_in_snapshot(e.txid, cur_snap)
+          WHERE lo IS NOT NULL
+            AND e.id OPERATOR(pg_catalog.>) greatest(pos_id, lo OPERATOR(pg_catalog.-) 1)
+            AND e.id OPERATOR(pg_catalog.<=) hi
+            AND e.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(prev_snap)
+            AND pg_catalog.pg_visible_in_snapshot(e.txid, cur_snap)
           ORDER BY e.id
           LIMIT need)
     ) w
@@ -541,11 +544,14 @@ BEGIN
         c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
     END LOOP;
     IF cardinality(array_remove(hashes, NULL)) > 0 THEN
+        -- Busy: in another unsettled batch (few rows), or with a key row (read only if any).
         busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
-                       WHERE b.claim_token >= c.batch_floor AND k = ANY (hashes))
-             || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
-                        JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
-                       WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+                       WHERE b.claim_token >= c.batch_floor AND k = ANY (hashes));
+        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
+            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+        END IF;
         IF cardinality(busy) > 0 THEN
             PERFORM @extschema@.outbox_stream_divert(ids, busy, stamp, c.batch_floor);
             SELECT coalesce(array_agg(t.id ORDER BY t.id), '{}'), coalesce(array_agg(t.h ORDER BY t.id), '{}')
