@@ -1,7 +1,7 @@
 //! `outbox`: the transactional outbox as a PostgreSQL extension.
 //!
 //! The data path (enqueue, claim, ack, nack, renew, reclaim, requeue, purge, stats) is plain SQL in
-//! the repository's top-level `sql/`, each call a single guarded statement. Rust owns what SQL
+//! the repository's top-level `sql/`, one file per concern (docs/design.md). Rust owns what SQL
 //! cannot do well: registering and validating the `outbox.*` settings (`guc.rs`) and handing them
 //! to the SQL layer in one typed call (`outbox_config()`), and the producer's per-event guards and
 //! identity (`producer.rs`: topic names and allow-list, UUID version 7).
@@ -28,8 +28,8 @@ extension_sql_file!(
     requires = [producer::outbox_uuidv7]
 );
 extension_sql_file!(
-    "../../sql/functions.sql",
-    name = "functions",
+    "../../sql/checks.sql",
+    name = "checks",
     requires = [
         "schema",
         client::outbox_client_connected,
@@ -43,6 +43,12 @@ extension_sql_file!(
         wake::outbox_wake_mode
     ],
 );
+extension_sql_file!("../../sql/enqueue.sql", name = "enqueue", requires = ["checks"]);
+extension_sql_file!("../../sql/stream.sql", name = "stream", requires = ["enqueue"]);
+extension_sql_file!("../../sql/claim.sql", name = "claim", requires = ["stream"]);
+extension_sql_file!("../../sql/settle.sql", name = "settle", requires = ["claim"]);
+extension_sql_file!("../../sql/reclaim.sql", name = "reclaim", requires = ["settle"]);
+extension_sql_file!("../../sql/admin.sql", name = "admin", requires = ["reclaim"]);
 extension_sql_file!("../../sql/privileges.sql", name = "privileges", finalize);
 
 #[cfg(any(test, feature = "pg_test"))]

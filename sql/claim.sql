@@ -1,0 +1,289 @@
+-- The claim: the wake-up's look at the queue, the tracked part, and outbox_claim itself.
+
+-- Whether a claim would find something now: a due unordered event, or a due key (one that looked
+-- idle counts only once an event of it waits, else a producer still in its transaction would keep
+-- it "due" and waiters would spin). outbox_wait's look at the queue, so each probe is an index
+-- probe that stops at its first entry, whatever the history or the backlog:
+-- - the stream's is a scalar subquery in index order, not EXISTS: the planner drops an EXISTS'
+--   ORDER BY and LIMIT, and, guessing that a third of the stream lies past the cursor, would scan
+--   the table from its first page;
+-- - the backoff and key probes read the earliest time from their indexes (min), then compare it
+--   with the clock: clock_timestamp() cannot bound an index scan.
+CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+-- Every look is an index probe; bounds known only at run time must not lead to a scan.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+    -- The stream: the rest of the cursor's window, or a committed event of a later one (a plain
+    -- read sees only committed rows): after xmax(cur_snap), or of a transaction it saw running.
+    SELECT EXISTS (SELECT 1 FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v
+                                   ORDER BY v.version DESC LIMIT 1) c
+                    WHERE c.pos_id < c.win_hi
+                       OR (SELECT e.id FROM @extschema@.outbox_stream e
+                            WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
+                            ORDER BY e.txid, e.id
+                            LIMIT 1) IS NOT NULL
+                       -- A scalar probe per txid: a join could be planned as a scan of the stream.
+                       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.cur_snap) x
+                                   WHERE (SELECT e.id FROM @extschema@.outbox_stream e
+                                           WHERE e.txid = x LIMIT 1) IS NOT NULL))
+        -- (No such row: min is NULL, and the look must say false, not NULL.)
+        OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
+                      WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
+        OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.due_at > '-infinity')
+                    <= clock_timestamp(), false)
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
+                    WHERE k.due_at = '-infinity'
+                      AND EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
+                                   WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                     AND e.ordered AND e.status = 'WAIT'))
+$$;
+
+-- Blocks until a claim may find something (true) or the timeout passes (false): the relay's
+-- wake-up, without LISTEN/NOTIFY (docs/reference.md, "Wake-up"). With shared_preload_libraries =
+-- 'outbox', the commit of a transaction that enqueued wakes it at once; without, it looks at the
+-- queue every outbox.wait_poll_interval. One statement: works through a transaction pooler.
+CREATE FUNCTION @extschema@.outbox_wait(timeout interval DEFAULT '1 second')
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF timeout IS NULL OR timeout < interval '0' OR timeout > interval '1 hour' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_wait: timeout must be between 0 and 1 hour',
+            DETAIL = format('timeout = %s', coalesce(timeout::text, 'NULL'));
+    END IF;
+    -- Under REPEATABLE READ the looks would share one snapshot and never see a new event.
+    PERFORM @extschema@.outbox_check_isolation('outbox_wait');
+    RETURN @extschema@.outbox_wait_for((extract(epoch FROM timeout) * 1000)::bigint,
+                                       '@extschema@.outbox_work_due()'::regprocedure);
+END
+$$;
+
+-- The tracked part of a claim: up to max_events due events in row state, under the claim's token.
+-- Each due key's run (the prefix of its unfinished events from its head, in id order, that are
+-- WAIT and due, none while the key is busy in a stream batch) and the oldest due unordered rows.
+-- It never waits for a lock: key rows and rows are taken SKIP LOCKED, so concurrent claimers
+-- split them. Each visited key row gets its next state; keys found idle are deleted.
+CREATE FUNCTION @extschema@.outbox_claim_tracked(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    lease interval := make_interval(secs => (SELECT c.lease_ms FROM @extschema@.outbox_config() c) / 1000.0);
+    -- missing_ok: the SQL-only build has no registered setting (its outbox_config() checks the value).
+    skip_dead boolean := lower(coalesce(current_setting('outbox.head_of_line', true), '')) = 'skip';
+    busy bigint[];
+    claimed_ids bigint[];
+    idle_topics text[];
+    idle_keys text[];
+BEGIN
+    -- Keys of unsettled stream batches (this claim's own included): their tracked events wait.
+    busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                   WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                            ORDER BY v.version DESC LIMIT 1));
+    -- The due keys, oldest due first, each with its unfinished events from its head as far as
+    -- they are runnable, and the head in any case; a key row is locked only when reached, so a
+    -- claim visits as few keys as fill it, and never more than max_events rows per key.
+    WITH visit AS MATERIALIZED (
+        SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at AS key_due, k.busy, p.*
+          FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at,
+                       @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (busy) AS busy
+                  FROM @extschema@.outbox_key d
+                 WHERE d.due_at <= stamp
+                 ORDER BY d.due_at
+                 LIMIT least(max_events, 1000)
+                 FOR UPDATE SKIP LOCKED) k
+          LEFT JOIN LATERAL (
+              SELECT r.* FROM (
+                  SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+                         row_number() OVER (ORDER BY e.id) AS pos,
+                         bool_and(e.status = 'WAIT' AND e.next_retry_time <= stamp AND NOT k.busy)
+                             OVER (ORDER BY e.id) AS runnable
+                    FROM @extschema@.outbox_tracked e
+                   WHERE e.topic = k.topic AND e.event_key = k.event_key
+                     AND e.ordered AND e.status <> 'SUCCESS'
+                     AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+                   ORDER BY e.id
+                   LIMIT max_events) r
+               WHERE r.runnable OR r.pos = 1
+          ) p ON true
+         LIMIT max_events
+    ), unordered AS MATERIALIZED (
+        SELECT c.id, c.next_retry_time
+          FROM @extschema@.outbox_tracked c
+         WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
+         ORDER BY c.next_retry_time, c.id
+         LIMIT max_events
+         FOR UPDATE SKIP LOCKED
+    ), chosen AS MATERIALIZED (
+        -- Cut by due time with a key's run ranked as one block, so a cut keeps a prefix.
+        SELECT x.id FROM (
+            SELECT v.id, v.key_due AS due, v.row_id AS grp, v.pos FROM visit v WHERE v.runnable
+            UNION ALL
+            SELECT u.id, u.next_retry_time, NULL::tid, 1 FROM unordered u
+        ) x
+        ORDER BY x.due, x.grp, x.pos
+        LIMIT max_events
+    ), claimed AS (
+        -- The one statement that hands out tracked rows.
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SENDING', claim_owner = owner, claim_token = token,
+               claimed_at = stamp, updated_at = stamp
+         WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
+        RETURNING e.id
+    ), heads AS (
+        SELECT h.*, @extschema@.outbox_key_next_due(h.holding, h.busy, h.status, h.next_retry_time,
+                                                    h.claimed_at, h.key_due, stamp, lease) AS next_due
+          FROM (SELECT v.row_id, min(v.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
+                       bool_or(v.busy) AS busy,
+                       min(v.status) FILTER (WHERE v.pos = 1) AS status,
+                       min(v.next_retry_time) FILTER (WHERE v.pos = 1) AS next_retry_time,
+                       min(v.claimed_at) FILTER (WHERE v.pos = 1) AS claimed_at
+                  FROM visit v LEFT JOIN chosen c ON c.id = v.id
+                 GROUP BY v.row_id) h
+    ), looked AS (
+        -- The key rows by their tuple ids: locked above, so they cannot have moved.
+        UPDATE @extschema@.outbox_key k SET due_at = h.next_due
+          FROM heads h
+         WHERE k.ctid = ANY (ARRAY(SELECT v.row_id FROM visit v)) AND k.ctid = h.row_id
+           AND k.due_at <> h.next_due
+    )
+    SELECT (SELECT coalesce(array_agg(c.id), '{}') FROM claimed c),
+           array_agg(v.topic) FILTER (WHERE v.id IS NULL), array_agg(v.event_key) FILTER (WHERE v.id IS NULL)
+      INTO claimed_ids, idle_topics, idle_keys
+      FROM visit v;
+    -- Idle keys (locked above) are deleted, unless an event of theirs is unfinished, only by a
+    -- claim that holds the stream's lock: no claim then diverts an event to a key row half deleted.
+    IF idle_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(idle_topics, idle_keys) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_tracked e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+    RETURN claimed_ids;
+END
+$$;
+
+-- When a visited key needs a look next: after its run (the lease, unless settled sooner), at its
+-- head's backoff, never while a dead head blocks it ('infinity'), when the stream batch holding
+-- it is settled, or it is idle ('-infinity': deleted by the claim).
+CREATE FUNCTION @extschema@.outbox_key_next_due(holding boolean, busy boolean,
+                                                head_status @extschema@.outbox_status,
+                                                head_due timestamptz, head_claimed timestamptz,
+                                                key_due timestamptz, stamp timestamptz, lease interval)
+RETURNS timestamptz
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN holding THEN stamp + lease
+                WHEN head_status IS NULL THEN '-infinity'::timestamptz
+                WHEN head_status = 'WAIT' AND head_due <= stamp AND busy THEN stamp + interval '1 second'
+                WHEN head_status = 'WAIT' AND head_due <= stamp THEN key_due
+                WHEN head_status = 'WAIT' THEN head_due
+                WHEN head_status = 'SENDING' THEN greatest(head_claimed + lease, stamp + interval '1 second')
+                ELSE 'infinity'::timestamptz
+           END
+$$;
+
+CREATE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
+RETURNS SETOF @extschema@.outbox_event
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    token bigint;
+    -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
+    stamp timestamptz := clock_timestamp();
+    due_tracked int;
+    tracked_ids bigint[] := '{}';
+    stream_ids bigint[] := '{}';
+    lo_id bigint;
+    hi_id bigint;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    -- A transaction that wrote may hold events of its own, which a claim would hand out
+    -- uncommitted. Checked before the token's nextval, which may assign a transaction id itself.
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'active_sql_transaction',
+            MESSAGE = 'outbox_claim: the transaction has already written; a claim must come first in its own transaction',
+            HINT = 'Claim in a transaction of its own and commit right after (one claim per transaction).';
+    END IF;
+    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', cfg.max_claim),
+            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
+    END IF;
+    token := nextval('@extschema@.outbox_claim_token_seq');
+    -- The stream first, while the claim holds no row lock: its waits (the stream's lock, a key
+    -- row being inserted) then never close a cycle (docs/design.md, "Lock order"). Due tracked
+    -- work keeps up to half of the batch, so retries and held keys never starve behind a backlog.
+    due_tracked := (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_tracked e
+                                            WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= stamp
+                                            LIMIT max_events) u)
+                 + (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_key k
+                                            WHERE k.due_at <= stamp AND k.due_at > '-infinity'
+                                            LIMIT max_events) k);
+    IF max_events - least(due_tracked, (max_events + 1) / 2) > 0 THEN
+        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
+                                                     max_events - least(due_tracked, (max_events + 1) / 2));
+    END IF;
+    IF cardinality(stream_ids) < max_events THEN
+        tracked_ids := @extschema@.outbox_claim_tracked(owner, token, stamp, max_events - cardinality(stream_ids));
+    END IF;
+
+    -- The stream rows' ids are mostly consecutive: read them as one primary-key range when the
+    -- range holds at most twice as many ids as the batch (id = ANY alone descends the index once
+    -- per id, two buffers each), else by id.
+    IF cardinality(stream_ids) > 0 THEN
+        SELECT min(i), max(i) INTO lo_id, hi_id FROM unnest(stream_ids) i;
+        IF hi_id - lo_id >= 2 * cardinality(stream_ids) THEN
+            lo_id := NULL;
+        END IF;
+    END IF;
+    -- A claim whose client is gone would hold its events for a dead owner until the lease ends:
+    -- PostgreSQL runs a statement to its end after its client died (a relay SIGKILLed with this
+    -- claim in flight), and commits it. Roll it back instead; nobody is there to see the error.
+    IF (cardinality(tracked_ids) > 0 OR cardinality(stream_ids) > 0)
+       AND NOT @extschema@.outbox_client_connected() THEN
+        RAISE EXCEPTION USING ERRCODE = 'connection_failure',
+            MESSAGE = 'outbox_claim: the client disconnected; the claim is rolled back';
+    END IF;
+    -- Rows in publish (= id, within a key commit) order: UPDATE ... RETURNING has none.
+    RETURN QUERY
+    SELECT e.* FROM (
+        SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
+               t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
+               t.updated_at, t.event_id, t.ordered, t.skipped_at
+          FROM @extschema@.outbox_tracked t WHERE t.id = ANY (tracked_ids)
+        UNION ALL
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
+               NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
+          FROM (SELECT r.* FROM @extschema@.outbox_stream r
+                 WHERE r.id BETWEEN lo_id AND hi_id
+                 OFFSET 0) s -- a fence: the id list filters the range, it does not drive the scan
+          JOIN unnest(stream_ids) u(id) ON u.id = s.id -- hashed, not a search of the list per row
+         WHERE lo_id IS NOT NULL
+        UNION ALL
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
+               NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
+          FROM @extschema@.outbox_stream s
+         WHERE lo_id IS NULL AND s.id = ANY (stream_ids)
+    ) e
+    ORDER BY e.id;
+END
+$$;

@@ -1,0 +1,223 @@
+-- The producer side: one event, or many of one topic, in the caller's transaction.
+
+-- A key's identity in the stream (outbox_stream.key_hash, outbox_stream_batch.keys): 64 bits, so
+-- two keys share one about never, and when they do a claim only holds one back while the other
+-- is busy. No SET clause, so the planner inlines it (an enqueue hot path); every function and
+-- operator is named with its schema instead, so no search_path can redirect it.
+CREATE FUNCTION @extschema@.outbox_key_hash(topic text, event_key text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT pg_catalog.hashtextextended(topic OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) event_key, 0)
+$$;
+
+CREATE FUNCTION @extschema@.outbox_enqueue(
+    topic text,
+    payload jsonb,
+    key text DEFAULT NULL,
+    event_type text DEFAULT NULL,
+    headers jsonb DEFAULT '{}',
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    header record;
+    payload_bytes int;
+    message_bytes bigint;
+    max_bytes int;
+    new_id bigint;
+    ordered boolean;
+BEGIN
+    -- In Rust, one call: the topic's format and the operator's allow-list (outbox.allowed_topics),
+    -- the note that wakes outbox_wait at commit, and whether the key keeps its order.
+    ordered := @extschema@.outbox_enqueue_begin(topic, key);
+    IF payload IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = 'outbox_enqueue: payload must not be NULL (use ''null''::jsonb for a JSON null)';
+    END IF;
+    headers := coalesce(headers, '{}'::jsonb);
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+            DETAIL = format('headers is a JSON %s', jsonb_typeof(headers));
+    END IF;
+    IF headers <> '{}'::jsonb THEN
+        FOR header IN SELECT h.key, jsonb_typeof(h.value) AS kind FROM jsonb_each(headers) h LOOP
+            IF header.kind <> 'string' THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
+                    DETAIL = format('header %L is a JSON %s', header.key, header.kind);
+            END IF;
+            IF header.key IN ('event_id', 'event_type', 'event_key', 'outbox_id') THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = format('outbox_enqueue: header %L is set by the relay and cannot be given in headers', header.key);
+            END IF;
+        END LOOP;
+    END IF;
+    -- 'infinity' would be stored and never become due.
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_enqueue: deliver_at must be a finite timestamp (or NULL for now)',
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+    -- The limit guards the whole message the relay will send: payload, key and headers.
+    payload_bytes := octet_length(payload::text);
+    message_bytes := payload_bytes::bigint + coalesce(octet_length(key), 0)
+                     + CASE WHEN headers = '{}'::jsonb THEN 0 ELSE octet_length(headers::text) END;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    IF message_bytes > max_bytes THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('outbox_enqueue: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             message_bytes, payload_bytes, coalesce(octet_length(key), 0),
+                             message_bytes - payload_bytes - coalesce(octet_length(key), 0), max_bytes);
+    END IF;
+
+    IF deliver_at > now() THEN
+        -- Due later: a tracked row, claimed by its next_retry_time. It takes no part in its key's
+        -- order (a reminder due tomorrow must not hold the key's other events until then).
+        INSERT INTO @extschema@.outbox_tracked
+            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        VALUES
+            (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
+        RETURNING id INTO new_id;
+    ELSE
+        -- One append-only row, never written again (outbox_stream); an ordered event carries its
+        -- key's hash, by which the claim keeps the key's order.
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+        VALUES (topic, key, CASE WHEN ordered THEN @extschema@.outbox_key_hash(topic, key) END,
+                event_type, payload, headers)
+        RETURNING id INTO new_id;
+    END IF;
+
+    -- Off by default: relays wait with outbox_wait. NOTIFY is for a listener of the application's
+    -- own, and makes notifying transactions commit one at a time (docs/reference.md, "Wake-up").
+    IF @extschema@.outbox_notify_enabled() THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+    RETURN new_id;
+END
+$$;
+
+-- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks and errors
+-- (each error names the array position, counted from 1): the arrays are read in step, keys,
+-- event_types and headers being NULL or as long as payloads. Returns the ids in array order;
+-- within a key, array order is publish order.
+CREATE FUNCTION @extschema@.outbox_enqueue_many(
+    topic text,
+    payloads jsonb[],
+    keys text[] DEFAULT NULL,
+    event_types text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    fn constant text := 'outbox_enqueue_many';
+    n int := coalesce(cardinality(payloads), 0);
+    ordered_topic boolean;
+    due_later boolean := coalesce(deliver_at > now(), false);
+    bad record;
+    max_bytes int;
+BEGIN
+    -- The topic's checks and the wake-up note, once for the whole batch.
+    PERFORM @extschema@.outbox_enqueue_begin(topic, NULL);
+    ordered_topic := @extschema@.outbox_topic_ordered(topic);
+    IF payloads IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads must be an array of JSON values, not NULL', fn);
+    END IF;
+    IF array_ndims(payloads) > 1 OR array_ndims(keys) > 1 OR array_ndims(event_types) > 1
+       OR array_ndims(headers) > 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: the arrays must be one-dimensional', fn);
+    END IF;
+    SELECT a.name, a.len INTO bad
+      FROM (VALUES ('keys', cardinality(keys)), ('event_types', cardinality(event_types)),
+                   ('headers', cardinality(headers))) a(name, len)
+     WHERE a.len IS NOT NULL AND a.len <> n
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s has %s elements, payloads %s (give one per payload, or NULL)',
+                             fn, bad.name, bad.len, n);
+    END IF;
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: deliver_at must be a finite timestamp (or NULL for now)', fn),
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+
+    -- Every element is checked before anything is written; the first bad one is reported.
+    SELECT u.pos INTO bad FROM unnest(payloads) WITH ORDINALITY u(p, pos) WHERE u.p IS NULL LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads[%s] is NULL (use ''null''::jsonb for a JSON null)', fn, bad.pos);
+    END IF;
+    SELECT u.pos, jsonb_typeof(u.h) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+     WHERE u.h IS NOT NULL AND jsonb_typeof(u.h) <> 'object'
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('headers[%s] is a JSON %s', bad.pos, bad.kind);
+    END IF;
+    SELECT u.pos, e.key, jsonb_typeof(e.value) AS kind INTO bad
+      FROM unnest(headers) WITH ORDINALITY u(h, pos)
+      CROSS JOIN LATERAL jsonb_each(u.h) e
+     WHERE u.h IS NOT NULL AND u.h <> '{}'::jsonb
+       AND (jsonb_typeof(e.value) <> 'string' OR e.key IN ('event_id', 'event_type', 'event_key', 'outbox_id'))
+     ORDER BY u.pos
+     LIMIT 1;
+    IF FOUND AND bad.kind <> 'string' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
+            DETAIL = format('header %L is a JSON %s', bad.key, bad.kind);
+    ELSIF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: headers[%s]: header %L is set by the relay and cannot be given in headers', fn, bad.pos, bad.key);
+    END IF;
+    max_bytes := @extschema@.outbox_max_payload_bytes();
+    SELECT m.pos, m.payload_bytes, m.key_bytes, m.header_bytes INTO bad
+      FROM (SELECT u.pos, octet_length(u.p::text) AS payload_bytes,
+                   coalesce(octet_length(u.k), 0) AS key_bytes,
+                   CASE WHEN coalesce(u.h, '{}'::jsonb) = '{}'::jsonb THEN 0 ELSE octet_length(u.h::text) END AS header_bytes
+              FROM unnest(payloads, keys, headers) WITH ORDINALITY u(p, k, h, pos)) m
+     WHERE m.payload_bytes::bigint + m.key_bytes + m.header_bytes > max_bytes
+     ORDER BY m.pos
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'program_limit_exceeded',
+            MESSAGE = format('%s: payloads[%s]: message is %s bytes (payload %s, key %s, headers %s), outbox.max_payload_bytes allows at most %s',
+                             fn, bad.pos, bad.payload_bytes::bigint + bad.key_bytes + bad.header_bytes,
+                             bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
+    END IF;
+
+    -- Ids are drawn in array order; events due later go to outbox_tracked (unordered, as in
+    -- outbox_enqueue), the rest to outbox_stream.
+    IF due_later THEN
+        RETURN QUERY
+        INSERT INTO @extschema@.outbox_tracked
+            (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
+        SELECT topic, u.k, u.t, u.p, coalesce(u.h, '{}'::jsonb), 'WAIT', deliver_at, false
+          FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
+         ORDER BY u.pos
+        RETURNING outbox_tracked.id;
+    ELSE
+        RETURN QUERY
+        INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)
+        SELECT topic, u.k, CASE WHEN ordered_topic AND u.k IS NOT NULL THEN @extschema@.outbox_key_hash(topic, u.k) END,
+               u.t, u.p, coalesce(u.h, '{}'::jsonb)
+          FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
+         ORDER BY u.pos
+        RETURNING outbox_stream.id;
+    END IF;
+
+    IF @extschema@.outbox_notify_enabled() AND n > 0 THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;

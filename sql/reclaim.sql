@@ -1,0 +1,226 @@
+-- Owners and reclaim: heartbeats, and taking back claims past their lease or whose owner is gone.
+
+-- A claimer says it is alive until now + timeout, and beats again before then (the relay every
+-- sixth of its timeout). Once an owner's expiry has passed without a new beat, outbox_reclaim
+-- takes back the claims it made before that expiry, whatever their lease. A timeout of zero says
+-- the owner stops: what it still holds goes at the next reclaim. A later beat revives the owner,
+-- and its claims that were not reclaimed yet are its own again. Returns the expiry.
+CREATE FUNCTION @extschema@.outbox_heartbeat(owner text, timeout interval DEFAULT '30 seconds')
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    -- Wall clock, as the claim's claimed_at: a beat inside a long transaction is still now.
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    PERFORM @extschema@.outbox_check_owner('outbox_heartbeat', owner);
+    -- The upper bound keeps stamp + timeout inside timestamptz's range.
+    IF timeout IS NULL OR timeout < interval '0' OR timeout > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_heartbeat: timeout must be an interval from 0 to 100 years',
+            DETAIL = format('timeout = %s', coalesce(timeout::text, 'NULL'));
+    END IF;
+    INSERT INTO @extschema@.outbox_owner AS o (owner, started_at, beat_at, expires_at)
+    VALUES (owner, stamp, stamp, stamp + timeout)
+    ON CONFLICT ON CONSTRAINT outbox_owner_pkey
+    DO UPDATE SET beat_at = excluded.beat_at, expires_at = excluded.expires_at;
+    RETURN stamp + timeout;
+END
+$$;
+
+-- The claimers, for operators (outbox-worker relays): every owner with a heartbeat row or a
+-- claim, whether it is alive (NULL: it never beat, so its claims go back after their lease only),
+-- and how many events it holds since when.
+CREATE FUNCTION @extschema@.outbox_owners(max_rows int DEFAULT 100)
+RETURNS TABLE (owner text, alive boolean, started_at timestamptz, beat_at timestamptz,
+               expires_at timestamptz, held bigint, oldest_claim timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_owners: max_rows must be between 1 and 100000',
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+    END IF;
+    RETURN QUERY
+    WITH claims AS (
+        SELECT t.claim_owner AS who, count(*) AS n, min(t.claimed_at) AS since
+          FROM @extschema@.outbox_tracked t
+         WHERE t.status = 'SENDING'
+         GROUP BY t.claim_owner
+        UNION ALL
+        -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+        SELECT b.claim_owner, sum(cardinality(b.pending)), min(b.claimed_at)
+          FROM @extschema@.outbox_stream_batch b
+         WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                  ORDER BY v.version DESC LIMIT 1)
+         GROUP BY b.claim_owner
+    ), holders AS (
+        SELECT c.who, sum(c.n)::bigint AS n, min(c.since) AS since FROM claims c GROUP BY c.who
+    )
+    SELECT coalesce(o.owner, h.who), o.expires_at >= stamp, o.started_at, o.beat_at, o.expires_at,
+           coalesce(h.n, 0), h.since
+      FROM @extschema@.outbox_owner o
+      FULL JOIN holders h ON h.who = o.owner
+     ORDER BY 1
+     LIMIT max_rows;
+END
+$$;
+
+-- Why outbox_reclaim takes back a claim that owner made at claimed_at, as its last_error, or NULL
+-- when it does not: the lease ended, or the owner's heartbeat ran out after it claimed (gone_owners
+-- and gone_at: the owners whose heartbeat has run out, and when).
+CREATE FUNCTION @extschema@.outbox_reclaim_reason(owner text, claimed_at timestamptz,
+                                                  stamp timestamptz, lease interval,
+                                                  gone_owners text[], gone_at timestamptz[])
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN claimed_at < stamp - lease
+                THEN format('lease expired: claimed by %s at %s, not settled within %s',
+                            owner, claimed_at, lease)
+                WHEN claimed_at <= g.at
+                THEN format('owner gone: claimed by %s at %s, whose heartbeat ran out at %s',
+                            owner, claimed_at, g.at)
+           END
+      FROM (SELECT gone_at[array_position(gone_owners, owner)] AS at) g
+$$;
+
+-- Expired claims back to WAIT (or FAIL): claims past their lease, and claims whose owner's
+-- heartbeat ran out (outbox_heartbeat). Returns each reclaimed row with its new state and the
+-- owner that held it, so the caller can log and count the dead letters it made.
+CREATE FUNCTION @extschema@.outbox_reclaim_returning(lease interval DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    done int;
+    moved_rows int;
+    gone_owners text[];
+    gone_at timestamptz[];
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    lease := coalesce(lease, make_interval(secs => cfg.lease_ms / 1000.0));
+    -- The upper bound keeps stamp - lease inside timestamptz's range (else 22008 from deep inside).
+    IF lease <= interval '0' OR lease > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_reclaim: lease must be a positive interval of at most 100 years',
+            DETAIL = format('lease = %s', lease);
+    END IF;
+    -- Guarded by status and claimed_at in the same statement: a row acked, nacked or renewed
+    -- while this runs no longer matches and is left alone. A reclaim counts as a failed attempt,
+    -- so a poison event that kills its relay every time still ends as a dead letter.
+    -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
+    -- (waiting in claimed_at order against acks in id order could deadlock).
+    -- Owners whose heartbeat ran out (outbox_heartbeat), with when it did: their claims made
+    -- before then go now (outbox_reclaim_reason). Few rows, read whole.
+    SELECT coalesce(array_agg(o.owner), '{}'), coalesce(array_agg(o.expires_at), '{}')
+      INTO gone_owners, gone_at
+      FROM @extschema@.outbox_owner o
+     WHERE o.expires_at < stamp;
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
+         WHERE x.status = 'SENDING'
+           AND @extschema@.outbox_reclaim_reason(x.claim_owner, x.claimed_at, stamp, lease,
+                                                 gone_owners, gone_at) IS NOT NULL
+         ORDER BY x.id
+         FOR UPDATE SKIP LOCKED
+    ), reclaimed AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp,
+               last_error = @extschema@.outbox_reclaim_reason(e.claim_owner, e.claimed_at, stamp,
+                                                              lease, gone_owners, gone_at),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL, updated_at = stamp
+         -- Locked above, so still as expired saw them; the state is checked again all the same.
+         WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING'
+           AND @extschema@.outbox_reclaim_reason(e.claim_owner, e.claimed_at, stamp, lease,
+                                                 gone_owners, gone_at) IS NOT NULL
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM reclaimed d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
+      FROM reclaimed r JOIN expired x ON x.id = r.id
+     ORDER BY r.id;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream batches past their lease, or whose owner is gone: their events become tracked copies
+    -- (same id and event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        SELECT b.claim_token, b.claim_owner, b.pending, r.why
+          FROM @extschema@.outbox_stream_batch b
+         CROSS JOIN LATERAL (SELECT @extschema@.outbox_reclaim_reason(b.claim_owner, b.claimed_at, stamp,
+                                                                      lease, gone_owners, gone_at) AS why) r
+         WHERE r.why IS NOT NULL
+           -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+           AND b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
+                                  ORDER BY v.version DESC LIMIT 1)
+         ORDER BY b.claim_token
+         FOR UPDATE OF b SKIP LOCKED
+    ), gone AS (
+        DELETE FROM @extschema@.outbox_stream_batch b
+         USING expired x
+         WHERE b.claim_token = x.claim_token
+    ), held AS (
+        SELECT p.id, x.claim_owner, x.why
+          FROM expired x CROSS JOIN LATERAL unnest(x.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked AS m
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp, h.why,
+               s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         ORDER BY s.id
+        RETURNING m.id, m.topic, m.status, m.retry_count
+    ), key_rows AS (
+        -- The ordered ones' key rows, as outbox_stream_key_rows writes them.
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+        SELECT DISTINCT s.topic, s.event_key, stamp
+          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
+         WHERE s.key_hash IS NOT NULL
+         ORDER BY 1, 2
+        ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+    )
+    SELECT mv.id, mv.topic, mv.status, mv.retry_count, h.claim_owner
+      FROM moved mv JOIN held h ON h.id = mv.id
+     ORDER BY mv.id;
+    GET DIAGNOSTICS moved_rows = ROW_COUNT;
+    done := done + moved_rows;
+    -- Owners gone for longer than a lease hold nothing the lease has not taken back (a claim
+    -- skipped above as locked included): their rows go, so the table stays as small as the
+    -- set of live claimers.
+    IF cardinality(gone_owners) > 0 THEN
+        DELETE FROM @extschema@.outbox_owner o WHERE o.expires_at < stamp - lease;
+    END IF;
+    IF done > 0 AND cfg.notify THEN
+        PERFORM pg_notify('outbox', '');
+    END IF;
+END
+$$;
+
+-- outbox_reclaim_returning, counted.
+CREATE FUNCTION @extschema@.outbox_reclaim(lease interval DEFAULT NULL)
+RETURNS int
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT count(*)::int FROM @extschema@.outbox_reclaim_returning(lease)
+$$;

@@ -1,0 +1,252 @@
+-- Settling a claim: ack, nack, renew, release; each touches only what (owner, token) still holds.
+
+CREATE FUNCTION @extschema@.outbox_ack(owner text, claim_token bigint, ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
+    -- Row locks in id order, the one order of every statement that may wait for a row lock
+    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
+    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
+    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
+    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
+    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
+    -- "Life-cycle cost").
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SUCCESS', updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT count(*) INTO done FROM settled;
+    -- Stream events of this claim: out of its batch, nothing else to write (they are SUCCESS).
+    RETURN done + cardinality(@extschema@.outbox_stream_settle(owner, claim_token, ids));
+END
+$$;
+
+-- The retry rule, written once (nack and reclaim): after its n-th failed attempt an event is a
+-- dead letter (FAIL) when n exceeds outbox.max_retry, else it waits for its next attempt.
+CREATE FUNCTION @extschema@.outbox_status_after_failure(attempts int, max_retry int)
+RETURNS @extschema@.outbox_status
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN attempts > max_retry THEN 'FAIL' ELSE 'WAIT' END::@extschema@.outbox_status
+$$;
+
+-- One failed attempt for the rows the caller still holds; returns each settled row with its new
+-- state, so the caller knows which ones became dead letters without re-deriving the rule.
+CREATE FUNCTION @extschema@.outbox_nack_returning(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, next_retry_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    cfg record;
+    stamp timestamptz := clock_timestamp();
+    held bigint[];
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
+    SELECT * INTO cfg FROM @extschema@.outbox_config();
+    -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    RETURN QUERY
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET retry_count = e.retry_count + 1,
+               status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
+               next_retry_time = stamp + make_interval(secs =>
+                   least(power(e.retry_count + 1, 2) * cfg.backoff_base_ms, cfg.backoff_max_ms)
+                   * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               -- A nack without a reason keeps the last one instead of erasing it.
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
+    -- Stream events of this claim fail their first attempt: from here on their state lives in
+    -- a tracked copy (same id and event_id), as any retried event's does.
+    held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
+    IF cardinality(held) > 0 THEN
+        RETURN QUERY
+        WITH moved AS (
+            INSERT INTO @extschema@.outbox_tracked AS m
+                (id, topic, event_key, event_type, payload, headers, status, retry_count,
+                 next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+                   @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1,
+                   stamp + make_interval(secs =>
+                       least(cfg.backoff_base_ms, cfg.backoff_max_ms)
+                       * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+                   error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
+              FROM @extschema@.outbox_stream s
+             WHERE s.id = ANY (held)
+             ORDER BY s.id
+            RETURNING m.id, m.topic, m.status, m.retry_count, m.next_retry_time
+        )
+        SELECT mv.id, mv.topic, mv.status, mv.retry_count, mv.next_retry_time FROM moved mv ORDER BY mv.id;
+        PERFORM @extschema@.outbox_stream_key_rows(held, stamp);
+    END IF;
+END
+$$;
+
+-- outbox_nack_returning, counted: how many of the ids were still held and settled.
+CREATE FUNCTION @extschema@.outbox_nack(owner text, claim_token bigint, ids bigint[], error text DEFAULT NULL)
+RETURNS int
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT count(*)::int FROM @extschema@.outbox_nack_returning(owner, claim_token, ids, error)
+$$;
+
+CREATE FUNCTION @extschema@.outbox_renew(owner text, claim_token bigint, ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    UPDATE @extschema@.outbox_tracked e
+       SET claimed_at = stamp, updated_at = stamp
+     WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+       AND e.claim_owner = owner AND e.claim_token = claim_token;
+    GET DIAGNOSTICS done = ROW_COUNT;
+    -- Stream events: their claim's batch carries the lease.
+    WITH renewed AS (
+        UPDATE @extschema@.outbox_stream_batch b SET claimed_at = stamp
+         WHERE b.claim_token = claim_token AND b.claim_owner = owner AND b.pending && ids
+        RETURNING b.pending
+    )
+    SELECT done + coalesce(sum((SELECT count(*) FROM unnest(r.pending) p WHERE p = ANY (ids))), 0)
+      INTO done FROM renewed r;
+    RETURN done;
+END
+$$;
+
+-- Hands held rows back WITHOUT counting a failed attempt: for failures that are not the event's
+-- fault (broker unreachable, timeouts, not enough replicas). Fenced like nack; due after `delay`.
+CREATE FUNCTION @extschema@.outbox_release(owner text, claim_token bigint, ids bigint[],
+                                           delay interval DEFAULT '0', error text DEFAULT NULL)
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    done int;
+    held bigint[];
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_release', owner, claim_token, ids);
+    IF delay IS NULL OR delay < interval '0' OR delay > interval '100 years' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
+            DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
+    END IF;
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'WAIT', next_retry_time = stamp + delay,
+               claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
+               last_error = coalesce(error, e.last_error), updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.topic, e.event_key, e.ordered
+    ), woken AS (
+        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
+        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key
+    )
+    SELECT count(*) INTO done FROM settled;
+    -- Stream events go back as tracked copies (same id and event_id), due after the delay.
+    held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
+    IF cardinality(held) > 0 THEN
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+               stamp + delay, error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (held)
+         ORDER BY s.id;
+        PERFORM @extschema@.outbox_stream_key_rows(held, stamp);
+        done := done + cardinality(held);
+    END IF;
+    RETURN done;
+END
+$$;
+
+-- Releases what `owner` holds under tokens other than `keep`, without counting an attempt: a
+-- claim whose reply was lost (its connection died after the commit) left events whose token its
+-- owner never learned, held until the lease while the owner keeps beating. Returns how many.
+CREATE FUNCTION @extschema@.outbox_release_orphans(owner text, keep bigint[] DEFAULT '{}')
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    orphan record;
+    done int := 0;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_release_orphans');
+    PERFORM @extschema@.outbox_check_owner('outbox_release_orphans', owner);
+    PERFORM @extschema@.outbox_check_ids('outbox_release_orphans', keep);
+    FOR orphan IN
+        SELECT o.token, array_agg(o.id ORDER BY o.id) AS ids
+          FROM (SELECT t.claim_token AS token, t.id FROM @extschema@.outbox_tracked t
+                 WHERE t.status = 'SENDING' AND t.claim_owner = owner
+                UNION ALL
+                SELECT b.claim_token, unnest(b.pending) FROM @extschema@.outbox_stream_batch b
+                 WHERE b.claim_owner = owner) o
+         WHERE (o.token = ANY (keep)) IS NOT TRUE
+         GROUP BY o.token
+         ORDER BY o.token
+    LOOP
+        done := done + @extschema@.outbox_release(owner, orphan.token, orphan.ids, '0',
+                                                 'orphaned: the reply to its claim never reached its owner');
+    END LOOP;
+    RETURN done;
+END
+$$;

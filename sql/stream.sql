@@ -1,0 +1,344 @@
+-- The stream: fresh events handed out window by window (docs/design.md, "The claim path").
+
+-- The advisory lock on which claims take turns to read the stream (outbox_stream_take); the high
+-- 32 bits ('outb') keep it apart from an application's small advisory lock numbers.
+CREATE FUNCTION @extschema@.outbox_stream_lock_id() RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT 8031453474740765696::pg_catalog.int8
+$$;
+
+-- Takes the stream's lock until commit (a position is only visible then): true once held, false
+-- after a second behind another holder (a claim left open in a transaction), so that a claim
+-- never stalls for long. An advisory lock writes no WAL: an idle poll writes nothing.
+CREATE FUNCTION @extschema@.outbox_stream_lock() RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    caller_lock_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        RETURN true;
+    END IF;
+    PERFORM set_config('lock_timeout', '1s', true);
+    BEGIN
+        PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+        RETURN false;
+    END;
+    PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+    RETURN true;
+END
+$$;
+
+-- A cursor restored into another cluster (see outbox_stream_take), made good before a fresh
+-- cursor starts: every event it had not handed out (not passed by its position, or newer than its
+-- window: an id above hwm) becomes a tracked row due now, every event a claim held becomes a
+-- tracked row held by that claim (its relay may still ack it; reclaim frees it after the lease),
+-- and stream rows whose txid this cluster has not reached yet are deleted, so that they are never
+-- handed out again once it does. Loud: a restore into another cluster re-delivers.
+CREATE FUNCTION @extschema@.outbox_stream_rebase(prev_snap pg_snapshot, cur_snap pg_snapshot,
+                                                 pos_id bigint, hwm bigint)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    owed bigint;
+    held bigint;
+    moved_ids bigint[];
+BEGIN
+    WITH claimed AS (
+        SELECT p.id, b.claim_owner, b.claim_token, b.claimed_at
+          FROM @extschema@.outbox_stream_batch b CROSS JOIN LATERAL unnest(b.pending) AS p(id)
+    ), moved AS (
+        INSERT INTO @extschema@.outbox_tracked
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, claim_owner, claim_token, claimed_at, created_at, updated_at,
+             event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
+               CASE WHEN c.id IS NULL THEN 'WAIT' ELSE 'SENDING' END::@extschema@.outbox_status, 0,
+               stamp, c.claim_owner, c.claim_token, c.claimed_at, s.created_at, stamp, s.event_id,
+               s.key_hash IS NOT NULL
+          FROM @extschema@.outbox_stream s
+          LEFT JOIN claimed c ON c.id = s.id
+         WHERE (c.id IS NOT NULL OR s.id > hwm
+                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_id))
+           AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
+         ORDER BY s.id
+        RETURNING outbox_tracked.id, outbox_tracked.status
+    )
+    SELECT count(*) FILTER (WHERE m.status = 'WAIT'), count(*) FILTER (WHERE m.status = 'SENDING'),
+           coalesce(array_agg(m.id), '{}')
+      INTO owed, held, moved_ids FROM moved m;
+    PERFORM @extschema@.outbox_stream_key_rows(moved_ids, stamp);
+    DELETE FROM @extschema@.outbox_stream_batch;
+    DELETE FROM @extschema@.outbox_stream s
+     WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
+    RAISE WARNING USING
+        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts', owed, held);
+END
+$$;
+
+-- The key rows of the ordered ones among stream events that become tracked rows (diverted from a
+-- busy key, nacked, released, reclaimed), due at `due` or sooner: from here on their key's claims
+-- go through outbox_key. In key order, the one order of every writer of several key rows.
+CREATE FUNCTION @extschema@.outbox_stream_key_rows(ids bigint[], due timestamptz) RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
+    SELECT DISTINCT s.topic, s.event_key, due
+      FROM @extschema@.outbox_stream s
+     WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL
+     ORDER BY 1, 2
+    ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+$$;
+
+-- The window between two snapshots: the events whose transaction cur_snap sees finished and
+-- prev_snap does not. lo: the smallest id among those of transactions begun after prev_snap; hi:
+-- the largest id of all. Transactions prev_snap saw running are read by equality on txid: a long
+-- transaction costs a probe, not a range.
+CREATE FUNCTION @extschema@.outbox_stream_window(prev_snap pg_snapshot, cur_snap pg_snapshot,
+                                                 OUT lo bigint, OUT hi bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT min(w.id) FILTER (WHERE w.newer), max(w.id)
+      FROM (SELECT e.id, true AS newer FROM @extschema@.outbox_stream e
+             WHERE e.txid >= pg_snapshot_xmax(prev_snap) AND e.txid < pg_snapshot_xmax(cur_snap)
+               AND pg_visible_in_snapshot(e.txid, cur_snap)
+            UNION ALL
+            SELECT (SELECT max(e.id) FROM @extschema@.outbox_stream e WHERE e.txid = x), false
+              FROM pg_snapshot_xip(prev_snap) x
+             WHERE pg_visible_in_snapshot(x, cur_snap)) w
+$$;
+
+-- Up to `need` events of the window after the position pos_id, in id order: those of
+-- transactions prev_snap saw running, by txid, and those of transactions begun after it, one
+-- primary-key range from lo to hi (outbox_stream_window). No SET clause, so the planner inlines
+-- it and the claim keeps its plan; every function and operator is named with its schema instead.
+CREATE FUNCTION @extschema@.outbox_stream_walk(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_id bigint,
+                                               lo bigint, hi bigint, need int)
+RETURNS TABLE (id bigint, key_hash bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT w.id, w.key_hash FROM (
+        SELECT e.id, e.key_hash
+          FROM pg_catalog.pg_snapshot_xip(prev_snap) x
+         CROSS JOIN LATERAL (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
+                              WHERE e.txid OPERATOR(pg_catalog.=) x AND e.id OPERATOR(pg_catalog.>) pos_id
+                              ORDER BY e.txid, e.id LIMIT need) e
+         WHERE pg_catalog.pg_visible_in_snapshot(x, cur_snap)
+        UNION ALL
+        (SELECT e.id, e.key_hash FROM @extschema@.outbox_stream e
+          WHERE lo IS NOT NULL
+            AND e.id OPERATOR(pg_catalog.>) greatest(pos_id, lo OPERATOR(pg_catalog.-) 1)
+            AND e.id OPERATOR(pg_catalog.<=) hi
+            AND e.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(prev_snap)
+            AND pg_catalog.pg_visible_in_snapshot(e.txid, cur_snap)
+          ORDER BY e.id
+          LIMIT need)
+    ) w
+    ORDER BY w.id
+    LIMIT need
+$$;
+
+-- Events of busy keys become tracked rows due now, behind their key's head, with a key row for a
+-- key that has none (in key order; only a holder of the stream's lock deletes key rows). The
+-- batches holding such keys learn that keys wait for them (SKIP LOCKED), so that settling them
+-- makes those keys due; a key row the claim looks at in a second anyway is made due now.
+CREATE FUNCTION @extschema@.outbox_stream_divert(ids bigint[], busy bigint[], stamp timestamptz, floor bigint)
+RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO @extschema@.outbox_tracked
+        (id, topic, event_key, event_type, payload, headers, status, retry_count,
+         next_retry_time, created_at, updated_at, event_id, ordered)
+    SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
+           stamp, s.created_at, stamp, s.event_id, true
+      FROM @extschema@.outbox_stream s
+     WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)
+     ORDER BY s.id;
+    INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
+    SELECT DISTINCT s.topic, s.event_key, stamp
+      FROM @extschema@.outbox_stream s
+     WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)
+       AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
+                        WHERE d.topic = s.topic AND d.event_key = s.event_key)
+     ORDER BY 1, 2
+    ON CONFLICT DO NOTHING;
+    UPDATE @extschema@.outbox_key k SET due_at = stamp
+      FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+             WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (busy)
+               AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
+             FOR UPDATE SKIP LOCKED) w
+     WHERE k.ctid = w.row_id;
+    UPDATE @extschema@.outbox_stream_batch b SET waiters = true
+     WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
+                              WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
+                              FOR UPDATE SKIP LOCKED);
+$$;
+
+-- The stream's part of a claim: up to max_events fresh events, recorded as the batch of this
+-- claim's token, their ids returned. PgQ's batch rule: the cursor hands out the events whose
+-- transaction its newer snapshot (cur_snap) sees finished and its older one (prev_snap) does
+-- not, in id order; once that window is used up, cur_snap becomes prev_snap and a fresh snapshot
+-- cur_snap. An id is drawn before its transaction commits, so no order by id alone can avoid
+-- passing an event that commits later; a snapshot can. Within a window, id order is commit order
+-- for the events of producers that take turns (on a key's aggregate row): the later one drew
+-- its id after the earlier one committed. An event of a busy key (in another unsettled batch,
+-- or with a key row) goes behind that key's work instead (outbox_stream_divert).
+CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    c @extschema@.outbox_stream_cursor;
+    was text;
+    ids bigint[] := '{}';
+    hashes bigint[] := '{}';
+    part_ids bigint[];
+    part_hashes bigint[];
+    fresh pg_snapshot;
+    win record;
+    busy bigint[];
+BEGIN
+    IF NOT @extschema@.outbox_stream_lock() THEN
+        RETURN '{}';
+    END IF;
+    -- A statement after the lock: its snapshot sees the last holder's position.
+    SELECT * INTO c FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
+    was := c::text;
+    -- A cursor ahead of this database's transaction ids was restored into another cluster (the
+    -- SQL-only build's pg_dump carries it): its snapshots say nothing about the txids here.
+    IF pg_snapshot_xmax(c.cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        PERFORM @extschema@.outbox_stream_rebase(c.prev_snap, c.cur_snap, c.pos_id, c.id_hwm);
+        c.prev_snap := @extschema@.outbox_snapshot_of_others();
+        c.cur_snap := c.prev_snap;
+        c.pos_id := 0;
+        c.win_lo := NULL;
+        c.win_hi := 0;
+        c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        was := '';
+    END IF;
+    FOR w IN 1..2 LOOP
+        SELECT array_agg(s.id ORDER BY s.id), array_agg(s.key_hash ORDER BY s.id)
+          INTO part_ids, part_hashes
+          FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id, c.win_lo, c.win_hi,
+                                              max_events - cardinality(ids)) s;
+        IF part_ids IS NOT NULL THEN
+            ids := ids || part_ids;
+            hashes := hashes || part_hashes;
+            c.pos_id := part_ids[cardinality(part_ids)];
+        END IF;
+        EXIT WHEN cardinality(ids) >= max_events OR w = 2;
+        -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
+        -- is held. An empty one is not kept (the next claim's window covers it), so a poll of an
+        -- idle outbox writes nothing.
+        fresh := @extschema@.outbox_snapshot_of_others();
+        EXIT WHEN fresh::text = c.cur_snap::text;
+        win := @extschema@.outbox_stream_window(c.cur_snap, fresh);
+        EXIT WHEN win.hi IS NULL;
+        c.prev_snap := c.cur_snap;
+        c.cur_snap := fresh;
+        c.pos_id := 0;
+        c.win_lo := win.lo;
+        c.win_hi := win.hi;
+        -- Read after the snapshot: every event it sees existed by now.
+        c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+    END LOOP;
+    IF cardinality(array_remove(hashes, NULL)) > 0 THEN
+        -- Busy: in another unsettled batch (few rows), or with a key row (read only if any).
+        busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                       WHERE b.claim_token >= c.batch_floor AND k = ANY (hashes));
+        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
+            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+        END IF;
+        IF cardinality(busy) > 0 THEN
+            PERFORM @extschema@.outbox_stream_divert(ids, busy, stamp, c.batch_floor);
+            SELECT coalesce(array_agg(t.id ORDER BY t.id), '{}'), coalesce(array_agg(t.h ORDER BY t.id), '{}')
+              INTO ids, hashes
+              FROM unnest(ids, hashes) t(id, h)
+             WHERE (t.h = ANY (busy)) IS NOT TRUE;
+        END IF;
+    END IF;
+    IF cardinality(ids) > 0 THEN
+        INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending, keys)
+        VALUES (token, owner, stamp, ARRAY(SELECT t FROM unnest(ids) t ORDER BY t),
+                ARRAY(SELECT DISTINCT t FROM unnest(hashes) t WHERE t IS NOT NULL));
+        -- The floor moves up to the oldest unsettled batch, read by primary key from the old
+        -- floor. least(): a claim draws its token before it waits for the stream's lock, so a
+        -- later token may have written its batch first.
+        c.batch_floor := least(token, (SELECT min(b.claim_token) FROM @extschema@.outbox_stream_batch b
+                                        WHERE b.claim_token >= c.batch_floor));
+    END IF;
+    -- The new position and floor commit with the batch, as a new version: under an old snapshot
+    -- the dead versions stay in the index, so the old one goes by its key, not a range.
+    IF c::text <> was THEN
+        c.version := c.version + 1;
+        INSERT INTO @extschema@.outbox_stream_cursor SELECT c.*;
+        DELETE FROM @extschema@.outbox_stream_cursor v WHERE v.version = c.version - 1;
+    END IF;
+    RETURN ids;
+END
+$$;
+
+-- Settles the ids of a batch its owner still holds (ack, nack, release): returns those it held,
+-- in id order, and takes them out of the batch (deleting it once nothing is left). A batch that
+-- reclaim took back, or another owner's, settles nothing: a late call is a no-op.
+CREATE FUNCTION @extschema@.outbox_stream_settle(owner text, claim_token bigint, ids bigint[])
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_variable
+DECLARE
+    pending bigint[];
+    keys bigint[];
+    waiters boolean;
+    held bigint[];
+BEGIN
+    SELECT b.pending, b.keys, b.waiters INTO pending, keys, waiters FROM @extschema@.outbox_stream_batch b
+     WHERE b.claim_token = claim_token AND b.claim_owner = owner
+       FOR UPDATE;
+    IF pending IS NULL OR NOT pending && ids THEN
+        RETURN '{}';
+    END IF;
+    held := ARRAY(SELECT p FROM unnest(pending) p WHERE p = ANY (ids) ORDER BY p);
+    IF cardinality(held) = cardinality(pending) THEN
+        -- The usual case, the whole claim settled at once: no new version of the row.
+        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = claim_token;
+    ELSE
+        UPDATE @extschema@.outbox_stream_batch b
+           -- IS NOT TRUE: a NULL among the ids must not drop the others from the batch.
+           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p),
+               -- Events settled here may continue as tracked rows (nack, release), whose key
+               -- waits for the rest of this batch.
+               waiters = b.waiters OR b.keys <> '{}'
+         WHERE b.claim_token = claim_token;
+    END IF;
+    -- Tracked keys wait for this batch: each time part of it is settled they are due again
+    -- (their claim looks whether the key is still busy). Rare: the key rows are few and read
+    -- whole. A key row locked right now is being looked at by a claim (which looks again within
+    -- a second while the key is held) or made due by an ack: never wait for it.
+    IF waiters THEN
+        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, clock_timestamp())
+          FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
+                 WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (keys)
+                 FOR UPDATE SKIP LOCKED) w
+         WHERE k.ctid = w.row_id;
+    END IF;
+    RETURN held;
+END
+$$;
