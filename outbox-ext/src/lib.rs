@@ -44,6 +44,11 @@ extension_sql_file!(
         wake::outbox_wake_mode
     ],
 );
+extension_sql_file!(
+    "../../sql/inbox.sql",
+    name = "inbox",
+    requires = ["functions"]
+);
 extension_sql_file!("../../sql/privileges.sql", name = "privileges", finalize);
 
 #[cfg(any(test, feature = "pg_test"))]
