@@ -19,6 +19,7 @@ use outbox_tests::broker::{Broker, Msg};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::wait_counts;
 use outbox_tests::relay::Relay;
+use outbox_tests::roles::Roles;
 use outbox_worker::{HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
@@ -70,6 +71,11 @@ fn tool(name: &str, extra: &[&str], lang: &str) -> PathBuf {
 /// The scratch database as a `postgresql://` URL (what the examples take), from the libpq
 /// key=value parameters of [`TestDb::url`].
 fn pg_url(db: &TestDb) -> String {
+    pg_url_as(db, None)
+}
+
+/// [`pg_url`] for another user than the tests' (no password: the server trusts loopback).
+fn pg_url_as(db: &TestDb, user: Option<&str>) -> String {
     let mut params = BTreeMap::new();
     for part in db.url().split_whitespace() {
         let (k, v) = part
@@ -81,6 +87,10 @@ fn pg_url(db: &TestDb) -> String {
             db.url()
         );
         params.insert(k.to_string(), v.to_string());
+    }
+    if let Some(u) = user {
+        params.insert("user".into(), u.into());
+        params.remove("password");
     }
     let get = |k: &str, d: &str| params.get(k).cloned().unwrap_or_else(|| d.to_string());
     let auth = match params.get("password") {
@@ -213,11 +223,18 @@ struct World {
 
 impl World {
     fn new(lang: &str) -> World {
+        World::with_relay(lang, &[])
+    }
+
+    /// A world whose relay gets `extra` flags besides the short poll interval.
+    fn with_relay(lang: &str, extra: &[&str]) -> World {
         let db = TestDb::create();
         let broker = shared_broker();
         let topic = format!("examples.{lang}");
         broker.create_topic(&topic);
-        let relay = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+        let mut args = vec!["--poll-interval", "200ms"];
+        args.extend_from_slice(extra);
+        let relay = Relay::spawn(&db.url(), &broker.addr(), &args);
         World {
             db,
             broker,
@@ -448,17 +465,8 @@ impl World {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_psycopg_producer_and_confluent_kafka_consumer() {
-    let venv = std::env::var_os("EXAMPLES_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| tools_dir().join("python-examples"));
-    let python = venv.join("bin/python");
-    assert!(
-        python.is_file(),
-        "the Python example needs the venv {} (psycopg, confluent-kafka): \
-         run scripts/examples-setup python",
-        venv.display()
-    );
+async fn python_psycopg_producer() {
+    let python = python();
     let dir = examples_dir().join("python");
     let w = World::new("python");
 
@@ -466,11 +474,7 @@ async fn python_psycopg_producer_and_confluent_kafka_consumer() {
     cmd.arg(dir.join("producer.py")).arg(pg_url(&w.db));
     w.env(&mut cmd);
     let ran = run("python producer.py", cmd);
-    let msgs = w.check_producer(&ran, 4, 1, 1).await;
-
-    let mut cmd = Command::new(&python);
-    cmd.arg(dir.join("consumer.py"));
-    w.consume_with_duplicate("python consumer.py", cmd, &msgs);
+    w.check_producer(&ran, 4, 1, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -566,4 +570,189 @@ async fn go_pgx_producer() {
     let ran = run("go example (pgx)", cmd);
     let _ = std::fs::remove_file(&bin);
     w.check_producer(&ran, 4, 1, 1).await;
+}
+
+/// Events of the inbox test: loyalty points for a few customers (each event's points differ, so
+/// an event applied twice changes a total).
+const INBOX_EVENTS: i64 = 400;
+const INBOX_CUSTOMERS: i64 = 7;
+/// The consumer's first run kills itself after this many database commits, before that
+/// message's offset commit.
+const CRASH_AFTER: usize = 5;
+
+/// The consumer side of issue 31 with its faults, for the consumer program `consumer` (given the
+/// database URL and the broker address as arguments): the relay SIGKILLed mid-batch (another one
+/// reclaims and republishes its unacked events), the consumer SIGKILLed between its database
+/// commit and its offset commit, and a copy of a message published by hand. Every event's points
+/// are applied exactly once.
+async fn exactly_once_through_faults(lang: &str, consumer: &dyn Fn() -> Command) {
+    let roles;
+    let mut w = World::with_relay(
+        &format!("{lang}.inbox"),
+        &[
+            "--owner",
+            "relay-a",
+            "--heartbeat-timeout",
+            "2s",
+            "--batch-size",
+            "50",
+        ],
+    );
+    roles = Roles::create(&w.db, &["service"]);
+    let [consumer_role, service] = ["consumer", "service"].map(|k| roles.name(k));
+    let c = w.db.connect().await;
+    // The consumer program logs in as the service's role, a member of the consumer's role.
+    c.batch_execute(&format!(
+        "ALTER ROLE {service} LOGIN; GRANT {consumer_role} TO {service};
+         CREATE TABLE loyalty_points (customer text PRIMARY KEY, points bigint NOT NULL);
+         GRANT SELECT, INSERT, UPDATE ON loyalty_points TO {service}"
+    ))
+    .await
+    .unwrap();
+    c.execute(
+        "SELECT count(outbox_enqueue($1, jsonb_build_object('customer', 'c-' || g % $3::bigint, 'points', g), \
+         key => 'c-' || g % $3::bigint, event_type => 'PointsEarned')) FROM generate_series(1, $2::bigint) g",
+        &[&w.topic, &INBOX_EVENTS, &INBOX_CUSTOMERS],
+    )
+    .await
+    .unwrap();
+    let mut want: BTreeMap<String, i64> = BTreeMap::new();
+    for g in 1..=INBOX_EVENTS {
+        *want
+            .entry(format!("c-{}", g % INBOX_CUSTOMERS))
+            .or_default() += g;
+    }
+
+    // The relay dies mid-batch; relay-b republishes what relay-a published but had not acked.
+    wait_counts(&c, Duration::from_secs(30), |m| m["SUCCESS"] > 0).await;
+    w.relay.signal(libc::SIGKILL);
+    w.relay
+        .wait_exit(Duration::from_secs(5))
+        .expect("relay-a killed");
+    let relay_b = Relay::spawn(
+        &w.db.url(),
+        &w.broker.addr(),
+        &["--poll-interval", "200ms", "--owner", "relay-b"],
+    );
+    let counts = wait_counts(&c, Duration::from_secs(60), |m| {
+        m["SUCCESS"] == INBOX_EVENTS
+    })
+    .await;
+    assert_eq!(counts["SUCCESS"], INBOX_EVENTS, "{}", relay_b.log_tail(30));
+    let msgs = w.broker.consume_all(&w.topic, Duration::from_secs(10));
+    println!(
+        "{} messages for {INBOX_EVENTS} events after the relay's crash",
+        msgs.len()
+    );
+    w.publish_copy(&msgs[0], msgs.len());
+    let on_topic = msgs.len() + 1;
+
+    let group = format!("inbox-{}", w.run);
+    let url = pg_url_as(&w.db, Some(&service));
+    let run_consumer = |crash: Option<usize>| {
+        let mut cmd = consumer();
+        cmd.arg(&url)
+            .arg(w.broker.addr())
+            .env("OUTBOX_TOPIC", &w.topic)
+            .env("CONSUMER_NAME", &consumer_role)
+            .env("CONSUMER_GROUP", &group)
+            .env("CONSUMER_INSTANCE", "inbox-consumer-1")
+            .env("IDLE_SECONDS", "3");
+        if let Some(n) = crash {
+            cmd.env("EXIT_AFTER_COMMITS", n.to_string());
+        }
+        run(&format!("{lang} inbox consumer"), cmd)
+    };
+    let first = run_consumer(Some(CRASH_AFTER));
+    let handled = first.records("applied").len() + first.records("duplicate").len();
+    assert!(
+        !first.ok && handled == CRASH_AFTER,
+        "the first run dies after {CRASH_AFTER} commits\n{}",
+        first.context()
+    );
+    let second = run_consumer(None);
+    assert!(second.ok, "{}", second.context());
+    let done = second.done();
+
+    // The message whose offset the crash lost comes again, and only it.
+    assert_eq!(
+        done["messages"],
+        (on_topic - (CRASH_AFTER - 1)).to_string(),
+        "{}",
+        second.context()
+    );
+    let mut applied = BTreeSet::new();
+    for r in first
+        .records("applied")
+        .iter()
+        .chain(&second.records("applied"))
+    {
+        assert!(
+            applied.insert(r["event_id"].clone()),
+            "event {} applied twice\n{}\n{}",
+            r["event_id"],
+            first.context(),
+            second.context()
+        );
+    }
+    let event_ids: BTreeSet<String> = c
+        .query("SELECT event_id::text FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(applied, event_ids, "every event applied once");
+
+    // What a user checks: each customer's points, and the inbox holding each event once.
+    let got: BTreeMap<String, i64> = c
+        .query("SELECT customer, points FROM loyalty_points", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        got, want,
+        "loyalty points: every event applied exactly once"
+    );
+    let inbox: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox WHERE consumer = $1",
+            &[&consumer_role],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(inbox, INBOX_EVENTS);
+    drop(relay_b);
+    drop(w);
+    drop(roles);
+}
+
+/// The venv of the Python example, or a failure naming what to run.
+fn python() -> PathBuf {
+    let venv = std::env::var_os("EXAMPLES_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tools_dir().join("python-examples"));
+    let python = venv.join("bin/python");
+    assert!(
+        python.is_file(),
+        "the Python example needs the venv {} (psycopg, confluent-kafka): \
+         run scripts/examples-setup python",
+        venv.display()
+    );
+    python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_inbox_consumer_applies_each_event_once_through_faults() {
+    let python = python();
+    let script = examples_dir().join("python/consumer.py");
+    exactly_once_through_faults("python", &|| {
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script);
+        cmd
+    })
+    .await;
 }
