@@ -106,4 +106,6 @@ pub enum Section {
     /// Long transactions: steady load with a REPEATABLE READ transaction held open (issue 9).
     #[value(name = "held_snapshot", alias = "held-snapshot")]
     HeldSnapshot,
+    /// The consumer's inbox: accept vs a plain INSERT, WAL per accept (issue 31).
+    Inbox,
 }

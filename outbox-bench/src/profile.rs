@@ -68,6 +68,8 @@ pub struct Profile {
     pub held_time: Duration,
     pub held_interval: Duration,
     pub held_warmup: Duration,
+    /// The inbox (issue 31): calls per measured variant (accept, plain INSERT).
+    pub inbox_calls: i64,
 }
 
 impl Profile {
@@ -130,6 +132,7 @@ impl Profile {
             held_time: Duration::from_secs(120),
             held_interval: Duration::from_secs(10),
             held_warmup: Duration::from_secs(20),
+            inbox_calls: 20_000,
         }
     }
 
@@ -208,6 +211,7 @@ impl Profile {
             held_time: Duration::from_secs(3),
             held_interval: Duration::from_secs(1),
             held_warmup: Duration::from_secs(1),
+            inbox_calls: 200,
         }
     }
 }
