@@ -525,21 +525,7 @@ fn java_build() -> (PathBuf, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn go_pgx_producer() {
-    let go = tool("go", &["/usr/local/go/bin/go"], "go");
-    let dir = examples_dir().join("go");
-    let bin = std::env::temp_dir().join(format!("outbox-example-go-{}", std::process::id()));
-    // Offline: the modules are the ones scripts/examples-setup put into Go's module cache.
-    let mut cmd = Command::new(go);
-    cmd.current_dir(&dir)
-        .env("GOPROXY", "off")
-        .args(["build", "-mod=readonly", "-o"])
-        .arg(&bin)
-        .arg(".");
-    build(
-        "go build (examples/go)",
-        cmd,
-        "the Go example's modules must be in Go's module cache: run scripts/examples-setup go",
-    );
+    let bin = go_build(".");
     let w = World::new("go");
 
     let mut cmd = Command::new(&bin);
@@ -753,4 +739,32 @@ async fn java_spring_inbox_consumer_applies_each_event_once_through_faults() {
         cmd
     })
     .await;
+}
+
+/// Builds package `pkg` of examples/go offline into a temporary binary; returns its path.
+fn go_build(pkg: &str) -> PathBuf {
+    let go = tool("go", &["/usr/local/go/bin/go"], "go");
+    let dir = examples_dir().join("go");
+    let name = pkg.trim_start_matches("./").replace(['.', '/'], "");
+    let bin = std::env::temp_dir().join(format!("outbox-example-go{name}-{}", std::process::id()));
+    // Offline: the modules are the ones scripts/examples-setup put into Go's module cache.
+    let mut cmd = Command::new(go);
+    cmd.current_dir(&dir)
+        .env("GOPROXY", "off")
+        .args(["build", "-mod=readonly", "-o"])
+        .arg(&bin)
+        .arg(pkg);
+    build(
+        &format!("go build {pkg} (examples/go)"),
+        cmd,
+        "the Go example's modules must be in Go's module cache: run scripts/examples-setup go",
+    );
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_franz_inbox_consumer_applies_each_event_once_through_faults() {
+    let bin = go_build("./consumer");
+    exactly_once_through_faults("go", &|| Command::new(&bin)).await;
+    let _ = std::fs::remove_file(&bin);
 }

@@ -179,7 +179,7 @@ async fn a_consumer_role_reaches_its_own_inbox_only() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(visible, [consumer.clone()]);
+    assert_eq!(visible, std::slice::from_ref(&consumer));
     let (state, message) = db_error(c.query_one(ACCEPT, &[&rival, &id]).await);
     assert_eq!((state.as_str(), message.contains(&rival)), ("42501", true));
     for denied in [
