@@ -2,8 +2,9 @@
 //! its own scratch database with the extension, the real relay and a real Kafka broker (one
 //! broker shared by the tests of this file while any of them runs). What counts is what arrived
 //! at the broker: the committed events with their keys and `event_id` headers, not the
-//! rolled-back ones; the invalid call reported with SQLSTATE 22023; and for the consumers
-//! (Python, Java) each event counted once although the test published a duplicate copy.
+//! rolled-back ones; the invalid call reported with SQLSTATE 22023; and for the inbox consumers
+//! (all four languages) each event's effect applied exactly once through a relay killed with an
+//! unacked batch, a duplicate copy on the topic and their own SIGKILL before an offset commit.
 //!
 //! The toolchains and packages come from `scripts/examples-setup`; a missing one fails the test
 //! with a message naming it, never skips it.
@@ -455,13 +456,7 @@ async fn python_psycopg_producer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_pg_producer() {
-    let node = tool("node", &[], "node");
-    let dir = examples_dir().join("node");
-    assert!(
-        dir.join("node_modules/pg/package.json").is_file(),
-        "the Node example needs its packages in {}: run scripts/examples-setup node",
-        dir.join("node_modules").display()
-    );
+    let (node, dir) = node_example();
     let w = World::new("node");
 
     let mut cmd = Command::new(node);
@@ -767,4 +762,32 @@ async fn go_franz_inbox_consumer_applies_each_event_once_through_faults() {
     let bin = go_build("./consumer");
     exactly_once_through_faults("go", &|| Command::new(&bin)).await;
     let _ = std::fs::remove_file(&bin);
+}
+
+/// `node` and examples/node with its packages installed, or a failure naming what to run.
+fn node_example() -> (PathBuf, PathBuf) {
+    let node = tool("node", &[], "node");
+    let dir = examples_dir().join("node");
+    for package in ["pg", "kafkajs"] {
+        assert!(
+            dir.join("node_modules")
+                .join(package)
+                .join("package.json")
+                .is_file(),
+            "the Node example needs its packages in {}: run scripts/examples-setup node",
+            dir.join("node_modules").display()
+        );
+    }
+    (node, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_kafkajs_inbox_consumer_applies_each_event_once_through_faults() {
+    let (node, dir) = node_example();
+    exactly_once_through_faults("node", &|| {
+        let mut cmd = Command::new(&node);
+        cmd.arg(dir.join("consumer.js"));
+        cmd
+    })
+    .await;
 }
