@@ -11,7 +11,7 @@ CREATE SEQUENCE @extschema@.outbox_claim_token_seq AS bigint;
 -- Events whose state lives in their row: events due later (deliver_at), and stream events after
 -- their first failed attempt (nack, release, lease expired) or whose key was busy when the stream
 -- reached them. Fresh events due now go to outbox_stream below instead. outbox_event, the view at
--- the end of functions.sql, shows both with one set of columns and statuses.
+-- the end of this file, shows both with one set of columns and statuses.
 CREATE TABLE @extschema@.outbox_tracked (
     id              bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     topic           text NOT NULL,

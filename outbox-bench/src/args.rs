@@ -112,4 +112,6 @@ pub enum Section {
     HeldSnapshot,
     /// Two databases on one relay, one with a backlog (docs/FAIRNESS.md, issue 32).
     Fairness,
+    /// The consumer's inbox: accept vs a plain INSERT, WAL per accept (issue 31).
+    Inbox,
 }

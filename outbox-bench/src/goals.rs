@@ -8,7 +8,7 @@ use crate::latency::{default_run, LatencyRun, MAIN_SERVER, POLLING_SERVER, PRELO
 use crate::null_sink::find_run;
 use crate::report::{ms, num, pct, Goal};
 use crate::results::Results;
-use crate::{broker_drain, held_snapshot, latency, lifecycle, null_sink, ordering};
+use crate::{broker_drain, held_snapshot, inbox, latency, lifecycle, null_sink, ordering};
 
 fn cpu_limit_note(host_busy: f64, other: f64) -> String {
     let base = if host_busy >= 85.0 {
@@ -365,6 +365,7 @@ pub fn goals(r: &Results) -> Vec<Goal> {
     g.extend(ordering::goals(r));
     g.extend(lifecycle::goals(r));
     g.extend(held_snapshot::goals(r));
+    g.extend(inbox::goals(r));
     let mut all = issue10_goals(r);
     all.extend(g);
     all

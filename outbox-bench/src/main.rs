@@ -31,6 +31,7 @@ mod health;
 mod held_snapshot;
 mod hot_key;
 mod idle;
+mod inbox;
 mod indexes;
 mod latency;
 mod lifecycle;

@@ -72,6 +72,8 @@ pub struct Profile {
     pub fair_backlog: i64,
     pub fair_rate: f64,
     pub fair_time: Duration,
+    /// The inbox (issue 31): calls per measured variant (accept, plain INSERT).
+    pub inbox_calls: i64,
 }
 
 impl Profile {
@@ -137,6 +139,7 @@ impl Profile {
             fair_backlog: 200_000,
             fair_rate: 500.0,
             fair_time: Duration::from_secs(10),
+            inbox_calls: 20_000,
         }
     }
 
@@ -219,6 +222,7 @@ impl Profile {
             fair_backlog: 2_000,
             fair_rate: 100.0,
             fair_time: Duration::from_secs(1),
+            inbox_calls: 200,
         }
     }
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use crate::goals::recommendations;
 use crate::results::Results;
 use crate::{
-    broker_drain, contention, held_snapshot, idle, latency, lifecycle, null_sink, ordering, seed,
-    Profile,
+    broker_drain, contention, held_snapshot, idle, inbox, latency, lifecycle, null_sink, ordering,
+    seed, Profile,
 };
 
 pub struct Table {
@@ -255,8 +255,10 @@ pub fn render(
     s += &lifecycle::markdown(r);
     s += "\n## 10. Long transactions\n\n";
     s += &held_snapshot::markdown(r);
+    s += "\n## 11. The consumer's inbox\n\n";
+    s += &inbox::markdown(r);
     if let Some(md) = &r.indexes_md {
-        s += "\n## 11. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
+        s += "\n## 12. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
         s += md;
     }
     s += &failures(r);

@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 
 use crate::report::Goal;
 use crate::{
-    broker_drain, enqueue, held_snapshot, hot_key, idle, latency, lifecycle, null_sink, ordering,
-    seed, Profile,
+    broker_drain, enqueue, held_snapshot, hot_key, idle, inbox, latency, lifecycle, null_sink,
+    ordering, seed, Profile,
 };
 
 /// Everything the report needs, filled in section by section.
@@ -35,6 +35,9 @@ pub struct Results {
     pub fairness: Option<Value>,
     pub lifecycle: Option<lifecycle::Lifecycle>,
     pub held: Vec<held_snapshot::HeldRun>,
+    pub inbox: Vec<inbox::InboxRun>,
+    pub inbox_notes: Vec<String>,
+    pub inbox_consumer: String,
     pub broker_note: Option<String>,
     pub failures: Vec<String>,
 }
@@ -196,6 +199,7 @@ pub fn to_json(p: &Profile, r: &Results, goals: &[Goal], took_secs: f64) -> Valu
         "indexes": r.indexes,
         "lifecycle": lifecycle::json(r),
         "held_snapshot": held_snapshot::json(r),
+        "inbox": inbox::json(r),
         "goals": goals.iter().map(|g| json!({
             "name": g.name,
             "target": g.target,

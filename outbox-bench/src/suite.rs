@@ -12,7 +12,7 @@ use crate::relay_env::RelayEnv;
 use crate::results::{self, Results};
 use crate::{
     broker_drain, contention, enqueue, fairness, goals, health, held_snapshot, hot_key, idle,
-    indexes, latency, lifecycle, null_sink, ordering, polling, report, seed, sys,
+    inbox, indexes, latency, lifecycle, null_sink, ordering, polling, report, seed, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -49,6 +49,9 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     }
     if want(Section::HeldSnapshot) {
         held_snapshot::run(p, db, &mut r).await?;
+    }
+    if want(Section::Inbox) {
+        inbox::run(p, db, &mut r).await?;
     }
 
     let mut broker_version = "not used".to_string();

@@ -43,12 +43,33 @@ extension_sql_file!(
         wake::outbox_wake_mode
     ],
 );
-extension_sql_file!("../../sql/enqueue.sql", name = "enqueue", requires = ["checks"]);
-extension_sql_file!("../../sql/stream.sql", name = "stream", requires = ["enqueue"]);
+extension_sql_file!(
+    "../../sql/enqueue.sql",
+    name = "enqueue",
+    requires = ["checks"]
+);
+extension_sql_file!(
+    "../../sql/stream.sql",
+    name = "stream",
+    requires = ["enqueue"]
+);
 extension_sql_file!("../../sql/claim.sql", name = "claim", requires = ["stream"]);
-extension_sql_file!("../../sql/settle.sql", name = "settle", requires = ["claim"]);
-extension_sql_file!("../../sql/reclaim.sql", name = "reclaim", requires = ["settle"]);
-extension_sql_file!("../../sql/admin.sql", name = "admin", requires = ["reclaim"]);
+extension_sql_file!(
+    "../../sql/settle.sql",
+    name = "settle",
+    requires = ["claim"]
+);
+extension_sql_file!(
+    "../../sql/reclaim.sql",
+    name = "reclaim",
+    requires = ["settle"]
+);
+extension_sql_file!(
+    "../../sql/admin.sql",
+    name = "admin",
+    requires = ["reclaim"]
+);
+extension_sql_file!("../../sql/inbox.sql", name = "inbox", requires = ["admin"]);
 extension_sql_file!("../../sql/privileges.sql", name = "privileges", finalize);
 
 #[cfg(any(test, feature = "pg_test"))]

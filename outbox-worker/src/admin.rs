@@ -61,6 +61,42 @@ pub async fn stats(args: StatsArgs) -> Result<(), Fatal> {
     Ok(())
 }
 
+pub async fn inbox_stats(args: StatsArgs) -> Result<(), Fatal> {
+    let (client, schema) = admin_session(&args.db).await?;
+    let rows = client
+        .query(
+            &format!(
+                "SELECT consumer, events, \
+                 to_char(oldest_accepted_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS oldest, \
+                 to_char(newest_accepted_at, 'YYYY-MM-DD\"T\"HH24:MI:SS.MSOF') AS newest \
+                 FROM {schema}.outbox_inbox_stats()"
+            ),
+            &[],
+        )
+        .await
+        .map_err(|e| failed("outbox_inbox_stats()", &e))?;
+    let mut out = std::io::stdout().lock();
+    if !args.json {
+        let _ = writeln!(
+            out,
+            "{:<32} {:>12}  {:<29} newest_accepted_at",
+            "consumer", "events", "oldest_accepted_at"
+        );
+    }
+    for r in &rows {
+        let (consumer, events): (String, i64) = (r.get("consumer"), r.get("events"));
+        let (oldest, newest): (String, String) = (r.get("oldest"), r.get("newest"));
+        if args.json {
+            let v = json!({"consumer": consumer, "events": events,
+                           "oldest_accepted_at": oldest, "newest_accepted_at": newest});
+            let _ = writeln!(out, "{v}");
+        } else {
+            let _ = writeln!(out, "{consumer:<32} {events:>12}  {oldest:<29} {newest}");
+        }
+    }
+    Ok(())
+}
+
 pub async fn dead_letters(args: DeadLettersArgs) -> Result<(), Fatal> {
     let (client, schema) = admin_session(&args.db).await?;
     let rows = client

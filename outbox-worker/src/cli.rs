@@ -58,6 +58,15 @@ pub enum Command {
     Purge(PurgeArgs),
     /// Print the messages of a Kafka topic (all partitions, from the beginning).
     Tail(TailArgs),
+    /// The consumers' inbox (docs/inbox.md).
+    #[command(subcommand)]
+    Inbox(InboxCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum InboxCommand {
+    /// Print each consumer's inbox size and span (outbox_inbox_stats()).
+    Stats(StatsArgs),
 }
 
 #[derive(Args, Debug, Clone)]

@@ -30,7 +30,7 @@ pub mod wakeup;
 
 use std::process::ExitCode;
 
-use cli::{Cli, Command, LogFormat};
+use cli::{Cli, Command, InboxCommand, LogFormat};
 
 pub use message::{
     HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE, HEADER_OUTBOX_ID, RESERVED_HEADERS,
@@ -89,6 +89,7 @@ pub fn execute(cli: Cli) -> ExitCode {
             Command::Skip(a) => admin::skip(a).await,
             Command::Relays(a) => admin::relays(a).await,
             Command::Purge(a) => admin::purge(a).await,
+            Command::Inbox(InboxCommand::Stats(a)) => admin::inbox_stats(a).await,
             Command::Tail(a) => tokio::task::spawn_blocking(move || admin::tail(a))
                 .await
                 .unwrap_or_else(|e| Err(Fatal::runtime(format!("tail: {e}")))),

@@ -6,7 +6,10 @@
 --
 -- producer: may only enqueue (no reading payloads, no claiming).
 -- relay:    claims, acks, nacks, renews, releases, beats, reclaims and reads stats.
--- admin:    everything the relay may, plus dead letters, blocked keys, relays, requeue, skip and purge.
+-- admin:    everything the relay may, plus dead letters, blocked keys, relays, requeue, skip and
+--           purge, and the inbox's stats and purge.
+-- consumer: optional (-v consumer=loyalty): a role named like the consumer, which may accept into
+--           and read its own inbox only (docs/inbox.md); GRANT it to the consuming service's role.
 -- Assumes the extension lives in schema public; otherwise replace public below.
 GRANT USAGE ON SCHEMA public TO :"producer", :"relay", :"admin";
 
@@ -38,5 +41,14 @@ GRANT EXECUTE ON FUNCTION
     public.outbox_owners(int),
     public.outbox_requeue(bigint[]),
     public.outbox_skip(bigint[]),
-    public.outbox_purge(interval, int)
+    public.outbox_purge(interval, int),
+    public.outbox_inbox_purge(interval, int),
+    public.outbox_inbox_stats()
 TO :"admin";
+
+\if :{?consumer}
+GRANT USAGE ON SCHEMA public TO :"consumer";
+-- The accept runs as its caller: the inbox's row-level policy keeps each role to its own rows.
+GRANT SELECT, INSERT ON TABLE public.outbox_inbox TO :"consumer";
+GRANT EXECUTE ON FUNCTION public.outbox_inbox_accept(text, uuid) TO :"consumer";
+\endif

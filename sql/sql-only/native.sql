@@ -1,6 +1,6 @@
 -- The SQL-only build's versions of what the native build writes in Rust (outbox-ext/src/guc.rs,
 -- outbox-ext/src/producer.rs) or in C: same names, arguments, results and volatility, so
--- schema.sql, functions.sql and privileges.sql run unchanged on top of them. scripts/sql-only puts
+-- schema.sql, the API's files and privileges.sql run unchanged on top of them. scripts/sql-only puts
 -- this file first in outbox--VERSION.sql. docs/sql-only.md lists what differs.
 --
 -- Settings. The native build registers the outbox.* settings, so PostgreSQL checks every SET. Here
@@ -355,7 +355,7 @@ LANGUAGE sql STRICT STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT 'polling'::text $$;
 
--- The engine of outbox_wait (functions.sql checks the arguments and the isolation level): true as
+-- The engine of outbox_wait (claim.sql checks the arguments and the isolation level): true as
 -- soon as work_due (a function returning whether a claim may find something) says so, false after
 -- timeout_ms. Looks every outbox.wait_poll_interval (10 ms), each look with a fresh snapshot;
 -- statement_timeout and pg_cancel_backend end the sleep between looks.

@@ -8,7 +8,12 @@ use std::process::{Command, Output};
 
 use crate::broker::free_port;
 
-const BIN: &str = "/usr/lib/postgresql/15/bin";
+/// The system's binaries, unless `OUTBOX_TEST_PG_BINDIR` names those of a private installation
+/// (the one the tests' server runs from, so the same extension build is installed).
+fn default_bin() -> PathBuf {
+    std::env::var_os("OUTBOX_TEST_PG_BINDIR")
+        .map_or_else(|| "/usr/lib/postgresql/15/bin".into(), PathBuf::from)
+}
 
 pub struct PgCluster {
     pub dir: PathBuf,
@@ -39,7 +44,7 @@ impl PgCluster {
     /// postgresql.conf; `files` are copied into the data directory first (owned by postgres,
     /// mode 0600, as the server wants its key).
     pub fn start(conf: &str, files: &[&Path]) -> PgCluster {
-        PgCluster::start_with(Path::new(BIN), conf, files)
+        PgCluster::start_with(&default_bin(), conf, files)
     }
 
     /// The same with the binaries of another installation (`bin` = its `pg_config --bindir`), e.g.

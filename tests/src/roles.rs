@@ -4,7 +4,7 @@ use std::process::Command;
 
 use crate::db::{psql_admin, server_params, TestDb};
 
-/// producer, relay and admin with the recipe's grants, plus extra roles with none. Roles belong to
+/// producer, relay, admin and consumer with the recipe's grants, plus extra roles with none. Roles belong to
 /// the whole server: declare this before the `TestDb` so it is dropped after the database.
 pub struct Roles {
     suffix: String,
@@ -12,10 +12,10 @@ pub struct Roles {
 }
 
 impl Roles {
-    /// Creates the recipe's three roles (NOLOGIN) and runs the recipe, then creates `extra` roles
+    /// Creates the recipe's four roles (NOLOGIN) and runs the recipe, then creates `extra` roles
     /// (NOLOGIN, no grants).
     pub fn create(db: &TestDb, extra: &[&'static str]) -> Roles {
-        let mut kinds = vec!["producer", "relay", "admin"];
+        let mut kinds = vec!["producer", "relay", "admin", "consumer"];
         kinds.extend_from_slice(extra);
         let roles = Roles {
             suffix: db
@@ -32,6 +32,7 @@ impl Roles {
             &roles.name("producer"),
             &roles.name("relay"),
             &roles.name("admin"),
+            Some(&roles.name("consumer")),
         );
         roles
     }
@@ -46,10 +47,14 @@ impl Roles {
     }
 }
 
-/// Runs the GRANT recipe (sql/examples/grant-roles.sql) in the database at `url` for three
-/// existing roles; panics (failing the test) when psql fails.
-pub fn grant_recipe(url: &str, producer: &str, relay: &str, admin: &str) {
-    let out = Command::new("psql")
+/// Runs the GRANT recipe (sql/examples/grant-roles.sql) in the database at `url` for existing
+/// roles (the consumer is optional there); panics (failing the test) when psql fails.
+pub fn grant_recipe(url: &str, producer: &str, relay: &str, admin: &str, consumer: Option<&str>) {
+    let mut psql = Command::new("psql");
+    if let Some(consumer) = consumer {
+        psql.arg("-v").arg(format!("consumer={consumer}"));
+    }
+    let out = psql
         .arg(url)
         .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
         .arg("-v")

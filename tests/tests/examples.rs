@@ -2,8 +2,9 @@
 //! its own scratch database with the extension, the real relay and a real Kafka broker (one
 //! broker shared by the tests of this file while any of them runs). What counts is what arrived
 //! at the broker: the committed events with their keys and `event_id` headers, not the
-//! rolled-back ones; the invalid call reported with SQLSTATE 22023; and for the consumers
-//! (Python, Java) each event counted once although the test published a duplicate copy.
+//! rolled-back ones; the invalid call reported with SQLSTATE 22023; and for the inbox consumers
+//! (all four languages) each event's effect applied exactly once through a relay killed with an
+//! unacked batch, a duplicate copy on the topic and their own SIGKILL before an offset commit.
 //!
 //! The toolchains and packages come from `scripts/examples-setup`; a missing one fails the test
 //! with a message naming it, never skips it.
@@ -18,8 +19,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use outbox_tests::broker::{Broker, Msg};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::wait_counts;
+use outbox_tests::proxy::Proxy;
 use outbox_tests::relay::Relay;
-use outbox_worker::{HEADER_EVENT_ID, HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
+use outbox_tests::roles::Roles;
+use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::ClientConfig;
@@ -70,6 +73,11 @@ fn tool(name: &str, extra: &[&str], lang: &str) -> PathBuf {
 /// The scratch database as a `postgresql://` URL (what the examples take), from the libpq
 /// key=value parameters of [`TestDb::url`].
 fn pg_url(db: &TestDb) -> String {
+    pg_url_as(db, None)
+}
+
+/// [`pg_url`] for another user than the tests' (no password: the server trusts loopback).
+fn pg_url_as(db: &TestDb, user: Option<&str>) -> String {
     let mut params = BTreeMap::new();
     for part in db.url().split_whitespace() {
         let (k, v) = part
@@ -82,6 +90,10 @@ fn pg_url(db: &TestDb) -> String {
         );
         params.insert(k.to_string(), v.to_string());
     }
+    if let Some(u) = user {
+        params.insert("user".into(), u.into());
+        params.remove("password");
+    }
     let get = |k: &str, d: &str| params.get(k).cloned().unwrap_or_else(|| d.to_string());
     let auth = match params.get("password") {
         Some(pw) => format!("{}:{pw}", get("user", "postgres")),
@@ -93,6 +105,14 @@ fn pg_url(db: &TestDb) -> String {
         get("port", "5432"),
         get("dbname", "postgres")
     )
+}
+
+/// The port in the libpq parameters of `db`.
+fn db_port(db: &TestDb) -> u16 {
+    db.url()
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("port=")?.parse().ok())
+        .unwrap_or(5432)
 }
 
 /// What a program printed and how it ended.
@@ -205,6 +225,8 @@ fn run_id(lang: &str) -> String {
 /// the relay first).
 struct World {
     relay: Relay,
+    /// Between the relay and the database, when asked for ([`World::with_relay`]).
+    proxy: Option<Proxy>,
     broker: Arc<Broker>,
     db: TestDb,
     topic: String,
@@ -213,15 +235,32 @@ struct World {
 
 impl World {
     fn new(lang: &str) -> World {
+        World::with_relay(lang, &[], false)
+    }
+
+    /// A world whose relay gets `extra` flags besides the short poll interval, and reaches the
+    /// database through a [`Proxy`] if `proxied`.
+    fn with_relay(lang: &str, extra: &[&str], proxied: bool) -> World {
         let db = TestDb::create();
         let broker = shared_broker();
         let topic = format!("examples.{lang}");
         broker.create_topic(&topic);
-        let relay = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "200ms"]);
+        let mut args = vec!["--poll-interval", "200ms"];
+        args.extend_from_slice(extra);
+        let port = db_port(&db);
+        let proxy = proxied.then(|| Proxy::start(([127, 0, 0, 1], port).into()));
+        let url = match &proxy {
+            Some(p) => db
+                .url()
+                .replace(&format!("port={port}"), &format!("port={}", p.port)),
+            None => db.url(),
+        };
+        let relay = Relay::spawn(&url, &broker.addr(), &args);
         World {
             db,
             broker,
             relay,
+            proxy,
             topic,
             run: run_id(lang),
         }
@@ -400,65 +439,11 @@ impl World {
             .consume_all(&self.topic, Duration::from_secs(10));
         assert_eq!(now.len(), before + 1, "the copy of {key} is on the topic");
     }
-
-    /// Checks a consumer's output: every event once, the copy of `dup` skipped as a duplicate.
-    fn check_consumer(&self, ran: &Ran, msgs: &[Msg], dup: &Msg) {
-        let ctx = ran.context();
-        assert!(ran.ok, "{ctx}");
-        let want: BTreeMap<String, String> = msgs
-            .iter()
-            .map(|m| (m.event_id().to_string(), m.key.clone().unwrap_or_default()))
-            .collect();
-        let events = ran.records("event");
-        let mut got = BTreeMap::new();
-        for e in &events {
-            assert!(
-                got.insert(e["event_id"].clone(), e["key"].clone())
-                    .is_none(),
-                "event {} processed twice\n{ctx}",
-                e["event_id"]
-            );
-            assert_eq!(e["type"], "OrderCreated", "{ctx}");
-        }
-        assert_eq!(got, want, "each event processed once, with its key\n{ctx}");
-        let dups = ran.records("duplicate");
-        assert_eq!(dups.len(), 1, "one duplicate skipped\n{ctx}");
-        assert_eq!(
-            dups[0]["event_id"], dup.headers[HEADER_EVENT_ID],
-            "the copy was the one skipped\n{ctx}"
-        );
-        let done = ran.done();
-        assert_eq!(done["messages"], (msgs.len() + 1).to_string(), "{ctx}");
-        assert_eq!(done["unique"], msgs.len().to_string(), "{ctx}");
-        assert_eq!(done["duplicates"], "1", "{ctx}");
-    }
-
-    /// Publishes a copy of the first message, runs the consumer `cmd` (given the broker address
-    /// as its argument and the topic in its environment) and checks it deduplicated.
-    fn consume_with_duplicate(&self, what: &str, mut cmd: Command, msgs: &[Msg]) {
-        let dup = &msgs[0];
-        self.publish_copy(dup, msgs.len());
-        cmd.arg(self.broker.addr())
-            .env("OUTBOX_TOPIC", &self.topic)
-            .env("IDLE_SECONDS", "3")
-            .env_remove("CONSUMER_GROUP");
-        let ran = run(what, cmd);
-        self.check_consumer(&ran, msgs, dup);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_psycopg_producer_and_confluent_kafka_consumer() {
-    let venv = std::env::var_os("EXAMPLES_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| tools_dir().join("python-examples"));
-    let python = venv.join("bin/python");
-    assert!(
-        python.is_file(),
-        "the Python example needs the venv {} (psycopg, confluent-kafka): \
-         run scripts/examples-setup python",
-        venv.display()
-    );
+async fn python_psycopg_producer() {
+    let python = python();
     let dir = examples_dir().join("python");
     let w = World::new("python");
 
@@ -466,22 +451,12 @@ async fn python_psycopg_producer_and_confluent_kafka_consumer() {
     cmd.arg(dir.join("producer.py")).arg(pg_url(&w.db));
     w.env(&mut cmd);
     let ran = run("python producer.py", cmd);
-    let msgs = w.check_producer(&ran, 4, 1, 1).await;
-
-    let mut cmd = Command::new(&python);
-    cmd.arg(dir.join("consumer.py"));
-    w.consume_with_duplicate("python consumer.py", cmd, &msgs);
+    w.check_producer(&ran, 4, 1, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_pg_producer() {
-    let node = tool("node", &[], "node");
-    let dir = examples_dir().join("node");
-    assert!(
-        dir.join("node_modules/pg/package.json").is_file(),
-        "the Node example needs its packages in {}: run scripts/examples-setup node",
-        dir.join("node_modules").display()
-    );
+    let (node, dir) = node_example();
     let w = World::new("node");
 
     let mut cmd = Command::new(node);
@@ -492,23 +467,8 @@ async fn node_pg_producer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn java_jdbc_and_spring_producer_and_kafka_clients_consumer() {
-    let mvn = tool("mvn", &[], "java");
-    let java = tool("java", &[], "java");
-    let dir = examples_dir().join("java");
-    // Offline: the dependencies and plugins are the ones scripts/examples-setup put into ~/.m2.
-    let mut cmd = Command::new(mvn);
-    cmd.current_dir(&dir).args(["-B", "-q", "-o", "package"]);
-    build(
-        "mvn -o package (examples/java)",
-        cmd,
-        "the Java example's dependencies must be in ~/.m2: run scripts/examples-setup java",
-    );
-    let classpath = format!(
-        "{}:{}/*",
-        dir.join("target/classes").display(),
-        dir.join("target/lib").display()
-    );
+async fn java_jdbc_and_spring_producer() {
+    let (java, classpath) = java_build();
     let w = World::new("java");
 
     let mut cmd = Command::new(&java);
@@ -535,29 +495,32 @@ async fn java_jdbc_and_spring_producer_and_kafka_clients_consumer() {
         3,
         "the Spring service's events arrived: {keys:?}"
     );
+}
 
-    let mut cmd = Command::new(&java);
-    cmd.args(["-cp", &classpath, "example.Consumer"]);
-    w.consume_with_duplicate("java example.Consumer", cmd, &msgs);
+/// Builds examples/java offline; returns `java` and the classpath of the build.
+fn java_build() -> (PathBuf, String) {
+    let mvn = tool("mvn", &[], "java");
+    let java = tool("java", &[], "java");
+    let dir = examples_dir().join("java");
+    // Offline: the dependencies and plugins are the ones scripts/examples-setup put into ~/.m2.
+    let mut cmd = Command::new(mvn);
+    cmd.current_dir(&dir).args(["-B", "-q", "-o", "package"]);
+    build(
+        "mvn -o package (examples/java)",
+        cmd,
+        "the Java example's dependencies must be in ~/.m2: run scripts/examples-setup java",
+    );
+    let classpath = format!(
+        "{}:{}/*",
+        dir.join("target/classes").display(),
+        dir.join("target/lib").display()
+    );
+    (java, classpath)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn go_pgx_producer() {
-    let go = tool("go", &["/usr/local/go/bin/go"], "go");
-    let dir = examples_dir().join("go");
-    let bin = std::env::temp_dir().join(format!("outbox-example-go-{}", std::process::id()));
-    // Offline: the modules are the ones scripts/examples-setup put into Go's module cache.
-    let mut cmd = Command::new(go);
-    cmd.current_dir(&dir)
-        .env("GOPROXY", "off")
-        .args(["build", "-mod=readonly", "-o"])
-        .arg(&bin)
-        .arg(".");
-    build(
-        "go build (examples/go)",
-        cmd,
-        "the Go example's modules must be in Go's module cache: run scripts/examples-setup go",
-    );
+    let bin = go_build(".");
     let w = World::new("go");
 
     let mut cmd = Command::new(&bin);
@@ -566,4 +529,265 @@ async fn go_pgx_producer() {
     let ran = run("go example (pgx)", cmd);
     let _ = std::fs::remove_file(&bin);
     w.check_producer(&ran, 4, 1, 1).await;
+}
+
+/// Events of the inbox test: loyalty points for a few customers (each event's points differ, so
+/// an event applied twice changes a total).
+const INBOX_EVENTS: i64 = 400;
+const INBOX_CUSTOMERS: i64 = 7;
+/// The consumer's first run kills itself after this many database commits, before that
+/// message's offset commit.
+const CRASH_AFTER: usize = 5;
+
+/// The consumer side of issue 31 with its faults, for the consumer program `consumer` (given the
+/// database URL and the broker address as arguments): the relay SIGKILLed mid-batch (another one
+/// reclaims and republishes its unacked events), the consumer SIGKILLed between its database
+/// commit and its offset commit, and a copy of a message published by hand. Every event's points
+/// are applied exactly once.
+async fn exactly_once_through_faults(lang: &str, consumer: &dyn Fn() -> Command) {
+    let roles;
+    // relay-a holds each batch a second before sending it (linger.ms), time enough to cut its
+    // database connections after its claim: it publishes, cannot ack and is then killed.
+    let mut w = World::with_relay(
+        &format!("{lang}.inbox"),
+        &[
+            "--owner",
+            "relay-a",
+            "--heartbeat-timeout",
+            "2s",
+            "--batch-size",
+            "50",
+            "--kafka-property",
+            "linger.ms=1000",
+        ],
+        true,
+    );
+    roles = Roles::create(&w.db, &["service"]);
+    let [consumer_role, service] = ["consumer", "service"].map(|k| roles.name(k));
+    let c = w.db.connect().await;
+    // The consumer program logs in as the service's role, a member of the consumer's role.
+    c.batch_execute(&format!(
+        "ALTER ROLE {service} LOGIN; GRANT {consumer_role} TO {service};
+         CREATE TABLE loyalty_points (customer text PRIMARY KEY, points bigint NOT NULL);
+         GRANT SELECT, INSERT, UPDATE ON loyalty_points TO {service}"
+    ))
+    .await
+    .unwrap();
+    c.execute(
+        "SELECT count(outbox_enqueue($1, jsonb_build_object('customer', 'c-' || g % $3::bigint, 'points', g), \
+         key => 'c-' || g % $3::bigint, event_type => 'PointsEarned')) FROM generate_series(1, $2::bigint) g",
+        &[&w.topic, &INBOX_EVENTS, &INBOX_CUSTOMERS],
+    )
+    .await
+    .unwrap();
+    let mut want: BTreeMap<String, i64> = BTreeMap::new();
+    for g in 1..=INBOX_EVENTS {
+        *want
+            .entry(format!("c-{}", g % INBOX_CUSTOMERS))
+            .or_default() += g;
+    }
+
+    // The relay dies mid-batch; relay-b republishes what relay-a published but had not acked.
+    wait_counts(&c, Duration::from_secs(30), |m| m["SENDING"] > 0).await;
+    w.proxy.as_ref().expect("proxied").black_hole();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    w.relay.signal(libc::SIGKILL);
+    w.relay
+        .wait_exit(Duration::from_secs(5))
+        .expect("relay-a killed");
+    let relay_b = Relay::spawn(
+        &w.db.url(),
+        &w.broker.addr(),
+        &["--poll-interval", "200ms", "--owner", "relay-b"],
+    );
+    let counts = wait_counts(&c, Duration::from_secs(60), |m| {
+        m["SUCCESS"] == INBOX_EVENTS
+    })
+    .await;
+    assert_eq!(counts["SUCCESS"], INBOX_EVENTS, "{}", relay_b.log_tail(30));
+    let msgs = w.broker.consume_all(&w.topic, Duration::from_secs(10));
+    assert!(
+        msgs.len() > INBOX_EVENTS as usize,
+        "relay-b republished relay-a's unacked batch: {} messages for {INBOX_EVENTS} events",
+        msgs.len()
+    );
+    println!("{} messages for {INBOX_EVENTS} events", msgs.len());
+    w.publish_copy(&msgs[0], msgs.len());
+    let on_topic = msgs.len() + 1;
+
+    let group = format!("inbox-{}", w.run);
+    let url = pg_url_as(&w.db, Some(&service));
+    let run_consumer = |crash: Option<usize>| {
+        let mut cmd = consumer();
+        cmd.arg(&url)
+            .arg(w.broker.addr())
+            .env("OUTBOX_TOPIC", &w.topic)
+            .env("CONSUMER_NAME", &consumer_role)
+            .env("CONSUMER_GROUP", &group)
+            .env("CONSUMER_INSTANCE", "inbox-consumer-1")
+            .env("IDLE_SECONDS", "3");
+        if let Some(n) = crash {
+            cmd.env("EXIT_AFTER_COMMITS", n.to_string());
+        }
+        run(&format!("{lang} inbox consumer"), cmd)
+    };
+    let first = run_consumer(Some(CRASH_AFTER));
+    let handled = first.records("applied").len() + first.records("duplicate").len();
+    assert!(
+        !first.ok && handled == CRASH_AFTER,
+        "the first run dies after {CRASH_AFTER} commits\n{}",
+        first.context()
+    );
+    let second = run_consumer(None);
+    assert!(second.ok, "{}", second.context());
+    let done = second.done();
+
+    // The message whose offset the crash lost comes again, and only it.
+    assert_eq!(
+        done["messages"],
+        (on_topic - (CRASH_AFTER - 1)).to_string(),
+        "{}",
+        second.context()
+    );
+    let mut applied = BTreeSet::new();
+    for r in first
+        .records("applied")
+        .iter()
+        .chain(&second.records("applied"))
+    {
+        assert!(
+            applied.insert(r["event_id"].clone()),
+            "event {} applied twice\n{}\n{}",
+            r["event_id"],
+            first.context(),
+            second.context()
+        );
+    }
+    let event_ids: BTreeSet<String> = c
+        .query("SELECT event_id::text FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(applied, event_ids, "every event applied once");
+
+    // What a user checks: each customer's points, and the inbox holding each event once.
+    let got: BTreeMap<String, i64> = c
+        .query("SELECT customer, points FROM loyalty_points", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        got, want,
+        "loyalty points: every event applied exactly once"
+    );
+    let inbox: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox WHERE consumer = $1",
+            &[&consumer_role],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(inbox, INBOX_EVENTS);
+    drop(relay_b);
+    drop(w);
+    drop(roles);
+}
+
+/// The venv of the Python example, or a failure naming what to run.
+fn python() -> PathBuf {
+    let venv = std::env::var_os("EXAMPLES_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tools_dir().join("python-examples"));
+    let python = venv.join("bin/python");
+    assert!(
+        python.is_file(),
+        "the Python example needs the venv {} (psycopg, confluent-kafka): \
+         run scripts/examples-setup python",
+        venv.display()
+    );
+    python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_inbox_consumer_applies_each_event_once_through_faults() {
+    let python = python();
+    let script = examples_dir().join("python/consumer.py");
+    exactly_once_through_faults("python", &|| {
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script);
+        cmd
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn java_spring_inbox_consumer_applies_each_event_once_through_faults() {
+    let (java, classpath) = java_build();
+    exactly_once_through_faults("java", &|| {
+        let mut cmd = Command::new(&java);
+        cmd.args(["-cp", &classpath, "example.Consumer"]);
+        cmd
+    })
+    .await;
+}
+
+/// Builds package `pkg` of examples/go offline into a temporary binary; returns its path.
+fn go_build(pkg: &str) -> PathBuf {
+    let go = tool("go", &["/usr/local/go/bin/go"], "go");
+    let dir = examples_dir().join("go");
+    let name = pkg.trim_start_matches("./").replace(['.', '/'], "");
+    let bin = std::env::temp_dir().join(format!("outbox-example-go{name}-{}", std::process::id()));
+    // Offline: the modules are the ones scripts/examples-setup put into Go's module cache.
+    let mut cmd = Command::new(go);
+    cmd.current_dir(&dir)
+        .env("GOPROXY", "off")
+        .args(["build", "-mod=readonly", "-o"])
+        .arg(&bin)
+        .arg(pkg);
+    build(
+        &format!("go build {pkg} (examples/go)"),
+        cmd,
+        "the Go example's modules must be in Go's module cache: run scripts/examples-setup go",
+    );
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_franz_inbox_consumer_applies_each_event_once_through_faults() {
+    let bin = go_build("./consumer");
+    exactly_once_through_faults("go", &|| Command::new(&bin)).await;
+    let _ = std::fs::remove_file(&bin);
+}
+
+/// `node` and examples/node with its packages installed, or a failure naming what to run.
+fn node_example() -> (PathBuf, PathBuf) {
+    let node = tool("node", &[], "node");
+    let dir = examples_dir().join("node");
+    for package in ["pg", "kafkajs"] {
+        assert!(
+            dir.join("node_modules")
+                .join(package)
+                .join("package.json")
+                .is_file(),
+            "the Node example needs its packages in {}: run scripts/examples-setup node",
+            dir.join("node_modules").display()
+        );
+    }
+    (node, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_kafkajs_inbox_consumer_applies_each_event_once_through_faults() {
+    let (node, dir) = node_example();
+    exactly_once_through_faults("node", &|| {
+        let mut cmd = Command::new(&node);
+        cmd.arg(dir.join("consumer.js"));
+        cmd
+    })
+    .await;
 }

@@ -1,8 +1,9 @@
-//! Operator commands: stats, dead-letters, blocked, relays, requeue, skip, purge.
+//! Operator commands: stats, dead-letters, blocked, relays, requeue, skip, purge, inbox stats.
 
 use outbox_tests::db::TestDb;
 use outbox_tests::events::status_counts;
 use outbox_tests::relay::run_cmd;
+use outbox_tests::roles::Roles;
 
 fn ok(args: &[&str]) -> String {
     let out = run_cmd(args);
@@ -218,5 +219,43 @@ async fn relays_lists_each_owner_alive_gone_or_without_heartbeat_and_what_it_hol
     assert!(
         err.contains("max_rows must be between 1 and 100000"),
         "{err}"
+    );
+}
+
+/// `inbox stats` as the recipe's admin: one line per consumer with its size, in text and JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_stats_lists_each_consumer_with_its_size() {
+    let roles;
+    let db = TestDb::create();
+    roles = Roles::create(&db, &["audit"]);
+    let [consumer, audit, admin] = ["consumer", "audit", "admin"].map(|k| roles.name(k));
+    let client = db.connect().await;
+    client
+        .batch_execute(&format!(
+            "SELECT outbox_inbox_accept('{consumer}', gen_random_uuid()) FROM generate_series(1, 3);
+             SELECT outbox_inbox_accept('{audit}', gen_random_uuid());
+             ALTER ROLE {admin} LOGIN"
+        ))
+        .await
+        .unwrap();
+    let url = format!("{} user={admin}", db.url());
+    let sizes: Vec<(String, i64)> = ok(&["inbox", "stats", "--json", "--database-url", &url])
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            (
+                v["consumer"].as_str().unwrap().to_string(),
+                v["events"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let mut want = vec![(audit.clone(), 1), (consumer.clone(), 3)];
+    want.sort();
+    assert_eq!(sizes, want);
+    let text = ok(&["inbox", "stats", "--database-url", &url]);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(&consumer) && l.contains(" 3 ")),
+        "{text}"
     );
 }

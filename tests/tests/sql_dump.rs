@@ -1,6 +1,7 @@
 //! pg_dump / pg_restore keeps the outbox: a restored order database still publishes what it owed,
 //! keeps issuing ids and fencing tokens above the ones it held, and never reissues an event_id,
-//! even when it is restored to a state older than events already published.
+//! even when it is restored to a state older than events already published; a consumer's inbox
+//! keeps refusing the events it applied.
 
 use std::process::Command;
 
@@ -275,4 +276,23 @@ async fn a_cursor_ahead_of_the_cluster_is_rebased_without_losing_events() {
         .await
         .unwrap());
     assert_eq!(got, vec![next]);
+}
+
+/// The consumer's inbox (docs/inbox.md) is in the dump: a restored consumer database still says
+/// false for the events it applied before the dump, and true for new ones.
+#[tokio::test]
+async fn a_restored_inbox_still_refuses_the_events_it_applied() {
+    let source = TestDb::create();
+    let c = source.connect().await;
+    let accept = "SELECT outbox_inbox_accept(current_user, $1::text::uuid)";
+    let applied: String = scalar(&c, "SELECT gen_random_uuid()::text", &[]).await;
+    assert!(scalar::<bool>(&c, accept, &[&applied]).await);
+    let target = restore(&source, &dump(&source), false);
+    let r = target.connect().await;
+    assert!(
+        !scalar::<bool>(&r, accept, &[&applied]).await,
+        "the restored inbox holds the event"
+    );
+    let new: String = scalar(&r, "SELECT gen_random_uuid()::text", &[]).await;
+    assert!(scalar::<bool>(&r, accept, &[&new]).await);
 }

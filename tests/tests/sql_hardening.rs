@@ -47,7 +47,13 @@ async fn producers_cannot_lift_the_producer_guards() {
         "CREATE ROLE guard_producer NOLOGIN; CREATE ROLE guard_relay NOLOGIN; \
          CREATE ROLE guard_admin NOLOGIN",
     );
-    grant_recipe(&lazy.url(), "guard_producer", "guard_relay", "guard_admin");
+    grant_recipe(
+        &lazy.url(),
+        "guard_producer",
+        "guard_relay",
+        "guard_admin",
+        None,
+    );
     let fresh = lazy.connect().await;
     fresh
         .batch_execute("SET ROLE guard_producer; SET outbox.max_payload_bytes = 100000000")

@@ -636,6 +636,35 @@ async fn lifecycle(
     api.call("outbox_stats", "", &[]).await;
 }
 
+/// The inbox's happy paths: `consumer` accepts an event id twice (new, then a duplicate), `admin`
+/// reads the stats and purges it; `name` is the consumer (a role).
+async fn inbox(api: &mut Api<'_>, name: &str, consumer: Option<&str>, admin: Option<&str>) {
+    api.set_role(consumer).await;
+    let id = "'0190a1b2-0000-7000-8000-00000000c0de'";
+    for want in [true, false] {
+        let rows = api
+            .call("outbox_inbox_accept", &format!("$1, {id}"), &[&name])
+            .await;
+        let got: Option<bool> = rows.first().map(|r| r.get(0));
+        api.expect(
+            got == Some(want),
+            &format!("accept returned {got:?}, want {want}"),
+        );
+    }
+    api.set_role(admin).await;
+    let consumers = api.call("outbox_inbox_stats", "", &[]).await.len();
+    api.expect(
+        consumers == 1,
+        &format!("{consumers} consumers in the stats, want 1"),
+    );
+    let purged = api.count("outbox_inbox_purge", "'0 seconds'", &[]).await;
+    api.expect(
+        purged == Some(1),
+        &format!("purged {purged:?} inbox rows, want 1"),
+    );
+    api.call("outbox_inbox_purge", "", &[]).await;
+}
+
 /// The error paths (their messages are built with format, so they run pg_catalog code too), and
 /// the extension's helper functions that only its owner may call directly; as the superuser.
 async fn bad_input_and_helpers(api: &mut Api<'_>) {
@@ -668,6 +697,11 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_owners", "0"),
         ("outbox_skip", "NULL"),
         ("outbox_enqueue", "'orders', '{}', deliver_at => 'infinity'"),
+        ("outbox_inbox_accept", "'', NULL"),
+        ("outbox_inbox_accept", "'postgres', NULL"),
+        ("outbox_inbox_accept", "'no such role', gen_random_uuid()"),
+        ("outbox_inbox_purge", "'-1 second'"),
+        ("outbox_inbox_purge", "'1 second', 0"),
     ] {
         api.reject(func, args).await;
     }
@@ -947,8 +981,11 @@ async fn planted_catalog_lookalikes_never_run_as_the_definer() {
         failures: Vec::new(),
     };
     lifecycle(&mut api, None, None, None).await;
-    let [producer, relay, admin] = ["producer", "relay", "admin"].map(|k| roles.name(k));
+    let [producer, relay, admin, consumer] =
+        ["producer", "relay", "admin", "consumer"].map(|k| roles.name(k));
+    inbox(&mut api, &consumer, None, None).await;
     lifecycle(&mut api, Some(&producer), Some(&relay), Some(&admin)).await;
+    inbox(&mut api, &consumer, Some(&consumer), Some(&admin)).await;
     bad_input_and_helpers(&mut api).await;
     api.set_role(None).await;
 
