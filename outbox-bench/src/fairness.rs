@@ -36,6 +36,8 @@ struct Side {
     /// Commit→ack p99 (µs) of the steady events committed before the backlog drained, and how
     /// many there were: the figure the goal judges.
     overlap: (f64, usize),
+    /// Peak resident memory of the relay process(es), MiB, summed.
+    peak_rss_mib: f64,
 }
 
 pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
@@ -139,6 +141,7 @@ async fn side(
     let overlap = p99_before(&run, drained_at);
     let run_ended = started.elapsed();
     let backlog_end = due(backlog).await?;
+    let peak_rss_mib = relays.iter().filter_map(|r| r.peak_rss_kib()).sum::<u64>() as f64 / 1024.0;
     for relay in relays {
         relay.stop()?;
     }
@@ -149,6 +152,7 @@ async fn side(
         drained_in,
         run_ended,
         overlap,
+        peak_rss_mib,
     })
 }
 
@@ -186,6 +190,7 @@ fn side_json(s: &Side) -> Value {
         "backlog_drained_secs": s.drained_in.as_secs_f64(),
         "steady_run_ended_secs": s.run_ended.as_secs_f64(),
         "p99_while_backlog_us": s.overlap.0, "events_while_backlog": s.overlap.1,
+        "relay_peak_rss_mib": s.peak_rss_mib,
     })
 }
 
@@ -200,6 +205,7 @@ fn render(p: &Profile, [alone, beside, own, apart]: [&Side; 4], ratio: f64) -> S
         "p99 ms of the events committed while the backlog drained (events)",
         "statement→consumer p99 ms",
         "other database due at start / end of window",
+        "relay peak RSS MiB (all relays)",
     ]);
     let rows = [
         ("alone", alone),
@@ -225,6 +231,7 @@ fn render(p: &Profile, [alone, beside, own, apart]: [&Side; 4], ratio: f64) -> S
                 num(s.backlog_start as f64),
                 num(s.backlog_end as f64)
             ),
+            format!("{:.1}", s.peak_rss_mib),
         ]);
     }
     let ratio_of = |s: &Side| s.overlap.0 / alone.run.commit_to_ack[1];

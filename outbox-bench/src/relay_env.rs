@@ -72,6 +72,13 @@ impl BenchRelay {
         self.relay.pid() as i32
     }
 
+    /// The relay process's peak resident memory so far (VmHWM), in KiB; None once it is gone.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.relay.is_running()
     }
