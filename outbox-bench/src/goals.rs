@@ -141,8 +141,8 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
                     "DB CPU per transaction {} µs with the outbox vs {} µs with the plain INSERT; \
                      with `outbox.notify = on` (contrast) the ratio is {:.2}. With 16 clients on \
                      this 2-core machine the transactions are CPU- and commit-bound, so the ratio \
-                     follows the extra server work per transaction (the function call, the key's \
-                     advisory lock and `outbox_key` row).",
+                     follows the extra server work per transaction (the function call, its \
+                     checks and its own INSERT through SPI).",
                     cpu(Variant::Outbox)
                         .map(|c| format!("{c:.0}"))
                         .unwrap_or_else(|| "n/a".into()),
@@ -171,8 +171,8 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
                 },
                 met: c.stmt_ratio().map(|x| x <= ENQUEUE_CPU_RATIO_GOAL),
                 note: "single-row statements both pay a statement's fixed cost (protocol, \
-                       executor start, one row's index inserts); the function adds its checks, the \
-                       advisory lock and the key row"
+                       executor start, one row's index inserts); the function adds its checks and \
+                       the key's hash"
                     .into(),
             });
             let set = c.set_ratio();
@@ -189,9 +189,8 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
                 met: Some(set <= ENQUEUE_CPU_RATIO_GOAL),
                 note: format!(
                     "a set-based INSERT starts its executor once for {} rows; `outbox_enqueue` is \
-                     called per row and its own INSERT starts an executor each time (SPI), plus \
-                     the advisory lock and the key row: the fixed per-statement cost it cannot \
-                     amortise. The set-based form of the outbox is `outbox_enqueue_many`.",
+                     called per row and its own INSERT starts an executor each time (SPI): \
+                     the fixed per-statement cost it cannot amortise. The set-based form of the outbox is `outbox_enqueue_many`.",
                     num(c.set_rows as f64)
                 ),
             });

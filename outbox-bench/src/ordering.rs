@@ -180,9 +180,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
     } else {
         s += &format!(
             "The same backlog of {} events, enqueued through `outbox_enqueue(topic, payload, key => …)` \
-             over K keys ({} events per transaction: each key of a transaction holds an advisory \
-             lock until commit, and the server's lock table holds about `max_locks_per_transaction` × \
-             `max_connections` locks, so one 100,000-key transaction fails with \"out of shared memory\"), \
+             over K keys ({} events per transaction), \
              drained by `outbox-worker run` with its defaults (batch {}, {} loop); once ordered (the \
              default) and once with the topic in `outbox.unordered_topics`. Events/s from first claim \
              to last ack; best of {} run(s); the fill is not timed.\n\n",

@@ -142,13 +142,13 @@ impl Goal {
 const ISSUE10_LIMITS: &str = "
 ### What stops the missed `[10]` goals, and what would lift them
 
-- **Producer throughput and set-based enqueue CPU.** The limit is server CPU per event: an ordered \
-  event takes the key's transaction-level advisory lock and upserts its `outbox_key` row besides \
-  the event row, and `outbox_enqueue` runs its own INSERT through SPI (an executor start per \
+- **Producer throughput and set-based enqueue CPU.** The limit is server CPU per event: \
+  `outbox_enqueue` checks its arguments and runs its own INSERT through SPI (an executor start per \
   event) where a set-based INSERT starts one for all rows. With 16 clients on 2 cores shared with \
   the relay and the broker, transactions are CPU-bound, so the ratio follows that extra work. \
   Lifts: `outbox_enqueue_many` for many events in one statement; events that need no order on \
-  topics listed in `outbox.unordered_topics` (no lock, no key row); on a server where commits \
+  topics listed in `outbox.unordered_topics` change little now (an ordered event only adds its \
+  key's hash); on a server where commits \
   wait for the WAL flush rather than for CPU, the fixed cost of a transaction dominates and the \
   ratio moves towards 1.
 - **Latency at 1,000 ev/s.** On the main server (shared with builds and tests) the tail is the \
