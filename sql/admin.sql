@@ -27,10 +27,11 @@ BEGIN
         RETURNING e.topic, e.event_key, e.ordered
     ), woken AS (
         -- A blocked key resumes with its requeued head; under the skip policy its row may be gone.
-        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
-        SELECT DISTINCT r.topic, r.event_key, stamp FROM revived r WHERE r.ordered
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, state, due_at)
+        SELECT DISTINCT r.topic, r.event_key, 'waiting'::@extschema@.outbox_key_state, stamp
+          FROM revived r WHERE r.ordered
          ORDER BY 1, 2
-        ON CONFLICT (topic, event_key) DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+        ON CONFLICT (topic, event_key) DO UPDATE SET state = 'waiting', due_at = least(k.due_at, excluded.due_at)
     )
     SELECT count(*) INTO done FROM revived;
     IF done > 0 AND cfg.notify THEN
@@ -49,12 +50,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'outbox_blocked_keys: max_rows must be between 1 and 100000',
-            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
-    END IF;
-    -- A claim marks a key blocked ('infinity') when it finds its head dead.
+    PERFORM @extschema@.outbox_check_max_rows('outbox_blocked_keys', max_rows);
     RETURN QUERY
     SELECT k.topic, k.event_key, h.id, h.updated_at, h.last_error,
            (SELECT count(*) FROM @extschema@.outbox_tracked w
@@ -68,7 +64,7 @@ BEGIN
            ORDER BY e.id
            LIMIT 1
       ) h
-     WHERE k.due_at = 'infinity'
+     WHERE k.state = 'blocked'
      ORDER BY h.updated_at, k.topic, k.event_key
      LIMIT max_rows;
 END
@@ -84,6 +80,8 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
+    topics text[];
+    event_keys text[];
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_skip');
     PERFORM @extschema@.outbox_check_ids('outbox_skip', ids);
@@ -96,12 +94,10 @@ BEGIN
         UPDATE @extschema@.outbox_tracked e SET skipped_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
         RETURNING e.topic, e.event_key, e.ordered
-    ), woken AS (
-        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
-          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
-    SELECT count(*) INTO done FROM settled;
+    SELECT count(*), array_agg(d.topic) FILTER (WHERE d.ordered), array_agg(d.event_key) FILTER (WHERE d.ordered)
+      INTO done, topics, event_keys FROM settled d;
+    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
     RETURN done;
 END
 $$;
@@ -190,11 +186,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'outbox_dead_letters: max_rows must be between 1 and 100000',
-            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
-    END IF;
+    PERFORM @extschema@.outbox_check_max_rows('outbox_dead_letters', max_rows);
     RETURN QUERY
     SELECT e.id, e.topic, e.event_key, e.event_type, e.payload, e.headers, e.status, e.retry_count,
            e.next_retry_time, e.claim_owner, e.claim_token, e.claimed_at, e.last_error, e.created_at,
@@ -280,7 +272,7 @@ BEGIN
            ORDER BY e.id
            LIMIT 1
       ) h
-     WHERE k.due_at = 'infinity';
+     WHERE k.state = 'blocked';
     -- SUCCESS rows are the history: count them exactly while the tables are small, estimate
     -- from the planner's statistics (reltuples) beyond that.
     IF pg_relation_size('@extschema@.outbox_tracked'::regclass)

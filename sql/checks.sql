@@ -1,7 +1,7 @@
 -- The SQL API (docs/reference.md), one file per concern, installed in outbox-ext/src/lib.rs's
--- order: checks, enqueue, stream, claim, settle, reclaim, admin. The API's functions are SECURITY
--- DEFINER with search_path pinned to pg_catalog, pg_temp and every object named with its schema:
--- callers need only EXECUTE, and nothing planted in a schema can redirect a call.
+-- order: checks, enqueue, keys, stream, claim, settle, reclaim, admin. The API's functions are
+-- SECURITY DEFINER with search_path pinned to pg_catalog, pg_temp and every object named with its
+-- schema: callers need only EXECUTE, and nothing planted in a schema can redirect a call.
 
 -- Argument checks shared by the relay-side calls. Raises 22023 naming the function and argument.
 CREATE FUNCTION @extschema@.outbox_check_owner(fn text, owner text) RETURNS void
@@ -25,6 +25,20 @@ BEGIN
     IF ids IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
             MESSAGE = format('%s: ids must be an array of event ids, not NULL', fn);
+    END IF;
+END
+$$;
+
+-- The page size of the listing functions.
+CREATE FUNCTION @extschema@.outbox_check_max_rows(fn text, max_rows int) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: max_rows must be between 1 and 100000', fn),
+            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
     END IF;
 END
 $$;

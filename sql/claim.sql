@@ -32,10 +32,10 @@ AS $$
         -- (No such row: min is NULL, and the look must say false, not NULL.)
         OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
                       WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
-        OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.due_at > '-infinity')
+        OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.state <> 'idle')
                     <= clock_timestamp(), false)
         OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
-                    WHERE k.due_at = '-infinity'
+                    WHERE k.state = 'idle'
                       AND EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
                                    WHERE e.topic = k.topic AND e.event_key = k.event_key
                                      AND e.ordered AND e.status = 'WAIT'))
@@ -138,8 +138,7 @@ BEGIN
          WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
         RETURNING e.id
     ), heads AS (
-        SELECT h.*, @extschema@.outbox_key_next_due(h.holding, h.busy, h.status, h.next_retry_time,
-                                                    h.claimed_at, h.key_due, stamp, lease) AS next_due
+        SELECT h.row_id, n.state, n.due_at
           FROM (SELECT v.row_id, min(v.key_due) AS key_due, bool_or(c.id IS NOT NULL) AS holding,
                        bool_or(v.busy) AS busy,
                        min(v.status) FILTER (WHERE v.pos = 1) AS status,
@@ -147,12 +146,14 @@ BEGIN
                        min(v.claimed_at) FILTER (WHERE v.pos = 1) AS claimed_at
                   FROM visit v LEFT JOIN chosen c ON c.id = v.id
                  GROUP BY v.row_id) h
+         CROSS JOIN LATERAL @extschema@.outbox_key_next(h.holding, h.busy, h.status, h.next_retry_time,
+                                                        h.claimed_at, h.key_due, stamp, lease) n
     ), looked AS (
         -- The key rows by their tuple ids: locked above, so they cannot have moved.
-        UPDATE @extschema@.outbox_key k SET due_at = h.next_due
+        UPDATE @extschema@.outbox_key k SET state = h.state, due_at = h.due_at
           FROM heads h
          WHERE k.ctid = ANY (ARRAY(SELECT v.row_id FROM visit v)) AND k.ctid = h.row_id
-           AND k.due_at <> h.next_due
+           AND (k.state, k.due_at) IS DISTINCT FROM (h.state, h.due_at)
     )
     SELECT (SELECT coalesce(array_agg(c.id), '{}') FROM claimed c),
            array_agg(v.topic) FILTER (WHERE v.id IS NULL), array_agg(v.event_key) FILTER (WHERE v.id IS NULL)
@@ -163,7 +164,7 @@ BEGIN
     IF idle_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
         DELETE FROM @extschema@.outbox_key k
          USING unnest(idle_topics, idle_keys) AS t(topic, event_key)
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.due_at = '-infinity'
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.state = 'idle'
            AND NOT EXISTS (
                SELECT 1 FROM @extschema@.outbox_tracked e
                 WHERE e.topic = k.topic AND e.event_key = k.event_key
@@ -172,27 +173,6 @@ BEGIN
     END IF;
     RETURN claimed_ids;
 END
-$$;
-
--- When a visited key needs a look next: after its run (the lease, unless settled sooner), at its
--- head's backoff, never while a dead head blocks it ('infinity'), when the stream batch holding
--- it is settled, or it is idle ('-infinity': deleted by the claim).
-CREATE FUNCTION @extschema@.outbox_key_next_due(holding boolean, busy boolean,
-                                                head_status @extschema@.outbox_status,
-                                                head_due timestamptz, head_claimed timestamptz,
-                                                key_due timestamptz, stamp timestamptz, lease interval)
-RETURNS timestamptz
-LANGUAGE sql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT CASE WHEN holding THEN stamp + lease
-                WHEN head_status IS NULL THEN '-infinity'::timestamptz
-                WHEN head_status = 'WAIT' AND head_due <= stamp AND busy THEN stamp + interval '1 second'
-                WHEN head_status = 'WAIT' AND head_due <= stamp THEN key_due
-                WHEN head_status = 'WAIT' THEN head_due
-                WHEN head_status = 'SENDING' THEN greatest(head_claimed + lease, stamp + interval '1 second')
-                ELSE 'infinity'::timestamptz
-           END
 $$;
 
 CREATE FUNCTION @extschema@.outbox_claim(owner text, max_events int DEFAULT 20)
@@ -234,7 +214,7 @@ BEGIN
                                             WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= stamp
                                             LIMIT max_events) u)
                  + (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_key k
-                                            WHERE k.due_at <= stamp AND k.due_at > '-infinity'
+                                            WHERE k.due_at <= stamp AND k.state <> 'idle'
                                             LIMIT max_events) k);
     IF max_events - least(due_tracked, (max_events + 1) / 2) > 0 THEN
         stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,

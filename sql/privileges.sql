@@ -1,62 +1,20 @@
 -- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): PostgreSQL grants EXECUTE on new
--- functions to PUBLIC by default, so take it back from every function of the extension.
--- sql/examples/grant-roles.sql is the GRANT recipe for producer, relay and admin roles.
+-- functions to PUBLIC by default, so take it back from every function named outbox_* in the
+-- outbox's schema (an upgrade step ends with this file too). sql/examples/grant-roles.sql is the
+-- GRANT recipe for producer, relay and admin roles; the SQL-only version marker stays readable.
 REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
     @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch,
     @extschema@.outbox_key, @extschema@.outbox_owner FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;
-REVOKE ALL ON FUNCTION
-    @extschema@.outbox_config(),
-    @extschema@.outbox_max_payload_bytes(),
-    @extschema@.outbox_notify_enabled(),
-    @extschema@.outbox_check_topic(text),
-    @extschema@.outbox_topic_ordered(text),
-    @extschema@.outbox_key_hash(text, text),
-    @extschema@.outbox_stream_key_rows(bigint[], timestamptz),
-    @extschema@.outbox_stream_lock_id(),
-    @extschema@.outbox_stream_passed(xid8, bigint, pg_snapshot, pg_snapshot, bigint),
-    @extschema@.outbox_stream_rebase(pg_snapshot, pg_snapshot, bigint, bigint),
-    @extschema@.outbox_stream_lock(),
-    @extschema@.outbox_stream_window(pg_snapshot, pg_snapshot),
-    @extschema@.outbox_stream_walk(pg_snapshot, pg_snapshot, bigint, bigint, bigint, int),
-    @extschema@.outbox_stream_divert(bigint[], bigint[], timestamptz, bigint),
-    @extschema@.outbox_snapshot_of_others(),
-    @extschema@.outbox_stream_take(text, bigint, timestamptz, int),
-    @extschema@.outbox_stream_settle(text, bigint, bigint[]),
-    @extschema@.outbox_stream_restamp(),
-    @extschema@.outbox_uuidv7(),
-    @extschema@.outbox_check_isolation(text),
-    @extschema@.outbox_check_owner(text, text),
-    @extschema@.outbox_check_ids(text, bigint[]),
-    @extschema@.outbox_check_claim_args(text, text, bigint, bigint[]),
-    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, timestamptz),
-    @extschema@.outbox_enqueue_begin(text, text),
-    @extschema@.outbox_client_connected(),
-    @extschema@.outbox_enqueue_many(text, jsonb[], text[], text[], jsonb[], timestamptz),
-    @extschema@.outbox_work_due(),
-    @extschema@.outbox_wait(interval),
-    @extschema@.outbox_wait_for(bigint, oid),
-    @extschema@.outbox_wake_mode(),
-    @extschema@.outbox_claim_tracked(text, bigint, timestamptz, int),
-    @extschema@.outbox_key_next_due(boolean, boolean, @extschema@.outbox_status, timestamptz, timestamptz,
-                                    timestamptz, timestamptz, interval),
-    @extschema@.outbox_claim(text, int),
-    @extschema@.outbox_ack(text, bigint, bigint[]),
-    @extschema@.outbox_status_after_failure(int, int),
-    @extschema@.outbox_nack_returning(text, bigint, bigint[], text),
-    @extschema@.outbox_nack(text, bigint, bigint[], text),
-    @extschema@.outbox_renew(text, bigint, bigint[]),
-    @extschema@.outbox_release(text, bigint, bigint[], interval, text),
-    @extschema@.outbox_release_orphans(text, bigint[]),
-    @extschema@.outbox_heartbeat(text, interval),
-    @extschema@.outbox_reclaim_reason(text, timestamptz, timestamptz, interval, text[], timestamptz[]),
-    @extschema@.outbox_reclaim_returning(interval),
-    @extschema@.outbox_reclaim(interval),
-    @extschema@.outbox_requeue(bigint[]),
-    @extschema@.outbox_purge(interval, int),
-    @extschema@.outbox_dead_letters(int, bigint),
-    @extschema@.outbox_blocked_keys(int),
-    @extschema@.outbox_owners(int),
-    @extschema@.outbox_skip(bigint[]),
-    @extschema@.outbox_stats()
-FROM PUBLIC;
+DO $$
+DECLARE
+    f pg_catalog.regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid FROM pg_catalog.pg_proc p
+              WHERE p.pronamespace = '@extschema@'::pg_catalog.regnamespace
+                AND p.proname LIKE 'outbox\_%' AND p.proname <> 'outbox_sql_only_version'
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$$;

@@ -41,11 +41,7 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
 BEGIN
-    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'outbox_owners: max_rows must be between 1 and 100000',
-            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
-    END IF;
+    PERFORM @extschema@.outbox_check_max_rows('outbox_owners', max_rows);
     RETURN QUERY
     WITH claims AS (
         SELECT t.claim_owner AS who, count(*) AS n, min(t.claimed_at) AS since
@@ -103,9 +99,13 @@ DECLARE
     cfg record;
     stamp timestamptz := clock_timestamp();
     done int;
-    moved_rows int;
     gone_owners text[];
     gone_at timestamptz[];
+    reclaimed_ids bigint[];
+    owners text[];
+    topics text[];
+    event_keys text[];
+    batch record;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
     SELECT * INTO cfg FROM @extschema@.outbox_config();
@@ -127,7 +127,6 @@ BEGIN
       INTO gone_owners, gone_at
       FROM @extschema@.outbox_owner o
      WHERE o.expires_at < stamp;
-    RETURN QUERY
     WITH expired AS MATERIALIZED (
         SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
          WHERE x.status = 'SENDING'
@@ -147,22 +146,22 @@ BEGIN
          WHERE e.id = ANY (ARRAY(SELECT expired.id FROM expired)) AND e.status = 'SENDING'
            AND @extschema@.outbox_reclaim_reason(e.claim_owner, e.claimed_at, stamp, lease,
                                                  gone_owners, gone_at) IS NOT NULL
-        RETURNING e.id, e.topic, e.status, e.retry_count, e.event_key, e.ordered
-    ), woken AS (
-        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
-        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
-          FROM (SELECT DISTINCT d.topic, d.event_key FROM reclaimed d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key
+        RETURNING e.id, e.topic, e.event_key, e.ordered
     )
-    SELECT r.id, r.topic, r.status, r.retry_count, x.claim_owner
-      FROM reclaimed r JOIN expired x ON x.id = r.id
-     ORDER BY r.id;
-    GET DIAGNOSTICS done = ROW_COUNT;
-    -- Stream batches past their lease, or whose owner is gone: their events become tracked copies
-    -- (same id and event_id) after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    SELECT array_agg(r.id), array_agg(x.claim_owner),
+           array_agg(r.topic) FILTER (WHERE r.ordered), array_agg(r.event_key) FILTER (WHERE r.ordered)
+      INTO reclaimed_ids, owners, topics, event_keys
+      FROM reclaimed r JOIN expired x ON x.id = r.id;
+    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
     RETURN QUERY
-    WITH expired AS MATERIALIZED (
+    SELECT e.id, e.topic, e.status, e.retry_count, o.owner
+      FROM unnest(reclaimed_ids, owners) AS o(id, owner)
+      JOIN @extschema@.outbox_tracked e ON e.id = o.id
+     ORDER BY e.id;
+    done := coalesce(cardinality(reclaimed_ids), 0);
+    -- Stream batches past their lease, or whose owner is gone: their events become tracked copies
+    -- after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
+    FOR batch IN
         SELECT b.claim_token, b.claim_owner, b.pending, r.why
           FROM @extschema@.outbox_stream_batch b
          CROSS JOIN LATERAL (SELECT @extschema@.outbox_reclaim_reason(b.claim_owner, b.claimed_at, stamp,
@@ -173,37 +172,16 @@ BEGIN
                                   ORDER BY v.version DESC LIMIT 1)
          ORDER BY b.claim_token
          FOR UPDATE OF b SKIP LOCKED
-    ), gone AS (
-        DELETE FROM @extschema@.outbox_stream_batch b
-         USING expired x
-         WHERE b.claim_token = x.claim_token
-    ), held AS (
-        SELECT p.id, x.claim_owner, x.why
-          FROM expired x CROSS JOIN LATERAL unnest(x.pending) AS p(id)
-    ), moved AS (
-        INSERT INTO @extschema@.outbox_tracked AS m
-            (id, topic, event_key, event_type, payload, headers, status, retry_count,
-             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
-        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
-               @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp, h.why,
-               s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
-          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
-         ORDER BY s.id
-        RETURNING m.id, m.topic, m.status, m.retry_count
-    ), key_rows AS (
-        -- The ordered ones' key rows, as outbox_stream_key_rows writes them.
-        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
-        SELECT DISTINCT s.topic, s.event_key, stamp
-          FROM held h JOIN @extschema@.outbox_stream s ON s.id = h.id
-         WHERE s.key_hash IS NOT NULL
-         ORDER BY 1, 2
-        ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
-    )
-    SELECT mv.id, mv.topic, mv.status, mv.retry_count, h.claim_owner
-      FROM moved mv JOIN held h ON h.id = mv.id
-     ORDER BY mv.id;
-    GET DIAGNOSTICS moved_rows = ROW_COUNT;
-    done := done + moved_rows;
+    LOOP
+        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = batch.claim_token;
+        RETURN QUERY
+        SELECT m.id, m.topic, m.status, m.retry_count, batch.claim_owner
+          FROM @extschema@.outbox_stream_track(batch.pending,
+                   @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp, batch.why, stamp) m
+         ORDER BY m.id;
+        PERFORM @extschema@.outbox_keys_track(batch.pending, stamp);
+        done := done + cardinality(batch.pending);
+    END LOOP;
     -- Owners gone for longer than a lease hold nothing the lease has not taken back (a claim
     -- skipped above as locked included): their rows go, so the table stays as small as the
     -- set of live claimers.

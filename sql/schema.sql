@@ -67,21 +67,29 @@ CREATE INDEX outbox_tracked_fail_idx
 CREATE INDEX outbox_tracked_success_updated_idx
     ON @extschema@.outbox_tracked (updated_at) WHERE status = 'SUCCESS';
 
--- One row per key that may have work for a claim (docs/reference.md, "Per-key order"): created by
--- the first enqueue of an idle key, deleted by a claim once the key has nothing unfinished. due_at
--- is when a claim should look at the key's head next: its enqueue time, the end of a run's lease
--- while a relay holds the key, the head's backoff, 'infinity' while a dead head blocks the key,
--- '-infinity' once the key looked idle (deleted by the same claim when no producer is in flight).
+-- What a claim does next with a key (outbox_key.state): look at its head at due_at ('waiting');
+-- nothing until its run's lease ends ('running'); look again when the stream batch holding the
+-- key is settled ('held'); wait for an operator ('blocked': a dead head, head_of_line = block);
+-- delete the row ('idle': nothing unfinished was found).
+CREATE TYPE @extschema@.outbox_key_state AS ENUM ('waiting', 'running', 'held', 'blocked', 'idle');
+
+-- One row per key whose ordered events are in row state (docs/design.md): created when its first
+-- event becomes a tracked row, deleted by a claim once the key has nothing unfinished.
 CREATE TABLE @extschema@.outbox_key (
     topic     text NOT NULL,
     event_key text NOT NULL,
-    due_at    timestamptz NOT NULL,
+    state     @extschema@.outbox_key_state NOT NULL,
+    -- When a claim looks at the key next; a blocked key waits for an operator, not a time.
+    due_at    timestamptz CHECK ((due_at IS NULL) = (state = 'blocked')),
     PRIMARY KEY (topic, event_key)
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_analyze_scale_factor = 0.02
 );
 CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
+-- The few keys in the states operators and claims look up by state.
+CREATE INDEX outbox_key_state_idx ON @extschema@.outbox_key (state)
+    WHERE state IN ('held', 'blocked', 'idle');
 
 -- Fresh events due now, append-only (docs/reference.md, "Data model"): inserted once by
 -- outbox_enqueue, never updated, deleted by outbox_purge. A claim hands them out window by window

@@ -12,6 +12,8 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
+    topics text[];
+    event_keys text[];
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
     -- Row locks in id order, the one order of every statement that may wait for a row lock
@@ -27,14 +29,10 @@ BEGIN
          WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.topic, e.event_key, e.ordered
-    ), woken AS (
-        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
-        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
-          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
-    SELECT count(*) INTO done FROM settled;
+    SELECT count(*), array_agg(d.topic) FILTER (WHERE d.ordered), array_agg(d.event_key) FILTER (WHERE d.ordered)
+      INTO done, topics, event_keys FROM settled d;
+    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
     -- Stream events of this claim: out of its batch, nothing else to write (they are SUCCESS).
     RETURN done + cardinality(@extschema@.outbox_stream_settle(owner, claim_token, ids));
 END
@@ -48,6 +46,16 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT CASE WHEN attempts > max_retry THEN 'FAIL' ELSE 'WAIT' END::@extschema@.outbox_status
+$$;
+
+-- How long an event waits after its n-th failed attempt: min(n^2 * base, max) * (1 +/- jitter).
+CREATE FUNCTION @extschema@.outbox_backoff(attempts int, base_ms bigint, max_ms bigint, jitter float8)
+RETURNS interval
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT make_interval(secs => least(power(attempts, 2) * base_ms, max_ms)
+                                 * (1 + jitter * (2 * random() - 1)) / 1000.0)
 $$;
 
 -- One failed attempt for the rows the caller still holds; returns each settled row with its new
@@ -64,57 +72,41 @@ AS $$
 DECLARE
     cfg record;
     stamp timestamptz := clock_timestamp();
+    settled_ids bigint[];
+    topics text[];
+    event_keys text[];
     held bigint[];
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
-    -- Backoff after the n-th failure: min(n^2 * base, max) * (1 +/- jitter).
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
-    RETURN QUERY
     WITH settled AS (
         UPDATE @extschema@.outbox_tracked e
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
-               next_retry_time = stamp + make_interval(secs =>
-                   least(power(e.retry_count + 1, 2) * cfg.backoff_base_ms, cfg.backoff_max_ms)
-                   * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
+               next_retry_time = stamp + @extschema@.outbox_backoff(e.retry_count + 1, cfg.backoff_base_ms,
+                                                                    cfg.backoff_max_ms, cfg.backoff_jitter),
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                -- A nack without a reason keeps the last one instead of erasing it.
                last_error = coalesce(error, e.last_error), updated_at = stamp
          WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
-        RETURNING e.id, e.topic, e.status, e.retry_count, e.next_retry_time, e.event_key, e.ordered
-    ), woken AS (
-        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
-        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
-          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key
+        RETURNING e.id, e.topic, e.event_key, e.ordered
     )
-    SELECT s.id, s.topic, s.status, s.retry_count, s.next_retry_time FROM settled s ORDER BY s.id;
-    -- Stream events of this claim fail their first attempt: from here on their state lives in
-    -- a tracked copy (same id and event_id), as any retried event's does.
+    SELECT array_agg(d.id), array_agg(d.topic) FILTER (WHERE d.ordered), array_agg(d.event_key) FILTER (WHERE d.ordered)
+      INTO settled_ids, topics, event_keys FROM settled d;
+    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
+    RETURN QUERY
+    SELECT e.id, e.topic, e.status, e.retry_count, e.next_retry_time FROM @extschema@.outbox_tracked e
+     WHERE e.id = ANY (settled_ids) ORDER BY e.id;
+    -- Stream events of this claim fail their first attempt (one backoff for the batch).
     held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
-    IF cardinality(held) > 0 THEN
-        RETURN QUERY
-        WITH moved AS (
-            INSERT INTO @extschema@.outbox_tracked AS m
-                (id, topic, event_key, event_type, payload, headers, status, retry_count,
-                 next_retry_time, last_error, created_at, updated_at, event_id, ordered)
-            SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
-                   @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1,
-                   stamp + make_interval(secs =>
-                       least(cfg.backoff_base_ms, cfg.backoff_max_ms)
-                       * (1 + cfg.backoff_jitter * (2 * random() - 1)) / 1000.0),
-                   error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
-              FROM @extschema@.outbox_stream s
-             WHERE s.id = ANY (held)
-             ORDER BY s.id
-            RETURNING m.id, m.topic, m.status, m.retry_count, m.next_retry_time
-        )
-        SELECT mv.id, mv.topic, mv.status, mv.retry_count, mv.next_retry_time FROM moved mv ORDER BY mv.id;
-        PERFORM @extschema@.outbox_stream_key_rows(held, stamp);
-    END IF;
+    RETURN QUERY
+    SELECT * FROM @extschema@.outbox_stream_track(
+        held, @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1,
+        stamp + @extschema@.outbox_backoff(1, cfg.backoff_base_ms, cfg.backoff_max_ms, cfg.backoff_jitter),
+        error, stamp) m ORDER BY m.id;
+    PERFORM @extschema@.outbox_keys_track(held, stamp);
 END
 $$;
 
@@ -174,6 +166,8 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
     done int;
+    topics text[];
+    event_keys text[];
     held bigint[];
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_release', owner, claim_token, ids);
@@ -191,28 +185,15 @@ BEGIN
          WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token
         RETURNING e.topic, e.event_key, e.ordered
-    ), woken AS (
-        -- Their keys are due now: the next claim looks at each head (next run, backoff, dead head).
-        -- No condition on due_at: it would lead the planner to a range scan that loops per key.
-        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, stamp)
-          FROM (SELECT DISTINCT d.topic, d.event_key FROM settled d WHERE d.ordered) t
-         WHERE k.topic = t.topic AND k.event_key = t.event_key
     )
-    SELECT count(*) INTO done FROM settled;
+    SELECT count(*), array_agg(d.topic) FILTER (WHERE d.ordered), array_agg(d.event_key) FILTER (WHERE d.ordered)
+      INTO done, topics, event_keys FROM settled d;
+    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
     -- Stream events go back as tracked copies (same id and event_id), due after the delay.
     held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
-    IF cardinality(held) > 0 THEN
-        INSERT INTO @extschema@.outbox_tracked
-            (id, topic, event_key, event_type, payload, headers, status, retry_count,
-             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
-        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
-               stamp + delay, error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
-          FROM @extschema@.outbox_stream s
-         WHERE s.id = ANY (held)
-         ORDER BY s.id;
-        PERFORM @extschema@.outbox_stream_key_rows(held, stamp);
-        done := done + cardinality(held);
-    END IF;
+    PERFORM @extschema@.outbox_stream_track(held, 'WAIT', 0, stamp + delay, error, stamp);
+    PERFORM @extschema@.outbox_keys_track(held, stamp);
+    done := done + cardinality(held);
     RETURN done;
 END
 $$;

@@ -48,56 +48,57 @@ AS $$
 #variable_conflict use_variable
 DECLARE
     stamp timestamptz := clock_timestamp();
-    owed bigint;
-    held bigint;
-    moved_ids bigint[];
+    owed_ids bigint[];
+    held_ids bigint[];
 BEGIN
-    WITH claimed AS (
-        SELECT p.id, b.claim_owner, b.claim_token, b.claimed_at
-          FROM @extschema@.outbox_stream_batch b CROSS JOIN LATERAL unnest(b.pending) AS p(id)
-    ), moved AS (
-        INSERT INTO @extschema@.outbox_tracked
-            (id, topic, event_key, event_type, payload, headers, status, retry_count,
-             next_retry_time, claim_owner, claim_token, claimed_at, created_at, updated_at,
-             event_id, ordered)
-        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
-               CASE WHEN c.id IS NULL THEN 'WAIT' ELSE 'SENDING' END::@extschema@.outbox_status, 0,
-               stamp, c.claim_owner, c.claim_token, c.claimed_at, s.created_at, stamp, s.event_id,
-               s.key_hash IS NOT NULL
-          FROM @extschema@.outbox_stream s
-          LEFT JOIN claimed c ON c.id = s.id
-         WHERE (c.id IS NOT NULL OR s.id > hwm
-                OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_id))
-           AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id)
-         ORDER BY s.id
-        RETURNING outbox_tracked.id, outbox_tracked.status
-    )
-    SELECT count(*) FILTER (WHERE m.status = 'WAIT'), count(*) FILTER (WHERE m.status = 'SENDING'),
-           coalesce(array_agg(m.id), '{}')
-      INTO owed, held, moved_ids FROM moved m;
-    PERFORM @extschema@.outbox_stream_key_rows(moved_ids, stamp);
+    held_ids := ARRAY(SELECT unnest(b.pending) FROM @extschema@.outbox_stream_batch b);
+    owed_ids := ARRAY(SELECT s.id FROM @extschema@.outbox_stream s
+                       WHERE (s.id > hwm OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_id))
+                         AND NOT s.id = ANY (held_ids)
+                         AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id));
+    held_ids := ARRAY(SELECT h FROM unnest(held_ids) h
+                       WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h));
+    PERFORM @extschema@.outbox_stream_track(owed_ids, 'WAIT', 0, stamp, NULL, stamp);
+    PERFORM @extschema@.outbox_stream_track(held_ids, 'SENDING', 0, stamp, NULL, stamp);
+    UPDATE @extschema@.outbox_tracked t
+       SET claim_owner = b.claim_owner, claim_token = b.claim_token, claimed_at = b.claimed_at
+      FROM @extschema@.outbox_stream_batch b
+     WHERE t.id = ANY (held_ids) AND t.id = ANY (b.pending);
+    PERFORM @extschema@.outbox_keys_track(owed_ids || held_ids, stamp);
     DELETE FROM @extschema@.outbox_stream_batch;
     DELETE FROM @extschema@.outbox_stream s
      WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
         OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
     RAISE WARNING USING
-        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts', owed, held);
+        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts',
+                         cardinality(owed_ids), cardinality(held_ids));
 END
 $$;
 
--- The key rows of the ordered ones among stream events that become tracked rows (diverted from a
--- busy key, nacked, released, reclaimed), due at `due` or sooner: from here on their key's claims
--- go through outbox_key. In key order, the one order of every writer of several key rows.
-CREATE FUNCTION @extschema@.outbox_stream_key_rows(ids bigint[], due timestamptz) RETURNS void
-LANGUAGE sql VOLATILE
+-- Stream events become tracked rows (same id and event_id) whose state lives in their row from
+-- then on: after a failed attempt (nack, reclaim), a release, a busy key, a restored cursor.
+CREATE FUNCTION @extschema@.outbox_stream_track(ids bigint[], new_status @extschema@.outbox_status,
+                                                attempts int, due timestamptz, error text,
+                                                stamp timestamptz)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int,
+               next_retry_time timestamptz)
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    INSERT INTO @extschema@.outbox_key AS k (topic, event_key, due_at)
-    SELECT DISTINCT s.topic, s.event_key, due
-      FROM @extschema@.outbox_stream s
-     WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL
-     ORDER BY 1, 2
-    ON CONFLICT ON CONSTRAINT outbox_key_pkey DO UPDATE SET due_at = least(k.due_at, excluded.due_at)
+BEGIN
+    IF cardinality(ids) > 0 THEN
+        RETURN QUERY
+        INSERT INTO @extschema@.outbox_tracked AS m
+            (id, topic, event_key, event_type, payload, headers, status, retry_count,
+             next_retry_time, last_error, created_at, updated_at, event_id, ordered)
+        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, new_status, attempts,
+               due, error, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (ids)
+         ORDER BY s.id
+        RETURNING m.id, m.topic, m.status, m.retry_count, m.next_retry_time;
+    END IF;
+END
 $$;
 
 -- The window between two snapshots: the events whose transaction cur_snap sees finished and
@@ -158,26 +159,20 @@ RETURNS void
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    INSERT INTO @extschema@.outbox_tracked
-        (id, topic, event_key, event_type, payload, headers, status, retry_count,
-         next_retry_time, created_at, updated_at, event_id, ordered)
-    SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, 'WAIT', 0,
-           stamp, s.created_at, stamp, s.event_id, true
-      FROM @extschema@.outbox_stream s
-     WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)
-     ORDER BY s.id;
-    INSERT INTO @extschema@.outbox_key (topic, event_key, due_at)
-    SELECT DISTINCT s.topic, s.event_key, stamp
+    SELECT count(*) FROM @extschema@.outbox_stream_track(
+        ARRAY(SELECT s.id FROM @extschema@.outbox_stream s WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)),
+        'WAIT', 0, stamp, NULL, stamp);
+    INSERT INTO @extschema@.outbox_key (topic, event_key, state, due_at)
+    SELECT DISTINCT s.topic, s.event_key, 'waiting'::@extschema@.outbox_key_state, stamp
       FROM @extschema@.outbox_stream s
      WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)
        AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key d
                         WHERE d.topic = s.topic AND d.event_key = s.event_key)
      ORDER BY 1, 2
     ON CONFLICT DO NOTHING;
-    UPDATE @extschema@.outbox_key k SET due_at = stamp
+    UPDATE @extschema@.outbox_key k SET state = 'waiting', due_at = stamp
       FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
-             WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (busy)
-               AND d.due_at > stamp AND d.due_at <= stamp + interval '1 second'
+             WHERE d.state = 'held' AND @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (busy)
              FOR UPDATE SKIP LOCKED) w
      WHERE k.ctid = w.row_id;
     UPDATE @extschema@.outbox_stream_batch b SET waiters = true
@@ -333,9 +328,9 @@ BEGIN
     -- whole. A key row locked right now is being looked at by a claim (which looks again within
     -- a second while the key is held) or made due by an ack: never wait for it.
     IF waiters THEN
-        UPDATE @extschema@.outbox_key k SET due_at = least(k.due_at, clock_timestamp())
+        UPDATE @extschema@.outbox_key k SET state = 'waiting', due_at = clock_timestamp()
           FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
-                 WHERE @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (keys)
+                 WHERE d.state = 'held' AND @extschema@.outbox_key_hash(d.topic, d.event_key) = ANY (keys)
                  FOR UPDATE SKIP LOCKED) w
          WHERE k.ctid = w.row_id;
     END IF;

@@ -48,11 +48,8 @@ extension_sql_file!(
     name = "enqueue",
     requires = ["checks"]
 );
-extension_sql_file!(
-    "../../sql/stream.sql",
-    name = "stream",
-    requires = ["enqueue"]
-);
+extension_sql_file!("../../sql/keys.sql", name = "keys", requires = ["enqueue"]);
+extension_sql_file!("../../sql/stream.sql", name = "stream", requires = ["keys"]);
 extension_sql_file!("../../sql/claim.sql", name = "claim", requires = ["stream"]);
 extension_sql_file!(
     "../../sql/settle.sql",

@@ -66,7 +66,7 @@ pub async fn settle_and_drain(c: &Client, token: i64) {
     // ordered topic are tracked rows.
     c.batch_execute(
         "UPDATE outbox_tracked SET next_retry_time = now() WHERE status = 'WAIT'; \
-         UPDATE outbox_key SET due_at = now()",
+         UPDATE outbox_key SET state = 'waiting', due_at = now()",
     )
     .await
     .unwrap();

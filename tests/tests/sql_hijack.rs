@@ -739,6 +739,8 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_key_hash", "'orders', 'k-1'"),
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
+        ("outbox_backoff", "2, 5000::bigint, 60000::bigint, 0.1"),
+        ("outbox_check_max_rows", "'f', 10"),
         (
             "outbox_reclaim_reason",
             "'relay-1', now() - interval '1 hour', now(), interval '10 minutes', '{}', '{}'",
@@ -777,11 +779,13 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
         ("outbox_claim_tracked", "'relay-h', 424243, now(), 10"),
         (
-            "outbox_key_next_due",
+            "outbox_key_next",
             "false, true, 'WAIT', now(), NULL, now(), now(), '1 minute'",
         ),
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
-        ("outbox_stream_key_rows", "'{1}', now()"),
+        ("outbox_keys_track", "'{1}', now()"),
+        ("outbox_keys_wake", "'{orders}', '{k-1}', now()"),
+        ("outbox_stream_track", "'{}', 'WAIT', 0, now(), NULL, now()"),
         (
             "outbox_stream_rebase",
             "pg_current_snapshot(), pg_current_snapshot(), 0::bigint, 0::bigint",

@@ -898,7 +898,7 @@ async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_back
     assert_eq!(settle_all(&c, "ack").await, 1);
     for (due_at, expected) in [("now()", true), ("now() + interval '1 hour'", false)] {
         c.batch_execute(&format!(
-            "UPDATE outbox_key SET due_at = {due_at} WHERE event_key = 'order-1'"
+            "UPDATE outbox_key SET state = 'waiting', due_at = {due_at} WHERE event_key = 'order-1'"
         ))
         .await
         .unwrap();

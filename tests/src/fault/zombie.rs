@@ -158,7 +158,7 @@ impl Runner<'_> {
             "WITH due AS (UPDATE outbox_tracked SET next_retry_time = now() \
                            WHERE id = ANY($1) AND status = 'WAIT' \
                            RETURNING id, topic, event_key, ordered), \
-                  woken AS (UPDATE outbox_key k SET due_at = now() \
+                  woken AS (UPDATE outbox_key k SET state = 'waiting', due_at = now() \
                               FROM (SELECT DISTINCT topic, event_key FROM due WHERE ordered) d \
                              WHERE k.topic = d.topic AND k.event_key = d.event_key) \
              SELECT id FROM due",

@@ -1,0 +1,67 @@
+-- Key rows (outbox_key): every writer of several key rows writes them in (topic, event_key)
+-- order, the one order that keeps two writers from waiting on each other in a cycle.
+
+-- The keys of settled ordered events are due now: the next claim looks at each head (next run,
+-- backoff, dead head). Keys without a row have nothing in row state to look at.
+CREATE FUNCTION @extschema@.outbox_keys_wake(topics text[], event_keys text[], stamp timestamptz)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF topics IS NOT NULL THEN
+        UPDATE @extschema@.outbox_key k SET state = 'waiting', due_at = least(k.due_at, stamp)
+          FROM (SELECT DISTINCT t.topic, t.event_key FROM unnest(topics, event_keys) AS t(topic, event_key)
+                 ORDER BY 1, 2) t
+         WHERE k.topic = t.topic AND k.event_key = t.event_key;
+    END IF;
+END
+$$;
+
+-- The key rows of the ordered ones among stream events that become tracked rows (nacked,
+-- released, reclaimed, restored), due at `due` or sooner: from here on their key's claims go
+-- through outbox_key.
+CREATE FUNCTION @extschema@.outbox_keys_track(ids bigint[], due timestamptz) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF cardinality(ids) > 0 THEN
+        INSERT INTO @extschema@.outbox_key AS k (topic, event_key, state, due_at)
+        SELECT DISTINCT s.topic, s.event_key, 'waiting'::@extschema@.outbox_key_state, due
+          FROM @extschema@.outbox_stream s
+         WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL
+         ORDER BY 1, 2
+        ON CONFLICT ON CONSTRAINT outbox_key_pkey
+        DO UPDATE SET state = 'waiting', due_at = least(k.due_at, excluded.due_at);
+    END IF;
+END
+$$;
+
+-- A visited key's next state (outbox_claim_tracked): running until the lease ends while this
+-- claim or another holds its head; held behind a stream batch; waiting for its head's backoff
+-- (or keeping its place when the batch was full); blocked by a dead head; idle when it has
+-- nothing unfinished.
+CREATE FUNCTION @extschema@.outbox_key_next(holding boolean, busy boolean,
+                                            head_status @extschema@.outbox_status,
+                                            head_due timestamptz, head_claimed timestamptz,
+                                            key_due timestamptz, stamp timestamptz, lease interval,
+                                            OUT state @extschema@.outbox_key_state,
+                                            OUT due_at timestamptz)
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT n.state, CASE n.state
+                        WHEN 'running' THEN CASE WHEN holding THEN stamp + lease
+                                                 ELSE greatest(head_claimed + lease, stamp + interval '1 second') END
+                        WHEN 'held' THEN stamp + interval '1 second'
+                        WHEN 'waiting' THEN CASE WHEN head_due <= stamp THEN key_due ELSE head_due END
+                        WHEN 'idle' THEN stamp
+                    END
+      FROM (SELECT CASE WHEN holding OR head_status = 'SENDING' THEN 'running'
+                        WHEN head_status IS NULL THEN 'idle'
+                        WHEN head_status = 'WAIT' AND head_due <= stamp AND busy THEN 'held'
+                        WHEN head_status = 'WAIT' THEN 'waiting'
+                        ELSE 'blocked'
+                   END::@extschema@.outbox_key_state AS state) n
+$$;
