@@ -115,6 +115,31 @@ fn latency_note(l: &LatencyRun) -> String {
     )
 }
 
+/// Issue 28's cost of the relay on the database: server CPU of its sessions per event at
+/// `LATENCY_GOAL_RATE` single-event keyed transactions/s.
+pub const RELAY_DB_CPU_GOAL_US: f64 = 80.0;
+
+fn relay_db_cpu_goal(r: &Results) -> Goal {
+    let name = format!(
+        "[28] relay's database CPU at {} ev/s",
+        num(LATENCY_GOAL_RATE)
+    );
+    let target = format!("≤ {RELAY_DB_CPU_GOAL_US} µs per event");
+    match default_run(r, MAIN_SERVER, LATENCY_GOAL_RATE).and_then(|l| l.relay_db_cpu_us) {
+        Some(us) => Goal {
+            name,
+            target,
+            measured: format!("{us:.0} µs per event"),
+            met: Some(us <= RELAY_DB_CPU_GOAL_US),
+            note:
+                "the relay's sessions (pg_stat_activity by application_name), /proc utime + stime \
+                   over the run, divided by the events offered"
+                    .into(),
+        },
+        None => Goal::not_measured(&name, target),
+    }
+}
+
 /// Issue 10's goals, in its order.
 fn issue10_goals(r: &Results) -> Vec<Goal> {
     let mut g = Vec::new();
@@ -224,6 +249,7 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
             g.push(latency_goal(r, server, rate));
         }
     }
+    g.push(relay_db_cpu_goal(r));
     for server in [MAIN_SERVER, POLLING_SERVER, PRELOADED_SERVER] {
         let name = format!("[10] idle relay, {server}");
         let target = format!("≤ {IDLE_CPU_GOAL_PCT} % of one core");

@@ -35,7 +35,8 @@ impl IdleRun {
     }
 }
 
-async fn relay_pids(c: &Client, db: &str) -> Result<Vec<i32>> {
+/// The relay's database sessions (its `application_name`).
+pub async fn relay_pids(c: &Client, db: &str) -> Result<Vec<i32>> {
     Ok(c.query(
         "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
         &[&db, &defaults::CLIENT_ID],

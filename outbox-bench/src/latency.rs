@@ -15,6 +15,7 @@ use crate::goals::LATENCY_GOAL_RATE;
 use crate::relay_env::RelayEnv;
 use crate::report::{ms, not_run, num, Table};
 use crate::results::Results;
+use crate::sys::ProcSnapshot;
 use crate::Profile;
 
 /// One producer connection per this many offered events/s, at most `MAX_PRODUCERS`.
@@ -48,6 +49,9 @@ pub struct LatencyRun {
     /// round trip, and over-states it by the enqueue statement's own time.
     pub commit_to_ack: [f64; 4],
     pub ack_source: &'static str,
+    /// Server CPU of the relay's database sessions per event offered, µs (None: the server's
+    /// processes are not visible here).
+    pub relay_db_cpu_us: Option<f64>,
     /// Per event, when the database runs on this machine: (commit as Unix µs, commit to ack µs).
     pub acks: Vec<(f64, f64)>,
 }
@@ -115,6 +119,8 @@ pub async fn latency(
         }
         clients.push(c);
     }
+    let relay_sessions = crate::idle::relay_pids(env.monitor, &env.db.name).await?;
+    let relay_cpu = ProcSnapshot::take(&relay_sessions);
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
     let mut tasks = Vec::new();
     for (k, c) in clients.into_iter().enumerate() {
@@ -158,6 +164,9 @@ pub async fn latency(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let relay_db_cpu_us = (!relay_cpu.0.is_empty()).then(|| {
+        ProcSnapshot::take(&relay_sessions).cpu_secs_since(&relay_cpu) * 1e6 / total as f64
+    });
     // A little longer to catch duplicates.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got = arrivals.finish()?;
@@ -247,6 +256,7 @@ pub async fn latency(
         to_ack: (f(2), f(3)),
         commit_to_ack,
         ack_source,
+        relay_db_cpu_us,
         acks: samples,
         rate,
         server,
@@ -347,6 +357,7 @@ pub fn latency_table(runs: &[LatencyRun]) -> String {
         "commit→consumer p50 / p99 ms",
         "commit→ack p50 / p99 ms",
         "start→claim / claim→ack p50 ms",
+        "relay's DB CPU µs/event",
         "missing / dup",
     ]);
     for r in runs {
@@ -371,6 +382,7 @@ pub fn latency_table(runs: &[LatencyRun]) -> String {
             format!("{} / {}", ms(r.q(0.5)), ms(r.q(0.99))),
             format!("{} / {}", ms(c[0]), ms(c[1])),
             format!("{} / {}", ms(r.to_claim.0), ms(r.to_ack.0)),
+            r.relay_db_cpu_us.map_or("n/a".into(), num),
             format!("{} / {}", r.missing, r.duplicates),
         ]);
     }
