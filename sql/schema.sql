@@ -8,10 +8,9 @@ CREATE TYPE @extschema@.outbox_status AS ENUM ('WAIT', 'SENDING', 'SUCCESS', 'FA
 CREATE SEQUENCE @extschema@.outbox_event_id_seq AS bigint;
 CREATE SEQUENCE @extschema@.outbox_claim_token_seq AS bigint;
 
--- Events whose state lives in their row: events due later (deliver_at), and stream events after
--- their first failed attempt (nack, release, lease expired) or whose key was busy when the stream
--- reached them. Fresh events due now go to outbox_stream below instead. outbox_event, the view at
--- the end of this file, shows both with one set of columns and statuses.
+-- Events whose state lives in their row: due later (deliver_at), or stream events after a failed
+-- attempt or whose key was busy (docs/design.md). Fresh events go to outbox_stream instead; the
+-- view outbox_event shows both.
 CREATE TABLE @extschema@.outbox_tracked (
     id              bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     topic           text NOT NULL,
@@ -67,10 +66,9 @@ CREATE INDEX outbox_tracked_fail_idx
 CREATE INDEX outbox_tracked_success_updated_idx
     ON @extschema@.outbox_tracked (updated_at) WHERE status = 'SUCCESS';
 
--- What a claim does next with a key (outbox_key.state): look at its head at due_at ('waiting');
--- nothing until its run's lease ends ('running'); look again when the stream batch holding the
--- key is settled ('held'); wait for an operator ('blocked': a dead head, head_of_line = block);
--- delete the row ('idle': nothing unfinished was found).
+-- What a claim does next with a key (outbox_key.state; docs/design.md has the table): look at its
+-- head at due_at, wait for its run's lease, for a stream batch holding the key, for an operator
+-- (a dead head), or delete the row (nothing unfinished).
 CREATE TYPE @extschema@.outbox_key_state AS ENUM ('waiting', 'running', 'held', 'blocked', 'idle');
 
 -- One row per key whose ordered events are in row state (docs/design.md): created when its first
@@ -91,12 +89,9 @@ CREATE INDEX outbox_key_due_idx ON @extschema@.outbox_key (due_at);
 CREATE INDEX outbox_key_state_idx ON @extschema@.outbox_key (state)
     WHERE state IN ('held', 'blocked', 'idle');
 
--- Fresh events due now, append-only (docs/reference.md, "Data model"): inserted once by
--- outbox_enqueue, never updated, deleted by outbox_purge. A claim hands them out window by window
--- through outbox_stream_cursor and records what it handed out as one outbox_stream_batch row, so
--- an event's row is written once in its life, and a claim never walks entries that earlier
--- claims left behind, however old the oldest snapshot is. An ordered event whose key is busy
--- (outbox_stream_take) continues as a tracked row.
+-- Fresh events due now, append-only: inserted by outbox_enqueue, never updated, deleted by
+-- outbox_purge. Claims hand them out through outbox_stream_cursor and record each claim as one
+-- outbox_stream_batch row, so an event's row is written once and no claim walks dead entries.
 CREATE TABLE @extschema@.outbox_stream (
     id          bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     -- The inserting top-level transaction (not xmin: an insert in a savepoint has a
@@ -120,11 +115,9 @@ CREATE TABLE @extschema@.outbox_stream (
 -- walk itself goes by primary key.
 CREATE INDEX outbox_stream_txid_idx ON @extschema@.outbox_stream (txid, id);
 
--- The stream's read position, one version per claim that moved it (the newest counts): events
--- whose transaction prev_snap sees finished were handed out, and so were those cur_snap sees
--- finished with an id up to pos_id; the rest are waiting. Versions are appended, not updated, so
--- a long snapshot never makes the newest one expensive to find. Claims take turns on it with an
--- advisory lock (outbox_stream_lock_id), which writes no WAL.
+-- The stream's read position (outbox_stream_passed says what it has handed out), one version per
+-- claim that moved it, the newest counting: appended, not updated, so a long snapshot never makes
+-- the newest expensive to find. Claims take turns on it with an advisory lock.
 CREATE TABLE @extschema@.outbox_stream_cursor (
     version   bigint PRIMARY KEY,
     prev_snap pg_snapshot NOT NULL,
@@ -176,11 +169,9 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     waiters     boolean NOT NULL DEFAULT false
 );
 
--- One row per claimer that says it is alive (outbox_heartbeat; the relay beats every few seconds).
--- A claim its owner made before its heartbeat ran out is reclaimed as soon as it has, not after
--- the lease: a relay killed with events in flight holds them for its heartbeat timeout (30 s by
--- default) rather than 10 minutes. A claimer that never beats keeps the lease alone. Runtime
--- state: not dumped, and outbox_reclaim deletes the rows of owners gone for longer than a lease.
+-- One row per claimer that beats (outbox_heartbeat): once its beat runs out, its claims are
+-- reclaimed without waiting for the lease. A claimer that never beats has the lease alone.
+-- Runtime state: not dumped; outbox_reclaim deletes owners gone for longer than a lease.
 CREATE TABLE @extschema@.outbox_owner (
     owner      text PRIMARY KEY,
     -- Its first heartbeat since its row was last deleted.
@@ -190,11 +181,9 @@ CREATE TABLE @extschema@.outbox_owner (
     expires_at timestamptz NOT NULL
 );
 
--- Whether the stream's cursor has handed out the event (txid, id): its transaction finished
--- before prev_snap, or before cur_snap and its id is at or before the position (purge, rebase; the
--- view and the dump filter write it out, since a view's functions need its reader's EXECUTE). No
--- SET clause, so the planner inlines it; every function and operator is named with its schema
--- instead, so no search_path can redirect it.
+-- Whether the cursor has handed out the event (txid, id): finished before prev_snap, or before
+-- cur_snap with an id up to pos_id. No SET clause, so the planner inlines it; every function and
+-- operator is named with its schema instead. (The view and the dump filter write it out.)
 CREATE FUNCTION @extschema@.outbox_stream_passed(txid xid8, id bigint, prev_snap pg_snapshot,
                                                  cur_snap pg_snapshot, pos_id bigint)
 RETURNS boolean
@@ -205,11 +194,9 @@ AS $$
             AND id OPERATOR(pg_catalog.<=) pos_id)
 $$;
 
--- What operators, dashboards and runbooks read: every event with the columns and statuses of a
--- single table. A stream event is WAIT until a claim hands it out, SENDING while its claim holds
--- it, SUCCESS once settled (then updated_at is its creation time: a stream row is never
--- rewritten); after a failed attempt its tracked copy stands for it. Read-only: state changes go
--- through the functions.
+-- What operators read: every event with one set of columns and statuses. A stream event is WAIT,
+-- SENDING while a claim holds it, SUCCESS once settled (updated_at: its creation, never rewritten);
+-- after a failed attempt its tracked copy stands for it. Read-only.
 CREATE VIEW @extschema@.outbox_event AS
 SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
        t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
@@ -232,10 +219,9 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                FROM @extschema@.outbox_stream_batch p) b ON b.id = s.id
  WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked r WHERE r.id = s.id);
 
--- A stream row restored by pg_dump carries the txid of the database it was dumped from, which
--- means nothing to this cursor (and would count as long handed out): it takes the restoring
--- transaction's instead: the restored events form one window, handed out in id order.
--- outbox_enqueue's rows never fire it.
+-- A stream row restored by pg_dump carries another database's txid, meaningless to this cursor:
+-- it takes the restoring transaction's, so the restored events form one window, handed out in id
+-- order. outbox_enqueue's rows never fire it.
 CREATE FUNCTION @extschema@.outbox_stream_restamp() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -249,20 +235,17 @@ CREATE TRIGGER outbox_stream_restamp BEFORE INSERT ON @extschema@.outbox_stream
     FOR EACH ROW WHEN (NEW.txid IS DISTINCT FROM pg_catalog.pg_current_xact_id())
     EXECUTE FUNCTION @extschema@.outbox_stream_restamp();
 
--- pg_dump must carry the outbox: a restored order database still owes its unpublished events.
--- Only tables of an extension are configuration tables, and only while CREATE EXTENSION runs: the
--- SQL-only build (scripts/sql-only) runs this file as a plain script, where its tables are
--- ordinary tables that pg_dump dumps anyway, and the call would fail.
+-- pg_dump must carry the outbox: a restored database still owes its unpublished events. Only
+-- during CREATE EXTENSION: the SQL-only build's tables are ordinary tables, dumped anyway.
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_depend d
                 WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
                   AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');
-        -- Stream events still owed (not yet handed out, or in an unsettled claim: the rule of
-        -- outbox_stream_passed, written out for the dumping role), unless its tracked copy
-        -- (dumped above) stands for it; the cursor and the claims are not
-        -- dumped: a restored outbox starts a fresh cursor that hands them out.
+        -- Stream events still owed (outbox_stream_passed written out, or in an unsettled claim)
+        -- without a tracked copy; the cursor and claims are not dumped: a fresh cursor hands
+        -- them out.
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
             'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'
             ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'

@@ -33,12 +33,9 @@ BEGIN
 END
 $$;
 
--- A cursor restored into another cluster (see outbox_stream_take), made good before a fresh
--- cursor starts: every event it had not handed out (not passed by its position, or newer than its
--- window: an id above hwm) becomes a tracked row due now, every event a claim held becomes a
--- tracked row held by that claim (its relay may still ack it; reclaim frees it after the lease),
--- and stream rows whose txid this cluster has not reached yet are deleted, so that they are never
--- handed out again once it does. Loud: a restore into another cluster re-delivers.
+-- A cursor restored into another cluster, made good before a fresh one starts: events it owed
+-- become tracked rows due now, held ones stay their claim's; stream rows of txids this cluster has
+-- not reached are deleted, never to be handed out again. Loud: such a restore re-delivers.
 CREATE FUNCTION @extschema@.outbox_stream_rebase(prev_snap pg_snapshot, cur_snap pg_snapshot,
                                                  pos_id bigint, hwm bigint)
 RETURNS void
@@ -101,10 +98,9 @@ BEGIN
 END
 $$;
 
--- The window between two snapshots: the events whose transaction cur_snap sees finished and
--- prev_snap does not. lo: the smallest id among those of transactions begun after prev_snap; hi:
--- the largest id of all. Transactions prev_snap saw running are read by equality on txid: a long
--- transaction costs a probe, not a range.
+-- The window between two snapshots (events cur_snap sees finished and prev_snap does not): lo, the
+-- smallest id of transactions begun after prev_snap; hi, the largest of all. A transaction
+-- prev_snap saw running costs a probe on txid, not a range.
 CREATE FUNCTION @extschema@.outbox_stream_window(prev_snap pg_snapshot, cur_snap pg_snapshot,
                                                  OUT lo bigint, OUT hi bigint)
 LANGUAGE sql STABLE
@@ -120,10 +116,9 @@ AS $$
              WHERE pg_visible_in_snapshot(x, cur_snap)) w
 $$;
 
--- Up to `need` events of the window after the position pos_id, in id order: those of
--- transactions prev_snap saw running, by txid, and those of transactions begun after it, one
--- primary-key range from lo to hi (outbox_stream_window). No SET clause, so the planner inlines
--- it and the claim keeps its plan; every function and operator is named with its schema instead.
+-- Up to `need` events of the window after pos_id, in id order: by txid for transactions prev_snap
+-- saw running, one primary-key range lo..hi for the rest. No SET clause, so the planner inlines it;
+-- every function and operator is named with its schema instead.
 CREATE FUNCTION @extschema@.outbox_stream_walk(prev_snap pg_snapshot, cur_snap pg_snapshot, pos_id bigint,
                                                lo bigint, hi bigint, need int)
 RETURNS TABLE (id bigint, key_hash bigint)
@@ -150,10 +145,9 @@ AS $$
     LIMIT need
 $$;
 
--- Events of busy keys become tracked rows due now, behind their key's head, with a key row for a
--- key that has none (in key order; only a holder of the stream's lock deletes key rows). The
--- batches holding such keys learn that keys wait for them (SKIP LOCKED), so that settling them
--- makes those keys due; a key row the claim looks at in a second anyway is made due now.
+-- Events of busy keys become tracked rows behind their key's head, with a key row if none (in key
+-- order). Batches holding those keys are told keys wait for them, so settling wakes the keys; held
+-- keys are due now. Whatever is locked is skipped: a claim never waits here.
 CREATE FUNCTION @extschema@.outbox_stream_divert(ids bigint[], busy bigint[], stamp timestamptz, floor bigint)
 RETURNS void
 LANGUAGE sql VOLATILE
@@ -181,15 +175,9 @@ AS $$
                               FOR UPDATE SKIP LOCKED);
 $$;
 
--- The stream's part of a claim: up to max_events fresh events, recorded as the batch of this
--- claim's token, their ids returned. PgQ's batch rule: the cursor hands out the events whose
--- transaction its newer snapshot (cur_snap) sees finished and its older one (prev_snap) does
--- not, in id order; once that window is used up, cur_snap becomes prev_snap and a fresh snapshot
--- cur_snap. An id is drawn before its transaction commits, so no order by id alone can avoid
--- passing an event that commits later; a snapshot can. Within a window, id order is commit order
--- for the events of producers that take turns (on a key's aggregate row): the later one drew
--- its id after the earlier one committed. An event of a busy key (in another unsettled batch,
--- or with a key row) goes behind that key's work instead (outbox_stream_divert).
+-- The stream's part of a claim: up to max_events fresh events as this token's batch (PgQ's rule:
+-- the window between two snapshots, in id order, then the next window; docs/design.md). Events of
+-- busy keys go behind their key's work instead (outbox_stream_divert).
 CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
@@ -323,10 +311,8 @@ BEGIN
                waiters = b.waiters OR b.keys <> '{}'
          WHERE b.claim_token = claim_token;
     END IF;
-    -- Tracked keys wait for this batch: each time part of it is settled they are due again
-    -- (their claim looks whether the key is still busy). Rare: the key rows are few and read
-    -- whole. A key row locked right now is being looked at by a claim (which looks again within
-    -- a second while the key is held) or made due by an ack: never wait for it.
+    -- Held keys wait for this batch: each settle of part of it makes them due again. A key row
+    -- locked now is being looked at by a claim or woken by an ack: never wait for it.
     IF waiters THEN
         UPDATE @extschema@.outbox_key k SET state = 'waiting', due_at = clock_timestamp()
           FROM (SELECT d.ctid AS row_id FROM @extschema@.outbox_key d
