@@ -157,8 +157,7 @@ BEGIN
     -- to find nothing: ids follow time closely enough for retention.
     IF done < max_rows THEN
         WITH c AS (
-            SELECT v.prev_snap, v.cur_snap, v.pos_id, v.batch_floor
-              FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
+            SELECT * FROM @extschema@.outbox_cursor()
         ), unsettled AS MATERIALIZED (
             -- The ids of unsettled batches, read once from the floor on.
             SELECT p.id FROM c, @extschema@.outbox_stream_batch b, unnest(b.pending) AS p(id)
@@ -236,7 +235,7 @@ BEGIN
     -- Stream events past the cursor (committed ones: a plain read sees no other), read as
     -- outbox_stream_take reads them, so the cost follows the backlog.
     SELECT count(*), min(w.created_at) INTO stream_wait, stream_oldest
-      FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
+      FROM @extschema@.outbox_cursor() c
       CROSS JOIN LATERAL (
           SELECT e.created_at FROM @extschema@.outbox_stream e
            WHERE e.id IN (SELECT r.id FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id,
@@ -258,8 +257,7 @@ BEGIN
            greatest(oldest_lease_age, stamp - min(b.claimed_at))
       INTO sending, oldest_lease_age
       FROM @extschema@.outbox_stream_batch b
-     WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
-                              ORDER BY v.version DESC LIMIT 1);
+     WHERE b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c);
     SELECT count(*) INTO failed FROM @extschema@.outbox_tracked e WHERE e.status = 'FAIL';
     -- Keys held back by a dead head, and since when that head has been dead.
     SELECT count(*), stamp - min(h.updated_at)

@@ -18,8 +18,7 @@ SET enable_bitmapscan = off
 AS $$
     -- The stream: the rest of the cursor's window, or a committed event of a later one (a plain
     -- read sees only committed rows): after xmax(cur_snap), or of a transaction it saw running.
-    SELECT EXISTS (SELECT 1 FROM (SELECT v.* FROM @extschema@.outbox_stream_cursor v
-                                   ORDER BY v.version DESC LIMIT 1) c
+    SELECT EXISTS (SELECT 1 FROM @extschema@.outbox_cursor() c
                     WHERE c.pos_id < c.win_hi
                        OR (SELECT e.id FROM @extschema@.outbox_stream e
                             WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
@@ -85,8 +84,7 @@ DECLARE
 BEGIN
     -- Keys of unsettled stream batches (this claim's own included): their tracked events wait.
     busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
-                   WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
-                                            ORDER BY v.version DESC LIMIT 1));
+                   WHERE b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c));
     -- The due keys, oldest due first, each with its unfinished events from its head as far as
     -- they are runnable, and the head in any case; a key row is locked only when reached, so a
     -- claim visits as few keys as fill it, and never more than max_events rows per key.

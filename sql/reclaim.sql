@@ -52,8 +52,7 @@ BEGIN
         -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
         SELECT b.claim_owner, sum(cardinality(b.pending)), min(b.claimed_at)
           FROM @extschema@.outbox_stream_batch b
-         WHERE b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
-                                  ORDER BY v.version DESC LIMIT 1)
+         WHERE b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c)
          GROUP BY b.claim_owner
     ), holders AS (
         SELECT c.who, sum(c.n)::bigint AS n, min(c.since) AS since FROM claims c GROUP BY c.who
@@ -168,8 +167,7 @@ BEGIN
                                                                       lease, gone_owners, gone_at) AS why) r
          WHERE r.why IS NOT NULL
            -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
-           AND b.claim_token >= (SELECT v.batch_floor FROM @extschema@.outbox_stream_cursor v
-                                  ORDER BY v.version DESC LIMIT 1)
+           AND b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c)
          ORDER BY b.claim_token
          FOR UPDATE OF b SKIP LOCKED
     LOOP

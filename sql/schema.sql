@@ -150,6 +150,14 @@ AS $$
       FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
 $$;
 
+-- The cursor's newest version, the one that counts. No SET clause, so the planner inlines it;
+-- every object is named with its schema instead.
+CREATE FUNCTION @extschema@.outbox_cursor() RETURNS SETOF @extschema@.outbox_stream_cursor
+LANGUAGE sql STABLE
+AS $$
+    SELECT v.* FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1
+$$;
+
 -- The first window is empty and starts here: every transaction still running (this one
 -- included) counts as unfinished, so an event it inserts later is still handed out.
 INSERT INTO @extschema@.outbox_stream_cursor (version, prev_snap, cur_snap, pos_id, win_hi)

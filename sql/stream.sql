@@ -199,7 +199,7 @@ BEGIN
         RETURN '{}';
     END IF;
     -- A statement after the lock: its snapshot sees the last holder's position.
-    SELECT * INTO c FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1;
+    SELECT * INTO c FROM @extschema@.outbox_cursor();
     was := c::text;
     -- A cursor ahead of this database's transaction ids was restored into another cluster (the
     -- SQL-only build's pg_dump carries it): its snapshots say nothing about the txids here.

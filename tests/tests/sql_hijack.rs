@@ -771,6 +771,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
     .await;
     for (func, args) in [
         ("outbox_stream_lock_id", ""),
+        ("outbox_cursor", ""),
         ("outbox_snapshot_of_others", ""),
         (
             "outbox_stream_passed",
