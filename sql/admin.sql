@@ -128,13 +128,9 @@ BEGIN
             MESSAGE = 'outbox_purge: max_rows must be at least 1',
             DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
     END IF;
-    -- Only SUCCESS rows, re-checked in the DELETE itself; FAIL rows wait for an operator.
-    -- The oldest first through the partial index on SUCCESS rows by age, so the cost follows
-    -- the rows deleted. No SELECT ... FOR UPDATE first (a WAL record per row): the DELETE locks
-    -- the rows itself, in id order through the primary key (status::text keeps the planner off
-    -- the SUCCESS index, whose order is the rows' age), and nothing but another purge locks a
-    -- SUCCESS row. Two purges at once: the second waits for the first's rows, finds them gone
-    -- and deletes the rest of its pick.
+    -- SUCCESS rows only (re-checked in the DELETE), oldest first by the partial index, so the cost
+    -- follows the rows deleted. The DELETE locks them itself, in id order through the primary key
+    -- (status::text: not by the age index); only another purge locks a SUCCESS row.
     WITH old AS MATERIALIZED (
         SELECT s.id FROM @extschema@.outbox_tracked s
          WHERE s.status = 'SUCCESS' AND s.updated_at < now() - older_than

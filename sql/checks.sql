@@ -1,7 +1,6 @@
--- The SQL API (docs/reference.md), one file per concern, installed in outbox-ext/src/lib.rs's
--- order: checks, enqueue, keys, stream, claim, settle, reclaim, admin. The API's functions are
--- SECURITY DEFINER with search_path pinned to pg_catalog, pg_temp and every object named with its
--- schema: callers need only EXECUTE, and nothing planted in a schema can redirect a call.
+-- The SQL API, one file per concern in outbox-ext/src/lib.rs's order. Its functions are SECURITY
+-- DEFINER with search_path pinned to pg_catalog, pg_temp and every object named with its schema:
+-- callers need only EXECUTE, and nothing planted in a schema can redirect a call.
 
 -- Argument checks shared by the relay-side calls. Raises 22023 naming the function and argument.
 CREATE FUNCTION @extschema@.outbox_check_owner(fn text, owner text) RETURNS void

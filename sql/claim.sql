@@ -1,14 +1,8 @@
 -- The claim: the wake-up's look at the queue, the tracked part, and outbox_claim itself.
 
--- Whether a claim would find something now: a due unordered event, or a due key (one that looked
--- idle counts only once an event of it waits, else a producer still in its transaction would keep
--- it "due" and waiters would spin). outbox_wait's look at the queue, so each probe is an index
--- probe that stops at its first entry, whatever the history or the backlog:
--- - the stream's is a scalar subquery in index order, not EXISTS: the planner drops an EXISTS'
---   ORDER BY and LIMIT, and, guessing that a third of the stream lies past the cursor, would scan
---   the table from its first page;
--- - the backoff and key probes read the earliest time from their indexes (min), then compare it
---   with the clock: clock_timestamp() cannot bound an index scan.
+-- Whether a claim would find something now (outbox_wait's look at the queue): each probe stops at
+-- its first index entry, whatever the history or backlog (scalar subqueries in index order, and
+-- min() compared with the clock, which cannot bound an index scan).
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -40,10 +34,9 @@ AS $$
                                      AND e.ordered AND e.status = 'WAIT'))
 $$;
 
--- Blocks until a claim may find something (true) or the timeout passes (false): the relay's
--- wake-up, without LISTEN/NOTIFY (docs/reference.md, "Wake-up"). With shared_preload_libraries =
--- 'outbox', the commit of a transaction that enqueued wakes it at once; without, it looks at the
--- queue every outbox.wait_poll_interval. One statement: works through a transaction pooler.
+-- Blocks until a claim may find something (true) or the timeout passes (false), in one statement
+-- (docs/reference.md, "Wake-up"): woken at an enqueuing commit when the library is preloaded, else
+-- polling every outbox.wait_poll_interval.
 CREATE FUNCTION @extschema@.outbox_wait(timeout interval DEFAULT '1 second')
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -62,11 +55,9 @@ BEGIN
 END
 $$;
 
--- The tracked part of a claim: up to max_events due events in row state, under the claim's token.
--- Each due key's run (the prefix of its unfinished events from its head, in id order, that are
--- WAIT and due, none while the key is busy in a stream batch) and the oldest due unordered rows.
--- It never waits for a lock: key rows and rows are taken SKIP LOCKED, so concurrent claimers
--- split them. Each visited key row gets its next state; keys found idle are deleted.
+-- The tracked part of a claim: each due key's run (its WAIT, due events from its head, in id order)
+-- and the oldest due unordered rows, up to max_events. Never waits for a lock (SKIP LOCKED); each
+-- visited key row gets its next state, and idle ones are deleted.
 CREATE FUNCTION @extschema@.outbox_claim_tracked(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE

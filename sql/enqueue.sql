@@ -1,9 +1,8 @@
 -- The producer side: one event, or many of one topic, in the caller's transaction.
 
--- A key's identity in the stream (outbox_stream.key_hash, outbox_stream_batch.keys): 64 bits, so
--- two keys share one about never, and when they do a claim only holds one back while the other
--- is busy. No SET clause, so the planner inlines it (an enqueue hot path); every function and
--- operator is named with its schema instead, so no search_path can redirect it.
+-- A key's identity in the stream: 64 bits, so two keys about never share one (if they do, one
+-- waits while the other is busy). No SET clause, so the planner inlines it; every function and
+-- operator is named with its schema instead.
 CREATE FUNCTION @extschema@.outbox_key_hash(topic text, event_key text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
@@ -99,10 +98,9 @@ BEGIN
 END
 $$;
 
--- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks and errors
--- (each error names the array position, counted from 1): the arrays are read in step, keys,
--- event_types and headers being NULL or as long as payloads. Returns the ids in array order;
--- within a key, array order is publish order.
+-- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks (errors name
+-- the array position, from 1). The arrays are read in step (NULL or as long as payloads); ids come
+-- back in array order, which is publish order within a key.
 CREATE FUNCTION @extschema@.outbox_enqueue_many(
     topic text,
     payloads jsonb[],

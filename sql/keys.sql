@@ -38,10 +38,8 @@ BEGIN
 END
 $$;
 
--- A visited key's next state (outbox_claim_tracked): running until the lease ends while this
--- claim or another holds its head; held behind a stream batch; waiting for its head's backoff
--- (or keeping its place when the batch was full); blocked by a dead head; idle when it has
--- nothing unfinished.
+-- A visited key's next state and due time (outbox_claim_tracked; the states are in schema.sql). A
+-- due head left unclaimed (the batch was full) keeps the key's place in the due order.
 CREATE FUNCTION @extschema@.outbox_key_next(holding boolean, busy boolean,
                                             head_status @extschema@.outbox_status,
                                             head_due timestamptz, head_claimed timestamptz,

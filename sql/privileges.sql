@@ -1,7 +1,6 @@
--- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): PostgreSQL grants EXECUTE on new
--- functions to PUBLIC by default, so take it back from every function named outbox_* in the
--- outbox's schema (an upgrade step ends with this file too). sql/examples/grant-roles.sql is the
--- GRANT recipe for producer, relay and admin roles; the SQL-only version marker stays readable.
+-- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): not the tables, not EXECUTE on
+-- any outbox_* function of the schema but the SQL-only version marker (an upgrade step ends with
+-- this file too). sql/examples/grant-roles.sql grants the producer, relay and admin roles.
 REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
     @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch,
     @extschema@.outbox_key, @extschema@.outbox_owner FROM PUBLIC;

@@ -1,10 +1,8 @@
 -- Owners and reclaim: heartbeats, and taking back claims past their lease or whose owner is gone.
 
--- A claimer says it is alive until now + timeout, and beats again before then (the relay every
--- sixth of its timeout). Once an owner's expiry has passed without a new beat, outbox_reclaim
--- takes back the claims it made before that expiry, whatever their lease. A timeout of zero says
--- the owner stops: what it still holds goes at the next reclaim. A later beat revives the owner,
--- and its claims that were not reclaimed yet are its own again. Returns the expiry.
+-- A claimer is alive until now + timeout (returned); past it, outbox_reclaim takes back the claims
+-- it made before then, whatever their lease. A timeout of zero says it stops; a later beat revives
+-- it, with whatever was not reclaimed yet.
 CREATE FUNCTION @extschema@.outbox_heartbeat(owner text, timeout interval DEFAULT '30 seconds')
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -115,17 +113,13 @@ BEGIN
             MESSAGE = 'outbox_reclaim: lease must be a positive interval of at most 100 years',
             DETAIL = format('lease = %s', lease);
     END IF;
-    -- Guarded by status and claimed_at in the same statement: a row acked, nacked or renewed
-    -- while this runs no longer matches and is left alone. A reclaim counts as a failed attempt,
-    -- so a poison event that kills its relay every time still ends as a dead letter.
-    -- SKIP LOCKED: a row locked right now is being settled by its holder; never wait for it
-    -- (waiting in claimed_at order against acks in id order could deadlock).
-    -- Owners whose heartbeat ran out (outbox_heartbeat), with when it did: their claims made
-    -- before then go now (outbox_reclaim_reason). Few rows, read whole.
+    -- Owners whose heartbeat ran out, and when (outbox_reclaim_reason). Few rows, read whole.
     SELECT coalesce(array_agg(o.owner), '{}'), coalesce(array_agg(o.expires_at), '{}')
       INTO gone_owners, gone_at
       FROM @extschema@.outbox_owner o
      WHERE o.expires_at < stamp;
+    -- A reclaim counts as a failed attempt, so a poison event that kills its relay ends as a dead
+    -- letter. SKIP LOCKED: a locked row is being settled by its holder; never wait for it.
     WITH expired AS MATERIALIZED (
         SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
          WHERE x.status = 'SENDING'

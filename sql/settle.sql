@@ -16,13 +16,9 @@ DECLARE
     event_keys text[];
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
-    -- Row locks in id order, the one order of every statement that may wait for a row lock
-    -- (reclaim, purge and claim never wait: SKIP LOCKED). Two orders could deadlock. The UPDATE
-    -- takes them itself, by a primary-key scan that walks the sorted ids: the SET clauses rule
-    -- out sequential and bitmap scans, and status::text keeps the planner off the lease index
-    -- (claimed_at order), whose predicate it can no longer prove. sql_claim_plan checks it. A
-    -- SELECT ... FOR UPDATE first would cost a second WAL record per row (docs/reference.md,
-    -- "Life-cycle cost").
+    -- Row locks in id order (docs/design.md, "Lock order"), taken by the UPDATE itself through the
+    -- primary key: the SET clauses rule out other scans and status::text the lease index
+    -- (sql_claim_plan checks it). A SELECT ... FOR UPDATE first would cost a WAL record per row.
     WITH settled AS (
         UPDATE @extschema@.outbox_tracked e
            SET status = 'SUCCESS', updated_at = stamp
