@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake};
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, AlterConfig, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::ClientConfig;
 
@@ -517,6 +519,26 @@ pub fn create_topics_with(
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+    Ok(())
+}
+
+/// Sets a topic's settings through the Admin API (AlterConfigs: the settings given replace the
+/// topic's, others return to the broker's defaults), e.g. `[("max.message.bytes", "1048588")]`.
+pub fn alter_topic_config(addr: &str, topic: &str, config: &[(&str, &str)]) -> Result<(), String> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", addr)
+        .create()
+        .map_err(|e| format!("admin client for {addr}: {e}"))?;
+    let change = config.iter().fold(
+        AlterConfig::new(ResourceSpecifier::Topic(topic)),
+        |c, (k, v)| c.set(k, v),
+    );
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let results = block_on(admin.alter_configs([&change], &opts))
+        .map_err(|e| format!("altering topic {topic} on {addr}: {e}"))?;
+    for r in results {
+        r.map_err(|(_, code)| format!("altering topic {topic} on {addr}: {code}"))?;
     }
     Ok(())
 }
