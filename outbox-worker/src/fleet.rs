@@ -143,6 +143,7 @@ pub async fn run(base: RunArgs) -> Result<(), Fatal> {
     base.validate()?;
     let props = base.producer_properties()?;
     let first = plan(&base)?;
+    crate::broker_tls::check(&base.kafka.brokers, &props, base.send_timeout).await?;
     let fleet = Arc::new(Fleet::default());
     let cancel = CancellationToken::new();
     let f = fleet.clone();

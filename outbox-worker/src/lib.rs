@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod breaker;
+pub mod broker_tls;
 pub mod claim;
 pub mod cli;
 pub mod config;

@@ -19,7 +19,10 @@ pub fn init(directives: Option<&str>, format: LogFormat) -> Result<(), String> {
     let filter = parse_filter(&text)?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // A failed write (stderr closed: EPIPE) is not reported with eprintln!, which panics on
+        // the same closed stderr, in whichever task or librdkafka thread was logging.
+        .log_internal_errors(false);
     match format {
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
         // Fields (message included) at the top level: what log shippers index without

@@ -20,7 +20,7 @@ use crate::publisher::Publisher;
 use crate::store::{Settings, Store};
 use crate::tasks::Tasks;
 use crate::unknown::UnknownErrors;
-use crate::{db, defaults};
+use crate::{broker_tls, db, defaults};
 use crate::{shutdown, wakeup, Fatal};
 
 /// hostname-pid-random
@@ -62,6 +62,7 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     shutdown::ignore_hangup();
     let props = args.producer_properties()?;
     let db = Database::open(&args).await?;
+    broker_tls::check(&args.kafka.brokers, &props, args.send_timeout).await?;
     // Created after the database checks: librdkafka starts connecting at once.
     let publisher = shared_publisher(&args, &props, &metrics.registry)?;
     let server = Server::start(args.metrics_addr, metrics.clone()).await?;

@@ -1,7 +1,8 @@
 //! SIGTERM/SIGINT: the first one stops claiming (in-flight rows are settled, the producer flushed,
-//! exit 0); a second one exits at once (held rows are reclaimed once the heartbeat runs out, or
-//! after their lease with heartbeats off). Either way the stop is bounded: past the shutdown
-//! timeout the process exits 1 whatever it was waiting for.
+//! exit 0); a second one exits at once with 128 + its number, what a shell reports for a process
+//! the signal killed (143 for SIGTERM, 130 for SIGINT): the stop was not clean, held rows are
+//! reclaimed once the heartbeat runs out (after their lease with heartbeats off). Either way the
+//! stop is bounded: past the shutdown timeout the process exits 1 whatever it was waiting for.
 
 use std::time::Duration;
 
@@ -20,14 +21,14 @@ pub fn spawn_signal_handler(cancel: CancellationToken, on_stop: impl FnOnce() + 
         tracing::info!("{name} received: stopping claims, settling in-flight events");
         on_stop();
         cancel.cancel();
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
+        let (name, number) = tokio::select! {
+            _ = term.recv() => ("SIGTERM", libc::SIGTERM),
+            _ = int.recv() => ("SIGINT", libc::SIGINT),
         };
         tracing::warn!(
             "second {name}: exiting now; events still claimed are reclaimed once this relay's heartbeat runs out (after their lease with heartbeats off)"
         );
-        std::process::exit(130);
+        std::process::exit(128 + number);
     });
 }
 

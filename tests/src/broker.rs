@@ -98,13 +98,18 @@ impl Broker {
     /// A broker with a second listener, SASL_PLAINTEXT (SCRAM-SHA-256, OAUTHBEARER), on
     /// `sasl.port`.
     pub fn start_sasl(sasl: &kafka::Sasl) -> Broker {
-        Broker::start_with(free_port(), Some(sasl))
+        Broker::start_with(free_port(), Some(kafka::Listeners::Sasl(sasl)))
     }
 
-    fn start_with(port: u16, sasl: Option<&kafka::Sasl>) -> Broker {
+    /// A broker with two listeners over TLS, SSL and SASL_SSL (see [`kafka::Tls`]).
+    pub fn start_tls(tls: &kafka::Tls) -> Broker {
+        Broker::start_with(free_port(), Some(kafka::Listeners::Tls(tls)))
+    }
+
+    fn start_with(port: u16, extra: Option<kafka::Listeners<'_>>) -> Broker {
         let dir =
             std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
-        Broker::try_start_in(&dir, port, sasl).unwrap_or_else(|e| panic!("{e}"))
+        Broker::try_start_in(&dir, port, extra).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Starts a new, empty broker on 127.0.0.1:`port` with its data in `dir`; an error (with the
@@ -112,9 +117,9 @@ impl Broker {
     pub fn try_start_in(
         dir: &Path,
         port: u16,
-        sasl: Option<&kafka::Sasl>,
+        extra: Option<kafka::Listeners<'_>>,
     ) -> Result<Broker, String> {
-        let kafka = Kafka::start_with(dir, port, sasl)
+        let kafka = Kafka::start_with(dir, port, extra)
             .map_err(|e| format!("starting Kafka on 127.0.0.1:{port}: {e}"))?;
         let log = kafka.log();
         Ok(Broker { port, kafka, log })

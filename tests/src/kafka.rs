@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake};
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, AlterConfig, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::ClientConfig;
 
@@ -148,6 +150,71 @@ impl Sasl {
     }
 }
 
+/// Two listeners over TLS: SSL on `ssl_port` and SASL_SSL (SCRAM-SHA-256, the one user made at
+/// format time) on `sasl_ssl_port`, bound to 127.0.0.1 and advertised under `host`, the name in
+/// the server certificate, so a client that verifies names must reach them by that name. The key
+/// (unencrypted PKCS#8) and the certificate are PEM files, given to Kafka inline (`ssl.keystore.type
+/// = PEM`): Java reads an unencrypted key only that way.
+#[derive(Debug, Clone)]
+pub struct Tls {
+    pub host: String,
+    pub ssl_port: u16,
+    pub sasl_ssl_port: u16,
+    pub user: String,
+    pub password: String,
+    pub key: PathBuf,
+    pub cert: PathBuf,
+}
+
+impl Tls {
+    fn properties(&self, port: u16, controller_port: u16) -> Result<String, String> {
+        // Kafka's PEM parser wants whitespace between the lines, not line breaks: one line.
+        let pem = |p: &Path| {
+            std::fs::read_to_string(p)
+                .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
+                .map_err(|e| format!("reading {}: {e}", p.display()))
+        };
+        let (key, cert) = (pem(&self.key)?, pem(&self.cert)?);
+        let (host, ssl, sasl) = (&self.host, self.ssl_port, self.sasl_ssl_port);
+        Ok(format!(
+            "\n# TLS listeners (tests/src/kafka.rs Tls)\n\
+             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port},SSL://127.0.0.1:{ssl},SASL_SSL://127.0.0.1:{sasl}\n\
+             advertised.listeners=PLAINTEXT://127.0.0.1:{port},SSL://{host}:{ssl},SASL_SSL://{host}:{sasl}\n\
+             listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SSL:SSL,SASL_SSL:SASL_SSL\n\
+             sasl.enabled.mechanisms=SCRAM-SHA-256\n\
+             listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=\
+             org.apache.kafka.common.security.scram.ScramLoginModule required;\n\
+             ssl.keystore.type=PEM\n\
+             ssl.keystore.key={key}\n\
+             ssl.keystore.certificate.chain={cert}\n"
+        ))
+    }
+}
+
+/// The listeners a broker has besides PLAINTEXT and the controller's.
+#[derive(Debug, Clone, Copy)]
+pub enum Listeners<'a> {
+    Sasl(&'a Sasl),
+    Tls(&'a Tls),
+}
+
+impl<'a> Listeners<'a> {
+    fn properties(self, port: u16, controller_port: u16) -> Result<String, String> {
+        match self {
+            Listeners::Sasl(s) => Ok(s.properties(port, controller_port)),
+            Listeners::Tls(t) => t.properties(port, controller_port),
+        }
+    }
+
+    /// The SCRAM-SHA-256 user created at format time.
+    fn scram_user(self) -> (&'a str, &'a str) {
+        match self {
+            Listeners::Sasl(s) => (&s.user, &s.password),
+            Listeners::Tls(t) => (&t.user, &t.password),
+        }
+    }
+}
+
 /// One broker: its ports, its directory (`server.properties`, the logging and JVM options,
 /// `data/`, `kafka.log`) and, while it runs, its JVM.
 pub struct Kafka {
@@ -164,8 +231,12 @@ impl Kafka {
         Kafka::start_with(dir, port, None)
     }
 
-    /// `start`, plus a SASL listener when `sasl` is given.
-    pub fn start_with(dir: &Path, port: u16, sasl: Option<&Sasl>) -> Result<Kafka, String> {
+    /// `start`, plus the `extra` listeners.
+    pub fn start_with(
+        dir: &Path,
+        port: u16,
+        extra: Option<Listeners<'_>>,
+    ) -> Result<Kafka, String> {
         let home = home();
         if !home.join(".installed").exists() {
             return Err(format!(
@@ -185,8 +256,8 @@ impl Kafka {
             .replace("@PORT@", &port.to_string())
             .replace("@CONTROLLER_PORT@", &controller_port.to_string())
             .replace("@DATA_DIR@", &data.to_string_lossy());
-        if let Some(s) = sasl {
-            props.push_str(&s.properties(port, controller_port));
+        if let Some(l) = extra {
+            props.push_str(&l.properties(port, controller_port)?);
         }
         for (name, text) in [
             ("server.properties", props.as_str()),
@@ -207,11 +278,11 @@ impl Kafka {
             .args(["kafka.tools.StorageTool", "format", "--config"])
             .arg(k.dir.join("server.properties"))
             .args(["--cluster-id", &cluster_id]);
-        if let Some(s) = sasl {
-            format_cmd.arg("--add-scram").arg(format!(
-                "SCRAM-SHA-256=[name={},password={}]",
-                s.user, s.password
-            ));
+        if let Some(l) = extra {
+            let (user, password) = l.scram_user();
+            format_cmd
+                .arg("--add-scram")
+                .arg(format!("SCRAM-SHA-256=[name={user},password={password}]"));
         }
         let st = format_cmd
             .status()
@@ -448,6 +519,26 @@ pub fn create_topics_with(
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+    Ok(())
+}
+
+/// Sets a topic's settings through the Admin API (AlterConfigs: the settings given replace the
+/// topic's, others return to the broker's defaults), e.g. `[("max.message.bytes", "1048588")]`.
+pub fn alter_topic_config(addr: &str, topic: &str, config: &[(&str, &str)]) -> Result<(), String> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", addr)
+        .create()
+        .map_err(|e| format!("admin client for {addr}: {e}"))?;
+    let change = config.iter().fold(
+        AlterConfig::new(ResourceSpecifier::Topic(topic)),
+        |c, (k, v)| c.set(k, v),
+    );
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let results = block_on(admin.alter_configs([&change], &opts))
+        .map_err(|e| format!("altering topic {topic} on {addr}: {e}"))?;
+    for r in results {
+        r.map_err(|(_, code)| format!("altering topic {topic} on {addr}: {code}"))?;
     }
     Ok(())
 }

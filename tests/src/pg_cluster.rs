@@ -39,6 +39,17 @@ fn check(what: &str, out: Output) {
     );
 }
 
+fn chown_postgres(path: &Path) {
+    check(
+        "chown",
+        Command::new("chown")
+            .args(["postgres:postgres"])
+            .arg(path)
+            .output()
+            .expect("chown"),
+    );
+}
+
 impl PgCluster {
     /// initdb, then start on 127.0.0.1 and localhost's other addresses with `conf` appended to
     /// postgresql.conf; `files` are copied into the data directory first (owned by postgres,
@@ -51,20 +62,8 @@ impl PgCluster {
     /// a private copy into which a release package installed the extension.
     pub fn start_with(bin: &Path, conf: &str, files: &[&Path]) -> PgCluster {
         let bin_s = bin.to_str().expect("utf-8 path").to_string();
-        let port = free_port();
-        let dir =
-            std::env::temp_dir().join(format!("outbox-test-pg-{port}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("cluster dir");
-        check(
-            "chown",
-            Command::new("chown")
-                .args(["postgres:postgres"])
-                .arg(&dir)
-                .output()
-                .expect("chown"),
-        );
-        let data = dir.join("data");
+        let cluster = PgCluster::new_dir(bin);
+        let data = cluster.dir.join("data");
         let data_s = data.to_str().expect("utf-8 path");
         check(
             "initdb",
@@ -83,14 +82,7 @@ impl PgCluster {
         for f in files {
             let to = data.join(f.file_name().expect("file name"));
             std::fs::copy(f, &to).expect("copy into the data dir");
-            check(
-                "chown",
-                Command::new("chown")
-                    .args(["postgres:postgres"])
-                    .arg(&to)
-                    .output()
-                    .expect("chown"),
-            );
+            chown_postgres(&to);
             check(
                 "chmod",
                 Command::new("chmod")
@@ -100,24 +92,82 @@ impl PgCluster {
                     .expect("chmod"),
             );
         }
-        let mut pgconf = std::fs::OpenOptions::new()
-            .append(true)
-            .open(data.join("postgresql.conf"))
-            .expect("postgresql.conf");
-        use std::io::Write;
-        writeln!(
-            pgconf,
-            "port = {port}\nlisten_addresses = 'localhost'\nunix_socket_directories = '{}'\nfsync = off\n{conf}",
-            dir.display()
-        )
-        .expect("write postgresql.conf");
-        let cluster = PgCluster {
+        cluster.configure(&format!(
+            "listen_addresses = 'localhost'\nfsync = off\n{conf}"
+        ));
+        cluster.start_again();
+        cluster
+    }
+
+    /// An empty directory owned by postgres for a cluster on a free port.
+    fn new_dir(bin: &Path) -> PgCluster {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("outbox-test-pg-{port}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("cluster dir");
+        chown_postgres(&dir);
+        PgCluster {
             dir,
             port,
             bin: bin.to_path_buf(),
-        };
-        cluster.start_again();
-        cluster
+        }
+    }
+
+    /// Appends this cluster's port and socket directory, then `conf`, to its postgresql.conf
+    /// (a later line wins).
+    fn configure(&self, conf: &str) {
+        use std::io::Write;
+        let mut pgconf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.join("data/postgresql.conf"))
+            .expect("postgresql.conf");
+        writeln!(
+            pgconf,
+            "port = {}\nunix_socket_directories = '{}'\n{conf}",
+            self.port,
+            self.dir.display()
+        )
+        .expect("write postgresql.conf");
+    }
+
+    /// A streaming standby of this running cluster, started on a port of its own: a copy made
+    /// with `pg_basebackup -R` (initdb's pg_hba.conf lets local replication in), which follows the
+    /// primary until [`PgCluster::promote`].
+    pub fn standby(&self) -> PgCluster {
+        let standby = PgCluster::new_dir(&self.bin);
+        let data = standby.dir.join("data");
+        check(
+            "pg_basebackup",
+            as_postgres(&[
+                &format!("{}/pg_basebackup", self.bin.display()),
+                "-h",
+                self.dir.to_str().expect("utf-8 path"),
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+                "-D",
+                data.to_str().expect("utf-8 path"),
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--no-sync",
+            ]),
+        );
+        standby.configure("");
+        standby.start_again();
+        standby
+    }
+
+    /// Ends recovery: the standby becomes a primary (`pg_ctl promote -w`).
+    pub fn promote(&self) {
+        check(
+            "pg_ctl promote",
+            self.pg_ctl(&["-w", "-t", "30", "promote"]),
+        );
     }
 
     /// `pg_ctl ARGS` on this cluster's data directory, as postgres.
@@ -155,16 +205,27 @@ impl PgCluster {
 
     /// Runs SQL with psql over the Unix socket (no TLS involved).
     pub fn psql(&self, dbname: &str, sql: &str) {
-        let out = Command::new("psql")
+        check(sql, self.psql_output(dbname, sql, "-q"));
+    }
+
+    /// One value (unaligned, no header) of a query run with psql over the Unix socket.
+    pub fn psql_value(&self, dbname: &str, sql: &str) -> String {
+        let out = self.psql_output(dbname, sql, "-t");
+        check(sql, out.clone());
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// psql with `-X -A -v ON_ERROR_STOP=1`, `flag` and `-c sql`.
+    fn psql_output(&self, dbname: &str, sql: &str, flag: &str) -> Output {
+        Command::new("psql")
             .arg(format!(
                 "host={} port={} user=postgres dbname={dbname}",
                 self.dir.display(),
                 self.port
             ))
-            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .args(["-X", flag, "-A", "-v", "ON_ERROR_STOP=1", "-c", sql])
             .output()
-            .expect("psql");
-        check(sql, out);
+            .expect("psql")
     }
 }
 

@@ -699,3 +699,67 @@ async fn broker_restart_keeps_delivered_messages_and_the_relay_resumes() {
     let got: BTreeSet<i64> = after.iter().map(|m| m.outbox_id()).collect();
     assert_eq!(got, all, "every event arrives (at least once)");
 }
+
+/// The first SIGTERM or SIGINT waits for the round in flight (here stuck on a frozen broker); a
+/// second one exits at once with 128 + its number, what a shell reports for a process the signal
+/// killed: 143 for SIGTERM, 130 for SIGINT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once_with_128_plus_its_number() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    // A topic per round: the first round's keys stay busy, held by its killed relay.
+    let topics = ["orders", "payments"];
+    for t in topics {
+        broker.create_topic(t);
+    }
+    let client = db.connect().await;
+    broker.freeze();
+    for (n, (sig, name, code)) in [
+        (libc::SIGTERM, "SIGTERM", 143),
+        (libc::SIGINT, "SIGINT", 130),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        enqueue_burst(&client, topics[n], 5).await;
+        let owner = format!("relay-{name}");
+        let mut relay = Relay::spawn(
+            &db.url(),
+            &broker.addr(),
+            &["--owner", &owner, "--send-timeout", "30s", "--lease", "10m"],
+        );
+        let held = wait_counts(&client, Duration::from_secs(20), |c| {
+            c["SENDING"] as usize > n * 5
+        })
+        .await;
+        assert!(held["SENDING"] as usize > n * 5, "{}", relay.logs());
+        relay.signal(sig);
+        assert!(
+            relay
+                .wait_log(&[name, "received"], Duration::from_secs(5))
+                .is_some(),
+            "{}",
+            relay.logs()
+        );
+        assert!(
+            relay.is_running(),
+            "the first {name} waits for the round in flight"
+        );
+        let sent = Instant::now();
+        relay.signal(sig);
+        let status = relay.wait_exit(Duration::from_secs(5));
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(code),
+            "{name}: {status:?}\n{}",
+            relay.logs()
+        );
+        assert!(
+            sent.elapsed() < Duration::from_secs(2),
+            "{name}: not at once"
+        );
+        assert!(relay
+            .logs()
+            .contains(&format!("second {name}: exiting now")));
+    }
+}

@@ -1,11 +1,13 @@
 //! `--log-format json`: every line the relay writes is one JSON object with level, target and
-//! message, librdkafka's lines included, and so is the final error line.
+//! message, librdkafka's lines included, and so is the final error line. A relay whose stderr
+//! went away (a log shipper that died) goes on and stops cleanly.
 
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use outbox_tests::broker::free_port;
 use outbox_tests::db::TestDb;
-use outbox_tests::relay::{run_cmd, Relay};
+use outbox_tests::relay::{relay_bin, run_cmd, Relay};
 use serde_json::Value;
 
 fn parse(line: &str) -> Value {
@@ -71,4 +73,50 @@ fn json_error_line_and_filters() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("invalid log filter"), "{stderr}");
+}
+
+/// Writing a log line to a closed stderr fails (EPIPE). The relay must not panic on it (exit
+/// 101), nor lose its signal handling (a panic in the task that logs the first SIGTERM left a
+/// relay that no SIGTERM could stop): it runs on and exits 0 on SIGTERM.
+#[test]
+fn a_relay_whose_stderr_is_closed_runs_on_and_stops_cleanly() {
+    let db = TestDb::create();
+    // Nothing listens there: librdkafka logs its connection failures, several a second.
+    let brokers = format!("127.0.0.1:{}", free_port());
+    let mut child = Command::new(relay_bin())
+        .args(["--log-level", "debug", "run", "--database-url", &db.url()])
+        .args(["--brokers", &brokers, "--poll-interval", "100ms"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn outbox-worker");
+    drop(child.stderr.take());
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        child.try_wait().expect("try_wait").is_none(),
+        "the relay exited when its stderr closed: {:?}",
+        child.try_wait()
+    );
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break Some(st);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "SIGTERM with stderr closed: {status:?}"
+    );
 }

@@ -58,13 +58,13 @@ pub(super) fn read_topic(
 /// Per-key order (docs/reference.md, "Per-key order"): the first arrival of each event, per
 /// (topic, key) in partition order, must come in id (= commit) order. The producers' key is
 /// `k-` || n % 97; the poison topic is unordered. Returns the first arrivals that came after a
-/// later event of their key.
-fn out_of_order(produced: &Produced, seen: &[Seen]) -> usize {
+/// later event of their key, by topic index.
+fn out_of_order(produced: &Produced, seen: &[Seen]) -> Vec<u8> {
     let mut by_position: Vec<&Seen> = seen.iter().collect();
     by_position.sort_by_key(|s| (s.topic, s.partition, s.offset));
     let mut first: HashSet<i64> = HashSet::new();
     let mut last_of_key: HashMap<(u8, i64), i64> = HashMap::new();
-    let mut late = 0;
+    let mut late = Vec::new();
     for s in by_position {
         let ordered = produced.committed.get(&s.id).is_some_and(|v| v.1 != 2);
         if !ordered || !first.insert(s.id) {
@@ -72,7 +72,7 @@ fn out_of_order(produced: &Produced, seen: &[Seen]) -> usize {
         }
         let last = last_of_key.entry((s.topic, s.n % 97)).or_insert(i64::MIN);
         if s.id < *last {
-            late += 1;
+            late.push(s.topic);
         } else {
             *last = s.id;
         }
@@ -108,7 +108,12 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         }
     }
     rep.delivered_distinct = copies.len();
-    rep.out_of_order = out_of_order(produced, &seen);
+    let late = out_of_order(produced, &seen);
+    rep.out_of_order = late.len();
+    rep.out_of_order_rejected = late
+        .iter()
+        .filter(|t| **t == super::reject::TOPIC_INDEX)
+        .count();
     rep.deadlock_retries = produced.deadlock_retries;
     let mut lost: Vec<i64> = produced
         .committed
@@ -218,7 +223,55 @@ pub(super) fn analyse(r: &mut Runner<'_>, produced: &Produced, seen: Vec<Seen>) 
         };
         *rep.duplicates_by_cause.entry(cause).or_default() += n - 1;
     }
+    rep.duplicate_budget = duplicate_budget(r.p, rep);
     let mut buf = String::new();
     let _ = write!(buf, "{} workers killed or exited", r.killed_owners.len());
-    rep.notes.push(buf);
+    r.report.notes.push(buf);
+}
+
+/// The duplicates the run's faults explain, item by item: a fault may get an event published
+/// again only if it was in a round in flight, and a relay's rounds hold at most `concurrency ×
+/// batch_size` events, each possibly on the broker already.
+/// - A SIGKILL, or a relay's own exit: its rounds are reclaimed once its heartbeat runs out and
+///   published again by another relay.
+/// - The zombie: the same for the frozen relay.
+/// - A broker outage or restart: every relay's rounds in flight may time out after the broker
+///   stored them; they are released and published again.
+/// - A `pg_terminate_backend` round: every relay loses its heartbeat session too, and may miss
+///   its heartbeat timeout (a quarter of the short lease here) while it reconnects: its rounds
+///   are then reclaimed from under it and published again.
+/// - A rejected ordered head: each later event of its key may have been written in the head's
+///   round (before the broker's refusal was known) and is published again after the head.
+///
+/// Anything beyond the sum is a relay publishing what no fault explains (e.g. everything twice).
+fn duplicate_budget(p: &super::Profile, rep: &super::Report) -> Vec<(String, usize)> {
+    let rounds = p.concurrency * p.batch_size;
+    let every_relay = p.workers * rounds;
+    let killed = rep.kills + rep.unexpected_exits.len();
+    let zombies = usize::from(rep.zombie.is_some());
+    let broker = rep.outages + rep.restarts;
+    let terminations = rep.terminated_connections.len();
+    let rejected = rep.rejections * (super::reject::KEYS * (super::reject::PER_KEY - 1)) as usize;
+    vec![
+        (
+            format!("{killed} relays killed or exited × {rounds} in flight"),
+            killed * rounds,
+        ),
+        (
+            format!("{zombies} zombie × {rounds} in flight"),
+            zombies * rounds,
+        ),
+        (
+            format!("{broker} broker outages/restarts × {every_relay} in flight (all relays)"),
+            broker * every_relay,
+        ),
+        (
+            format!("{terminations} connection kills × {every_relay} in flight (all relays)"),
+            terminations * every_relay,
+        ),
+        (
+            format!("{rejected} later events of rejected heads"),
+            rejected,
+        ),
+    ]
 }

@@ -10,14 +10,18 @@
 //! - a broker outage: SIGSTOP of the broker for `outage` (longer than the send timeout), SIGCONT;
 //! - a broker restart: SIGTERM of the broker while the workers keep running, then the same
 //!   broker started again on the same ports and data (what it acknowledged must still be there);
-//! - `pg_terminate_backend` of every worker connection (application_name = its owner name).
+//! - `pg_terminate_backend` of every worker connection (application_name = its owner name);
+//! - ordered events the broker rejects: a key's head above its topic's `max.message.bytes`, then
+//!   the limit raised (`reject.rs`).
 //!
 //! At the end it waits for quiescence (no WAIT or SENDING rows), stops the workers with SIGTERM,
 //! reads every topic back and checks: lost = 0, phantoms = 0, no WAIT/SENDING rows, dead letters
 //! = the poison events exactly, every turn to SUCCESS made by the claim's holder (the ack audit),
 //! no relay exit the runner did not cause, exit 0 on SIGTERM, every message's topic and payload
-//! match its event. Duplicates are counted and attributed to a cause where the final row tells it
-//! (a reclaim after a kill or of the zombie, a publish that failed after the broker had stored it).
+//! match its event, per key first arrivals in commit order. Duplicates are counted, attributed to a
+//! cause where the final row tells it (a reclaim after a kill or of the zombie, a publish that
+//! failed after the broker had stored it), and held to a budget the faults explain
+//! (`analysis::duplicate_budget`).
 //!
 //! Modules: `profile` (sizes, schedule, seed), `producer`, `runner` and `zombie` (the faults),
 //! `audit` (who acked what), `scrape` (what each relay counted, from its /metrics), `analysis`
@@ -28,6 +32,7 @@ mod audit;
 pub mod doc;
 mod producer;
 mod profile;
+mod reject;
 mod report;
 mod runner;
 mod scrape;
@@ -80,6 +85,10 @@ pub fn run(p: &Profile) -> Report {
     for t in TOPICS {
         broker.create_topic(t);
     }
+    broker.create_topic_with(
+        reject::LIMITED_TOPIC,
+        &[("max.message.bytes", reject::REJECTING_LIMIT)],
+    );
     let port = broker.port;
     let mut r = Runner {
         p,
@@ -134,6 +143,7 @@ pub fn run(p: &Profile) -> Report {
         Outage,
         Restart,
         Terminate,
+        Reject,
     }
     let mut schedule: Vec<(Duration, F)> = Vec::new();
     if let Some(t) = p.zombie_at {
@@ -147,6 +157,9 @@ pub fn run(p: &Profile) -> Report {
     }
     for t in &p.terminate_at {
         schedule.push((*t, F::Terminate));
+    }
+    if let Some(t) = p.reject_at {
+        schedule.push((t, F::Reject));
     }
     schedule.sort_by_key(|s| s.0);
     schedule.reverse();
@@ -174,6 +187,7 @@ pub fn run(p: &Profile) -> Report {
                 F::Outage => r.outage(),
                 F::Restart => r.restart_broker(),
                 F::Terminate => r.terminate_connections(),
+                F::Reject => r.reject(&shared),
             }
             continue;
         }
@@ -240,8 +254,13 @@ pub fn run(p: &Profile) -> Report {
     // Read everything back.
     let addr = format!("127.0.0.1:{}", r.port);
     let mut seen = Vec::new();
-    for (ti, topic) in TOPICS.iter().enumerate() {
-        read_topic(&addr, topic, ti as u8, &mut seen)
+    let topics = TOPICS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (*t, i as u8))
+        .chain([(reject::LIMITED_TOPIC, reject::TOPIC_INDEX)]);
+    for (topic, index) in topics {
+        read_topic(&addr, topic, index, &mut seen)
             .unwrap_or_else(|e| panic!("reading {topic} back: {e}"));
     }
 

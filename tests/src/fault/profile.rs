@@ -30,6 +30,8 @@ pub struct Profile {
     pub outage_for: Duration,
     pub restart_at: Option<Duration>,
     pub terminate_at: Vec<Duration>,
+    /// When the runner enqueues the ordered events the broker rejects (see `runner::reject`).
+    pub reject_at: Option<Duration>,
     pub lease: Duration,
     pub send_timeout: Duration,
     pub reclaim_interval: Duration,
@@ -65,6 +67,7 @@ impl Profile {
             outage_for: Duration::from_secs(4),
             restart_at: Some(Duration::from_secs(34)),
             terminate_at: vec![Duration::from_secs(18), Duration::from_secs(42)],
+            reject_at: Some(Duration::from_secs(14)),
             lease: Duration::from_secs(5),
             send_timeout: Duration::from_secs(1),
             reclaim_interval: Duration::from_secs(1),
@@ -95,6 +98,7 @@ impl Profile {
             outage_for: Duration::from_secs(5),
             restart_at: Some(Duration::from_secs(80)),
             terminate_at: vec![Duration::from_secs(40), Duration::from_secs(110)],
+            reject_at: Some(Duration::from_secs(65)),
             batch_size: 500,
             quiesce_timeout: Duration::from_secs(1800),
             ..Profile::ci(seed)

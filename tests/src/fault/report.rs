@@ -44,6 +44,9 @@ pub struct Report {
     pub phantoms: usize,
     /// First arrivals that came after a later event of their key (per-key order broken).
     pub out_of_order: usize,
+    /// Of those: events of `reject.rs`'s keys (a head the broker refused, behind a later event of
+    /// its key that was written in the same round).
+    pub out_of_order_rejected: usize,
     /// Producer transactions retried after a deadlock between per-key locks.
     pub deadlock_retries: usize,
     pub unknown_ids: usize,
@@ -52,6 +55,10 @@ pub struct Report {
     pub duplicates: usize,
     pub duplicated_events: usize,
     pub duplicates_by_cause: BTreeMap<String, usize>,
+    /// The duplicates the faults explain, by fault (`analysis::duplicate_budget`).
+    pub duplicate_budget: Vec<(String, usize)>,
+    /// Rounds of broker-rejected ordered heads (`reject.rs`).
+    pub rejections: usize,
     pub left_wait: i64,
     pub left_sending: i64,
     pub success_rows: i64,
@@ -111,6 +118,18 @@ impl Report {
                 self.lost
             ));
         }
+        let budget: usize = self.duplicate_budget.iter().map(|b| b.1).sum();
+        if self.duplicates > budget {
+            v.push(format!(
+                "{} duplicates, more than the {budget} the faults explain ({})",
+                self.duplicates,
+                self.duplicate_budget
+                    .iter()
+                    .map(|(what, n)| format!("{what}: {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
         if self.phantoms > 0 {
             v.push(format!(
                 "{} rolled-back events reached the broker",
@@ -119,8 +138,9 @@ impl Report {
         }
         if self.out_of_order > 0 {
             v.push(format!(
-                "{} events arrived for the first time after a later event of their key",
-                self.out_of_order
+                "{} events arrived for the first time after a later event of their key ({} of \
+                 them heads the broker refused while a later event of their key was written)",
+                self.out_of_order, self.out_of_order_rejected
             ));
         }
         if self.unknown_ids > 0 {
@@ -249,8 +269,8 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "out of order           {} first arrivals after a later event of their key",
-            self.out_of_order
+            "out of order           {} first arrivals after a later event of their key ({} of them heads the broker refused)",
+            self.out_of_order, self.out_of_order_rejected
         )?;
         writeln!(f, "corrupt messages       {}", self.corrupt)?;
         let rate = if self.delivered_distinct > 0 {
@@ -265,6 +285,14 @@ impl std::fmt::Display for Report {
         )?;
         for (cause, n) in &self.duplicates_by_cause {
             writeln!(f, "    {n:>8}  {cause}")?;
+        }
+        let budget: usize = self.duplicate_budget.iter().map(|b| b.1).sum();
+        writeln!(
+            f,
+            "duplicate budget       {budget} (what the faults explain):"
+        )?;
+        for (what, n) in &self.duplicate_budget {
+            writeln!(f, "    {n:>8}  {what}")?;
         }
         writeln!(
             f,

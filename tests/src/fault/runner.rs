@@ -79,6 +79,8 @@ impl Runner<'_> {
                 &self.p.concurrency.to_string(),
                 "--kafka-property",
                 "reconnect.backoff.max.ms=250",
+                "--kafka-property",
+                &format!("batch.size={}", super::reject::RELAY_BATCH_BYTES),
             ],
         );
         Slot {
