@@ -50,7 +50,7 @@ pub fn loadavg() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-/// The commit checked out, marked when the work tree differs from it.
+/// The commit checked out, marked when the work tree differs from it outside reports/.
 pub fn checkout() -> String {
     let git = |args: &[&str]| {
         std::process::Command::new("git")
@@ -62,7 +62,15 @@ pub fn checkout() -> String {
     };
     match (
         git(&["rev-parse", "--short", "HEAD"]),
-        git(&["status", "--porcelain", "--untracked-files=no"]),
+        // Other reports being rewritten by the same session do not change what ran.
+        git(&[
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":!reports",
+        ]),
     ) {
         (Some(c), Some(changes)) if !changes.is_empty() => format!("{c} with uncommitted changes"),
         (Some(c), _) => c,
