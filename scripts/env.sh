@@ -16,8 +16,9 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}
 export PATH=$HOME/.cargo/bin:$OUTBOX_TOOLS/bin:$PATH
 # The project's own PostgreSQL cluster, created and started by scripts/pg-start: the machine's
 # other clusters are never touched. Its port is chosen free when it is created (or when another
-# program took it); empty until then.
-OUTBOX_PG_CLUSTER=outbox
+# program took it); empty until then. OUTBOX_PG_CLUSTER names another cluster of this machine
+# for the scripts to act on (a second checkout's, a benchmark's).
+OUTBOX_PG_CLUSTER=${OUTBOX_PG_CLUSTER:-outbox}
 PGPORT=$(pg_conftool -s "$PG_MAJOR" "$OUTBOX_PG_CLUSTER" show port 2>/dev/null || true)
 export PGHOST=127.0.0.1 PGPORT PGUSER=postgres
 # The relay binary, found the same way by the tests and outbox-bench (tests/src/relay.rs). Not

@@ -48,7 +48,7 @@ CREATE TABLE @extschema@.outbox_tracked (
 ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_tracked.id;
 
 -- Hot path 1: due unordered WAIT rows, oldest next_retry_time first (outbox_claim). Partial, so
--- its size follows the backlog, not the history of SUCCESS rows. See docs/INDEXES.md.
+-- its size follows the backlog, not the history of SUCCESS rows (reports/INDEXES.md).
 CREATE INDEX outbox_tracked_wait_due_idx
     ON @extschema@.outbox_tracked (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
 -- Hot path 1, ordered: a key's unfinished events in commit (= id) order; its first entry is the

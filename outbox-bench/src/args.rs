@@ -22,8 +22,8 @@ pub struct Args {
     /// PGUSER, PGPASSWORD or 127.0.0.1:5432 user postgres.
     #[arg(long, env = "OUTBOX_BENCH_DATABASE_URL")]
     pub database_url: Option<String>,
-    /// Also write the report to this file (scripts/bench passes docs/BENCHMARKS.md, or
-    /// docs/INDEXES.md with `--only indexes`).
+    /// Also write the report to this file (scripts/bench passes reports/BENCHMARKS.md, or
+    /// reports/INDEXES.md with `--only indexes`: see reports/README.md).
     #[arg(long)]
     pub output: Option<PathBuf>,
     /// Also write every figure as JSON to this file. Default with `--output X.md`: `X.json`.
@@ -33,19 +33,26 @@ pub struct Args {
     #[arg(long)]
     pub no_broker: bool,
     /// Run only these sections (comma-separated). `indexes` is not in the default set: alone it
-    /// writes its own report (`scripts/bench --only indexes` writes docs/INDEXES.md).
+    /// writes its own report (`scripts/bench --only indexes` writes reports/INDEXES.md).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<Section>,
     /// The null sink's claim loops send unnamed statements, parsed and planned on every call (as
     /// the relay does, for PgBouncer's transaction mode), instead of prepared ones.
     #[arg(long)]
     pub unnamed_statements: bool,
+    /// Print the provenance table (date, checkout, machine, server, settings, load) that every
+    /// report starts with, and exit: for reports written by scripts (sql/bench/).
+    #[arg(long, conflicts_with_all = ["output", "json", "only"])]
+    pub provenance: bool,
+    /// With `--provenance`: the load average when the script started (`/proc/loadavg`).
+    #[arg(long, requires = "provenance")]
+    pub load_start: Option<String>,
 }
 
 impl Args {
     /// Where the JSON figures go, if anywhere.
     /// Whether section `s` runs: the selected ones, else all but `indexes`, which only the smoke
-    /// run adds (its report is docs/INDEXES.md, not BENCHMARKS.md).
+    /// run adds (its report is INDEXES.md, not BENCHMARKS.md).
     pub fn wants(&self, s: Section) -> bool {
         if self.only.is_empty() {
             !matches!(s, Section::Indexes | Section::Fairness) || self.smoke
@@ -103,14 +110,14 @@ pub enum Section {
     Ordering,
     /// Idle relay's CPU on the database server, both wake-up modes (issue 10).
     Idle,
-    /// Partial vs the seed's composite indexes (docs/INDEXES.md).
+    /// Partial vs the seed's composite indexes (reports/INDEXES.md).
     Indexes,
     /// The life cycle of an event: WAL per phase, drain rate and size, per schema version (issue 9).
     Lifecycle,
     /// Long transactions: steady load with a REPEATABLE READ transaction held open (issue 9).
     #[value(name = "held_snapshot", alias = "held-snapshot")]
     HeldSnapshot,
-    /// Two databases on one relay, one with a backlog (docs/FAIRNESS.md, issue 32).
+    /// Two databases on one relay, one with a backlog (reports/FAIRNESS.md).
     Fairness,
     /// The consumer's inbox: accept vs a plain INSERT, WAL per accept (issue 31).
     Inbox,

@@ -1,4 +1,4 @@
-//! Index comparison (its own report, `docs/INDEXES.md`): the partial indexes the extension ships
+//! Index comparison (its own report, `reports/INDEXES.md`): the partial indexes the extension ships
 //! against the seed design's composite `(status, …)` ones, on a table with a long SUCCESS history
 //! and a small backlog. The table is `outbox_tracked`, whose rows change status (retried, delayed
 //! and ordered events; fresh unordered ones are `outbox_stream`'s, which has no status). Per design: the plans of both hot-path queries with their buffers, their

@@ -52,7 +52,8 @@ use clap::Parser;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use outbox_tests::db::TestDb;
+use outbox_tests::db::{try_connect, TestDb};
+use outbox_tests::provenance;
 
 use crate::null_sink::Statements;
 
@@ -90,6 +91,12 @@ async fn run(args: &Args) -> Result<Vec<String>> {
         profile.statements = Statements::Unnamed;
     }
     let server = db::server(args.database_url.as_deref())?;
+    if args.provenance {
+        let load_start = args.load_start.clone().unwrap_or_else(provenance::loadavg);
+        let c = try_connect(&format!("{server} dbname=postgres")).await?;
+        print!("{}", provenance::table(&c, &load_start, &[]).await?);
+        return Ok(Vec::new());
+    }
     let db = TestDb::create_on(&server, "outbox_bench");
     progress!(
         "==> outbox-bench {} profile, database {}",

@@ -68,8 +68,10 @@ pub struct Profile {
     pub held_time: Duration,
     pub held_interval: Duration,
     pub held_warmup: Duration,
-    /// Fairness (issue 32): the other database's backlog, the steady one's rate and duration.
+    /// Fairness (issue 32): the other database's backlog, the steady one's rate and duration,
+    /// and how many rounds of every set-up.
     pub fair_backlog: i64,
+    pub fair_rounds: usize,
     pub fair_rate: f64,
     pub fair_time: Duration,
     /// The inbox (issue 31): calls per measured variant (accept, plain INSERT).
@@ -137,6 +139,7 @@ impl Profile {
             held_interval: Duration::from_secs(10),
             held_warmup: Duration::from_secs(20),
             fair_backlog: 200_000,
+            fair_rounds: 5,
             fair_rate: 500.0,
             fair_time: Duration::from_secs(10),
             inbox_calls: 20_000,
@@ -166,6 +169,7 @@ impl Profile {
             held_interval: Duration::from_secs(30),
             held_warmup: Duration::from_secs(150),
             fair_time: Duration::from_secs(30),
+            fair_rounds: 9,
             ..Profile::quick()
         }
     }
@@ -220,6 +224,7 @@ impl Profile {
             held_interval: Duration::from_secs(1),
             held_warmup: Duration::from_secs(1),
             fair_backlog: 2_000,
+            fair_rounds: 1,
             fair_rate: 100.0,
             fair_time: Duration::from_secs(1),
             inbox_calls: 200,

@@ -258,12 +258,13 @@ pub fn render(
     s += "\n## 11. The consumer's inbox\n\n";
     s += &inbox::markdown(r);
     if let Some(md) = &r.indexes_md {
-        s += "\n## 12. Index comparison (the full-size report is docs/INDEXES.md)\n\n";
+        s += "\n## 12. Index comparison (the full-size report is INDEXES.md)\n\n";
         s += md;
     }
     s += &failures(r);
     s += "\n## Reproduce\n\nThe same figures, unrounded, are in `BENCHMARKS.json` next to this file (`--json PATH` \
-          writes them elsewhere; keys in `outbox-bench/src/results.rs`).\n\n```sh\nscripts/setup            # once: extension, relay, broker\nscripts/bench            # quick profile, rewrites docs/BENCHMARKS.md\nscripts/bench --long     # 1M-event backlogs\nscripts/bench --smoke    # every harness path in seconds (run by scripts/test)\nscripts/bench --only indexes  # partial vs composite indexes, rewrites docs/INDEXES.md\nscripts/bench --only lifecycle,held_snapshot  # issue 9: WAL per event by schema version, a held snapshot under load\n```\n";
+          writes them elsewhere; keys in `outbox-bench/src/results.rs`). The commands of every \
+          report in this directory: [README.md](README.md).\n";
     s
 }
 
@@ -278,9 +279,8 @@ fn failures(r: &Results) -> String {
     s
 }
 
-/// The index report (`--only indexes`): docs/INDEXES.md.
-/// The report of a section run alone (`--only indexes`: docs/INDEXES.md, `--only fairness`:
-/// docs/FAIRNESS.md): (title, section name, its markdown, the JSON file's name).
+/// The report of a section run alone (`--only indexes`: reports/INDEXES.md, `--only fairness`:
+/// reports/FAIRNESS.md): (title, section name, its markdown, the JSON file's name).
 pub fn render_own(
     p: &Profile,
     r: &Results,

@@ -20,7 +20,7 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let t_start = Instant::now();
     let want = |s: Section| args.wants(s);
     let monitor = db.client().await?;
-    let load_start = sys::loadavg();
+    let load_start = outbox_tests::provenance::loadavg();
     let mut r = Results::default();
 
     if want(Section::Enqueue) {

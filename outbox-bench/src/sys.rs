@@ -6,10 +6,9 @@ use std::fs;
 
 use anyhow::Result;
 use outbox_tests::db::TestDb;
-use outbox_tests::kafka;
+use outbox_tests::{kafka, provenance};
 
 use crate::db::BenchDb;
-use crate::report::Table;
 use crate::Profile;
 
 /// Clock ticks per second for /proc/<pid>/stat times.
@@ -78,49 +77,6 @@ pub fn host_cpu() -> (u64, u64) {
     (total - idle, total)
 }
 
-pub fn cpu_model() -> String {
-    fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
-pub fn cpus() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-}
-
-pub fn mem_total_gib() -> f64 {
-    fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map(|kb| kb / 1024.0 / 1024.0)
-        .unwrap_or(0.0)
-}
-
-pub fn kernel() -> String {
-    fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-pub fn loadavg() -> String {
-    fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
 /// First line of `cmd args` stdout (or stderr), for version strings.
 pub fn command_line(cmd: &std::path::Path, args: &[&str]) -> Option<String> {
     let out = std::process::Command::new(cmd).args(args).output().ok()?;
@@ -182,6 +138,7 @@ pub fn kafka_version() -> String {
     )
 }
 
+/// The report's provenance table (see [`outbox_tests::provenance`]) with the bench's own rows.
 pub async fn environment(
     p: &Profile,
     db: &TestDb,
@@ -190,57 +147,10 @@ pub async fn environment(
     relay: &str,
 ) -> Result<String> {
     let c = db.client().await?;
-    let pg: String = c.query_one("SELECT version()", &[]).await?.get(0);
-    let ext: String = c
-        .query_one(
-            "SELECT extversion FROM pg_extension WHERE extname = 'outbox'",
-            &[],
-        )
-        .await?
-        .get(0);
-    let settings = c
-        .query(
-            "SELECT name || ' = ' || setting || coalesce(unit, '') FROM pg_settings
-              WHERE name IN ('shared_buffers', 'synchronous_commit', 'fsync', 'wal_level',
-                             'max_connections', 'autovacuum', 'shared_preload_libraries',
-                             'max_wal_size', 'checkpoint_timeout', 'max_locks_per_transaction')
-              ORDER BY name",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| format!("`{}`", r.get::<_, String>(0)))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let date: String = c
-        .query_one(
-            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI \"UTC\"')",
-            &[],
-        )
-        .await?
-        .get(0);
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into());
-    let mut t = Table::new(&["", ""]);
-    t.row(vec!["date".into(), date]);
-    t.row(vec!["profile".into(), format!("`{}`", p.name)]);
-    t.row(vec!["checkout".into(), format!("`{commit}`")]);
-    t.row(vec!["CPU".into(), format!("{} × {}", cpus(), cpu_model())]);
-    t.row(vec!["memory".into(), format!("{:.1} GiB", mem_total_gib())]);
-    t.row(vec!["kernel".into(), kernel()]);
-    t.row(vec!["PostgreSQL".into(), pg]);
-    t.row(vec!["PostgreSQL settings".into(), settings]);
-    t.row(vec!["outbox extension".into(), ext]);
-    t.row(vec!["broker".into(), broker.to_string()]);
-    t.row(vec!["relay".into(), relay.to_string()]);
-    t.row(vec![
-        "load average (1/5/15 min) at start → end".into(),
-        format!("{load_start} → {}", loadavg()),
-    ]);
-    Ok(t.render())
+    let extra = [
+        ("profile", format!("`{}`", p.name)),
+        ("broker", broker.to_string()),
+        ("relay", relay.to_string()),
+    ];
+    Ok(provenance::table(&c, load_start, &extra).await?)
 }

@@ -2,11 +2,12 @@
 //!
 //! cargo run --release -p outbox-tests --example fault-runner -- --profile long [--seed N]
 //!     [--events N] [--workers K] [--send-timeout-ms MS] [--lease-ms MS] [--max-retry N]
-//!     [--batch-size N] [--write-docs docs/FAULTS.md]
+//!     [--batch-size N] [--output reports/FAULTS.md]
 //!
 //! Without `--seed`, `OUTBOX_FAULT_SEED` or else the clock gives the seed; the run prints it.
 
 use outbox_tests::fault::{doc, run, seed_from_env, Profile};
+use outbox_tests::{db, provenance};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -46,12 +47,28 @@ fn main() {
     if let Some(v) = get("--batch-size") {
         p.batch_size = v.parse().expect("--batch-size N");
     }
+    let load_start = provenance::loadavg();
     let report = run(&p);
     println!("{report}");
-    if let Some(path) = get("--write-docs") {
-        std::fs::write(&path, doc::render(&p, &report, &args))
+    if let Some(path) = get("--output") {
+        let machine = machine(&load_start);
+        std::fs::write(&path, doc::render(&p, &report, &args, &machine))
             .unwrap_or_else(|e| panic!("writing {path}: {e}"));
         eprintln!("wrote {path}");
     }
     std::process::exit(if report.ok() { 0 } else { 1 });
+}
+
+/// The report's provenance table, from the server the run used.
+fn machine(load_start: &str) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    rt.block_on(async {
+        let c = db::connect(&format!("{} dbname=postgres", db::server_params())).await;
+        provenance::table(&c, load_start, &[])
+            .await
+            .unwrap_or_else(|e| format!("(could not query the server: {e})\n"))
+    })
 }

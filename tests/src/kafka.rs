@@ -86,6 +86,60 @@ pub fn base64url(bytes: &[u8]) -> String {
 /// A random Kafka cluster id: 16 random bytes in URL-safe base64 without padding, not starting
 /// with `-` (the format tool would take it for an option; Kafka's own `Uuid.randomUuid` redraws
 /// those too). Before that check, 1 broker start in 64 failed.
+/// A broker's storage formatted once per machine and Kafka version, which a broker without SASL
+/// users starts from a copy of: formatting is a JVM run (about 2 s), and the storage holds
+/// nothing of the broker's ports (the controller voters are static, in server.properties).
+/// Every copy has the same cluster id, which no test compares across brokers.
+fn storage_template() -> Result<PathBuf, String> {
+    let dir = std::env::temp_dir().join(format!("outbox-kafka-storage-{}", version()));
+    if dir.join("data/meta.properties").exists() {
+        return Ok(dir.join("data"));
+    }
+    // Formatted beside it and renamed into place, so a concurrent test never sees half of it.
+    let tmp = dir.with_extension(format!("{}.tmp", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+    // The storage records no path: formatted under tmp, it works wherever it is copied.
+    let props = SERVER_PROPERTIES
+        .replace("@PORT@", "0")
+        .replace("@CONTROLLER_PORT@", "1")
+        .replace("@DATA_DIR@", &tmp.join("data").to_string_lossy());
+    for (name, text) in [
+        ("server.properties", props.as_str()),
+        ("log4j2.xml", LOG4J2_XML),
+        ("jvm.options", JVM_OPTIONS),
+    ] {
+        std::fs::write(tmp.join(name), text).map_err(|e| format!("{name}: {e}"))?;
+    }
+    let k = Kafka {
+        port: 0,
+        controller_port: 1,
+        dir: tmp.clone(),
+        child: None,
+    };
+    k.format(None)?;
+    if std::fs::rename(&tmp, &dir).is_err() {
+        // Another test formatted it first.
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    Ok(dir.join("data"))
+}
+
+/// Copies the directory tree `from` into `to` (created).
+fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let dest = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &dest)?;
+        } else {
+            std::fs::copy(entry.path(), dest)?;
+        }
+    }
+    Ok(())
+}
+
 fn random_cluster_id() -> std::io::Result<String> {
     let mut b = [0u8; 16];
     loop {
@@ -272,11 +326,23 @@ impl Kafka {
             dir: dir.to_path_buf(),
             child: None,
         };
-        let cluster_id = random_cluster_id().map_err(|e| err("cluster id", e))?;
-        let mut format_cmd = k.java()?;
+        match sasl {
+            Some(_) => k.format(sasl)?,
+            None => copy_dir(&storage_template()?, &data)
+                .map_err(|e| err("copying the formatted storage", e))?,
+        }
+        k.launch()?;
+        Ok(k)
+    }
+
+    /// Formats the storage named by this broker's server.properties (a JVM run of its own), with
+    /// the SCRAM user of `sasl` if any.
+    fn format(&self, sasl: Option<&Sasl>) -> Result<(), String> {
+        let cluster_id = random_cluster_id().map_err(|e| format!("cluster id: {e}"))?;
+        let mut format_cmd = self.java()?;
         format_cmd
             .args(["kafka.tools.StorageTool", "format", "--config"])
-            .arg(k.dir.join("server.properties"))
+            .arg(self.dir.join("server.properties"))
             .args(["--cluster-id", &cluster_id]);
         if let Some(l) = extra {
             let (user, password) = l.scram_user();
@@ -286,15 +352,14 @@ impl Kafka {
         }
         let st = format_cmd
             .status()
-            .map_err(|e| err("running java (kafka.tools.StorageTool)", e))?;
+            .map_err(|e| format!("running java (kafka.tools.StorageTool): {e}"))?;
         if !st.success() {
             return Err(format!(
                 "formatting the storage failed ({st}):\n{}",
-                log_tail(&k.log(), 20)
+                log_tail(&self.log(), 20)
             ));
         }
-        k.launch()?;
-        Ok(k)
+        Ok(())
     }
 
     /// The broker's log (stdout and stderr of every JVM run in this directory).

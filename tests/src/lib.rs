@@ -14,6 +14,7 @@ pub mod kafka;
 pub mod model;
 pub mod pg_cluster;
 pub mod pgbouncer;
+pub mod provenance;
 pub mod proxy;
 pub mod relay;
 pub mod roles;

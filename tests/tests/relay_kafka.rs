@@ -512,6 +512,34 @@ async fn librdkafka_statistics_and_build_reach_the_metrics() {
         );
     }
 
+    // docs/relay.md's metric tables list exactly the families the relay exports.
+    let exported: std::collections::BTreeSet<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|t| t.split_whitespace().next())
+        .map(str::to_string)
+        .collect();
+    let guide =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/relay.md"))
+            .expect("docs/relay.md");
+    let mut documented = std::collections::BTreeSet::new();
+    for row in guide
+        .lines()
+        .skip_while(|l| !l.starts_with("## Metrics"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("## "))
+        .filter(|l| l.starts_with("| `outbox_"))
+    {
+        let first = row.split(" | ").next().unwrap_or("");
+        for code in first.split('`').skip(1).step_by(2) {
+            documented.insert(code.split('{').next().unwrap_or(code).to_string());
+        }
+    }
+    assert_eq!(
+        documented, exported,
+        "docs/relay.md, Metrics: documented vs exported families"
+    );
+
     // The broker gone: its gauge says down.
     drop(broker);
     let down = wait_samples(&worker, "outbox_kafka_broker_up", |s| {

@@ -396,3 +396,67 @@ async fn claim_in_a_transaction_that_wrote_is_refused() {
     c.batch_execute("COMMIT").await.unwrap();
     assert_eq!(claimed, [id]);
 }
+
+/// docs/reference.md's settings table lists every registered setting with its default and who may
+/// set it (the native build registers them; the SQL-only build has none to compare).
+#[tokio::test]
+async fn the_documented_settings_are_the_registered_ones() {
+    if build::sql_only() {
+        return;
+    }
+    let db = TestDb::create();
+    let c = db.connect().await;
+    c.batch_execute("LOAD 'outbox'").await.unwrap();
+    let registered: std::collections::BTreeMap<String, (String, String)> = c
+        .query(
+            "SELECT name, current_setting(name), context FROM pg_settings
+              WHERE name LIKE 'outbox.%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/reference.md");
+    let page = std::fs::read_to_string(path).unwrap();
+    let rows: Vec<Vec<&str>> = page
+        .lines()
+        .skip_while(|l| !l.starts_with("## Settings"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("## "))
+        .filter(|l| l.starts_with("| `outbox."))
+        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
+    let documented: std::collections::BTreeSet<String> = rows
+        .iter()
+        .map(|r| r[0].trim_matches('`').to_string())
+        .collect();
+    let names: std::collections::BTreeSet<String> = registered.keys().cloned().collect();
+    assert_eq!(
+        documented, names,
+        "reference.md, Settings: rows vs registered settings"
+    );
+    for r in rows {
+        let (shown, context) = &registered[r[0].trim_matches('`')];
+        let default = r[1].split_whitespace().next().unwrap_or("");
+        assert!(
+            default == shown
+                || format!("{default}B") == *shown
+                || (shown.is_empty() && default == "empty"),
+            "reference.md, Settings: {} defaults to {shown:?}, the table says {:?}",
+            r[0],
+            r[1]
+        );
+        let who = if context == "superuser" {
+            "superusers"
+        } else {
+            "anyone"
+        };
+        assert!(
+            r[2].starts_with(who),
+            "reference.md, Settings: who may set {} ({context})",
+            r[0]
+        );
+    }
+}

@@ -222,3 +222,127 @@ async fn a_hostile_search_path_changes_nothing() {
         .unwrap();
     assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1)), (0, 1));
 }
+
+/// The `outbox_*` names in code spans of `text`.
+fn outbox_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|code| {
+            let name: String = code
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            name.starts_with("outbox_").then_some(name)
+        })
+        .collect()
+}
+
+/// The table rows of the section of docs/`page` that starts with `heading`: first cell → rest.
+fn doc_table(page: &str, heading: &str) -> Vec<(String, String)> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../docs")
+        .join(page);
+    let text = std::fs::read_to_string(&path).expect("the page");
+    text.lines()
+        .skip_while(|l| !l.starts_with(heading))
+        .skip(1)
+        .take_while(|l| !l.starts_with("## "))
+        .filter(|l| l.starts_with("| ") && !l.starts_with("|---"))
+        .skip(1)
+        .map(|l| {
+            let (first, rest) = l[2..].split_once(" | ").unwrap_or((l, ""));
+            (first.to_string(), rest.to_string())
+        })
+        .collect()
+}
+
+/// The outbox's functions, in either build (the SQL-only build is no extension): by name in the
+/// schema the tests install it in.
+const OURS: &str = "FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace \
+                    AND p.proname LIKE 'outbox\\_%'";
+
+/// docs/reference.md's privilege table is what `sql/examples/grant-roles.sql` grants, and every
+/// function a role may call is documented in the SQL API tables (reference.md, inbox.md).
+#[tokio::test]
+async fn the_documented_privileges_are_the_granted_ones() {
+    let db = TestDb::create();
+    let roles = Roles::create(&db, &[]);
+    let c = db.connect().await;
+    let functions: std::collections::BTreeSet<String> = c
+        .query(&format!("SELECT DISTINCT p.proname::text {OURS}"), &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let granted = |role: String| {
+        let c = &c;
+        async move {
+            c.query(
+                &format!(
+                    "SELECT DISTINCT p.proname::text {OURS} \
+                       AND has_function_privilege($1, p.oid, 'EXECUTE')"
+                ),
+                &[&role],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<std::collections::BTreeSet<String>>()
+        }
+    };
+    let table = doc_table("reference.md", "## Privileges");
+    let may = |kind: &str| {
+        let (_, rest) = table
+            .iter()
+            .find(|(k, _)| k.starts_with(kind))
+            .unwrap_or_else(|| panic!("reference.md, Privileges: no row for {kind}"));
+        let cell = rest.split(" | ").next().unwrap_or("");
+        let mut names: std::collections::BTreeSet<String> = outbox_names(cell)
+            .into_iter()
+            .filter(|n| functions.contains(n))
+            .collect();
+        if cell.starts_with("the relay's rights plus") {
+            let relay = &table
+                .iter()
+                .find(|(k, _)| k == "relay")
+                .expect("relay row")
+                .1;
+            let cell = relay.split(" | ").next().unwrap_or("");
+            names.extend(
+                outbox_names(cell)
+                    .into_iter()
+                    .filter(|n| functions.contains(n)),
+            );
+        }
+        names
+    };
+    let mut any_role = std::collections::BTreeSet::new();
+    for kind in ["producer", "relay", "admin", "consumer"] {
+        let got = granted(roles.name(kind)).await;
+        assert_eq!(
+            may(kind),
+            got,
+            "reference.md, Privileges: the {kind}'s functions"
+        );
+        any_role.extend(got);
+    }
+    let mut documented = std::collections::BTreeSet::new();
+    for (page, heading) in [("reference.md", "## SQL API"), ("inbox.md", "## SQL API")] {
+        for (call, _) in doc_table(page, heading) {
+            documented.extend(outbox_names(&call));
+        }
+    }
+    let undocumented: Vec<_> = any_role.difference(&documented).collect();
+    assert!(
+        undocumented.is_empty(),
+        "granted but not in a SQL API table: {undocumented:?}"
+    );
+    let unknown: Vec<_> = documented.difference(&functions).collect();
+    assert!(
+        unknown.is_empty(),
+        "documented but not functions of the extension: {unknown:?}"
+    );
+}

@@ -1,5 +1,5 @@
-//! `docs/FAULTS.md` as the fault runner writes it: a fixed intro, the profile that ran (from the
-//! `Profile` itself, not restated) and the run's report. Judgments and history are hand-written
+//! `reports/FAULTS.md` as the fault runner writes it: a fixed intro, the machine, the profile that
+//! ran (from the `Profile` itself, not restated) and the run's report. Judgments and history are hand-written
 //! in `docs/fault-findings.md`.
 
 use std::fmt::Write as _;
@@ -12,22 +12,24 @@ const INTRO: &str = "\
 
 Written by the fault runner, not by hand; to write it again:
 
-    cargo run --release -p outbox-tests --example fault-runner -- --profile long --write-docs docs/FAULTS.md
+    cargo run --release -p outbox-tests --example fault-runner -- --profile long --output reports/FAULTS.md
 
 The runner commits events from concurrent producers while `outbox-worker` relays are SIGKILLed,
 frozen as a zombie, cut off from PostgreSQL and from a stopped or restarted Apache Kafka broker,
 then reads every topic back and checks the delivery guarantee (see `tests/src/fault/mod.rs`).
 Exit status 1 and `RESULT: FAIL` when an invariant broke (the file is written either way). What the
-runner checks and why, earlier runs and the findings they led to: [fault-findings.md](fault-findings.md).
+runner checks and why, earlier runs and the findings they led to: [fault-findings.md](../docs/fault-findings.md).
 The CI profile of the same runner is the test `tests/tests/fault_ci.rs`.
 ";
 
-/// The whole file for one run started with `args` (the example's command line).
-pub fn render(p: &Profile, report: &Report, args: &[String]) -> String {
+/// The whole file for one run started with `args` (the example's command line), on the machine
+/// that `machine` (a provenance table) describes.
+pub fn render(p: &Profile, report: &Report, args: &[String], machine: &str) -> String {
     let ms = |d: Duration| format!("{} ms", d.as_millis());
     let at =
         |d: Option<Duration>| d.map_or("never".to_string(), |d| format!("t = {} s", d.as_secs()));
     let mut s = String::from(INTRO);
+    let _ = write!(s, "\n## Machine\n\n{machine}");
     let _ = writeln!(
         s,
         "\n## The run\n\n`fault-runner {}` (seed {}; `--seed {}` replays its sizes, victims and \
