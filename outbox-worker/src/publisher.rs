@@ -116,7 +116,7 @@ fn without_value(desc: &str, value: &str) -> String {
 }
 
 impl Publisher {
-    /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send
+    /// Builds the producer: idempotent with the gapless guarantee, acks=all, linger.ms=0, message.timeout.ms = send
     /// timeout, the Java client's partitioner, statistics every 15 s, then the user's properties
     /// on top. Nothing is connected yet.
     pub fn new(
@@ -129,6 +129,13 @@ impl Publisher {
         cfg.set("bootstrap.servers", brokers)
             .set("client.id", defaults::CLIENT_ID)
             .set("enable.idempotence", "true")
+            // A request the broker rejects for good (too large, invalid timestamp...) raises a
+            // fatal error instead of an epoch bump that sends the partition's later batches on,
+            // and with one request in flight no later batch has left yet (a new producer id's
+            // first batch accepts any sequence): a later event of a key never overtakes a
+            // rejected one. The producer is replaced after a fatal error.
+            .set("enable.gapless.guarantee", "true")
+            .set("max.in.flight.requests.per.connection", "1")
             .set("acks", defaults::ACKS)
             // A round waits for every delivery report before it acks, and hands the whole
             // batch to librdkafka at once (so it batches anyway): lingering only delays the
