@@ -10,6 +10,10 @@ OUTBOX_TOOLS=${OUTBOX_TOOLS:-/opt/outbox-tools}
 KAFKA_VERSION=4.4.0
 KAFKA_LOG4J_VERSION=2.25.5
 export KAFKA_HOME=${KAFKA_HOME:-$OUTBOX_TOOLS/kafka-$KAFKA_VERSION}
+# The NATS sink's server: nats-server built from its Go module (scripts/nats install);
+# tests/src/nats.rs reads NATS_SERVER_VERSION from this file too.
+NATS_SERVER_VERSION=v2.15.3
+export NATS_SERVER_HOME=${NATS_SERVER_HOME:-$OUTBOX_TOOLS/nats-server-$NATS_SERVER_VERSION}
 # One build cache per machine, shared by every clone: CI runs in a fresh clone each time and a
 # cold build of librdkafka + pgrx takes most of the CI budget.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}

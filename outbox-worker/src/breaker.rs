@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::defaults;
 use crate::metrics::Metrics;
-use crate::publisher::Publisher;
+use crate::sink::Sink;
 
 /// Open (claims stopped) or closed, shared by the claim loops and the prober.
 pub struct Breaker {
@@ -63,7 +63,7 @@ impl Breaker {
 /// that tripped together do not probe together), and closes the breaker when one succeeds.
 pub async fn probe_loop(
     breaker: Arc<Breaker>,
-    publisher: Arc<Publisher>,
+    publisher: Arc<dyn Sink>,
     probe_timeout: Duration,
     metrics: Arc<Metrics>,
     cancel: CancellationToken,
@@ -91,10 +91,10 @@ pub async fn probe_loop(
                 _ = tokio::time::sleep(jittered(backoff)) => {}
             }
             probes += 1;
-            match publisher.metadata(probe_timeout).await {
-                Ok((brokers, _topics)) => {
+            match publisher.health(probe_timeout).await {
+                Ok(answer) => {
                     tracing::info!(
-                        brokers,
+                        answer,
                         probes,
                         down_for = %humantime::format_duration(round_secs(opened.elapsed())),
                         "broker reachable again: claiming resumed"

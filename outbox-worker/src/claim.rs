@@ -16,14 +16,14 @@ use crate::breaker::Breaker;
 use crate::defaults;
 use crate::error::{DbError, FailureClass};
 use crate::metrics::Metrics;
-use crate::publisher::{Outcome, Publisher, Replaced};
+use crate::sink::{Outcome, Replaced, Sink};
 use crate::store::{Event, Store};
 use crate::unknown::UnknownErrors;
 
 /// Everything the claim loops share.
 pub struct Relay {
     pub store: Store,
-    pub publisher: Arc<Publisher>,
+    pub publisher: Arc<dyn Sink>,
     pub breaker: Arc<Breaker>,
     pub metrics: Arc<Metrics>,
     pub owner: String,
@@ -174,7 +174,8 @@ impl Relay {
                 .inc();
             tracing::warn!(
                 reason = reason.label(),
-                "the Kafka producer became unusable ({detail}): replaced by a new producer; this round's failed events are retried"
+                "the {} producer became unusable ({detail}): replaced by a new producer; this round's failed events are retried",
+                self.publisher.name()
             );
         }
         let published_at = Instant::now();
@@ -534,7 +535,7 @@ mod tests {
     fn failed() -> Outcome {
         Outcome::Failed(PublishError {
             topic: "orders".into(),
-            source: KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge),
+            source: KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge).into(),
         })
     }
 

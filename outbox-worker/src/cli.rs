@@ -131,6 +131,28 @@ impl KafkaArgs {
     }
 }
 
+/// The broker `run` publishes to.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkKind {
+    /// Apache Kafka (librdkafka's idempotent producer).
+    Kafka,
+    /// NATS JetStream.
+    Nats,
+}
+
+/// The NATS JetStream connection of `run --sink nats`.
+#[derive(Args, Debug, Clone)]
+pub struct NatsArgs {
+    /// NATS server URLs, comma-separated (nats://host:port).
+    #[arg(long, env = "OUTBOX_NATS_URL", default_value = defaults::NATS_URL)]
+    pub nats_url: String,
+
+    /// The subject of an event: `{topic}` and `{key}` are replaced by the event's topic and key
+    /// (an event without a key gets `_`). A subject must be captured by a JetStream stream.
+    #[arg(long, env = "OUTBOX_NATS_SUBJECT", default_value = defaults::NATS_SUBJECT)]
+    pub nats_subject: String,
+}
+
 /// Duration defaults are written as text (that is what `--help` shows); a test keeps them equal to
 /// the constants in `defaults`.
 #[derive(Args, Debug, Clone)]
@@ -138,8 +160,15 @@ pub struct RunArgs {
     #[command(flatten)]
     pub db: DbArgs,
 
+    /// The broker events are published to.
+    #[arg(long, env = "OUTBOX_SINK", value_enum, default_value_t = SinkKind::Kafka)]
+    pub sink: SinkKind,
+
     #[command(flatten)]
     pub kafka: KafkaArgs,
+
+    #[command(flatten)]
+    pub nats: NatsArgs,
 
     /// File with librdkafka properties, one KEY=VALUE a line (# comments); for secrets such as
     /// sasl.password. Applied before --kafka-property.
@@ -225,6 +254,9 @@ impl RunArgs {
                 humantime::format_duration(self.send_timeout),
                 humantime::format_duration(self.lease)
             )));
+        }
+        if self.sink == SinkKind::Nats {
+            crate::nats::check_subject_template(&self.nats.nats_subject)?;
         }
         if self.batch_size < 1 {
             return Err(Fatal::usage("--batch-size must be at least 1"));

@@ -5,6 +5,10 @@ use std::time::Duration;
 
 /// `--brokers`: librdkafka's `bootstrap.servers`.
 pub const BROKERS: &str = "localhost:9092";
+/// `--nats-url`.
+pub const NATS_URL: &str = "nats://localhost:4222";
+/// `--nats-subject`: the event's topic.
+pub const NATS_SUBJECT: &str = "{topic}";
 
 /// `--batch-size`: events claimed per round (see README: large enough that a backlog drains at
 /// broker speed, small enough that a round finishes well inside the send timeout).

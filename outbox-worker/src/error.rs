@@ -1,6 +1,6 @@
-//! The relay's errors: a failed database call keeps its SQLSTATE and a failed publish keeps
-//! librdkafka's error code, so the relay decides by code (retry, stop, replace the producer), not
-//! by message text.
+//! The relay's errors: a failed database call keeps its SQLSTATE and a failed publish keeps its
+//! sink's error (librdkafka's error code, NATS's error kind), so the relay decides by code (retry,
+//! stop, replace the producer), not by message text.
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use std::time::Duration;
@@ -76,19 +76,31 @@ pub fn is_configuration(s: &SqlState) -> bool {
             .any(|class| code.starts_with(class))
 }
 
-/// One event's failed publish: librdkafka's error and the event's topic.
+/// One event's failed publish: the sink's error and the event's topic.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{}", describe(.topic, .source))]
 pub struct PublishError {
     pub topic: String,
     #[source]
-    pub source: KafkaError,
+    pub source: SinkError,
+}
+
+/// A sink's own error, classified by the sink that raised it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SinkError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Nats(#[from] crate::nats::NatsError),
 }
 
 impl PublishError {
-    /// librdkafka's error code, when the error has one.
+    /// librdkafka's error code, when a Kafka error has one.
     pub fn code(&self) -> Option<RDKafkaErrorCode> {
-        self.source.rdkafka_error_code()
+        match &self.source {
+            SinkError::Kafka(e) => e.rdkafka_error_code(),
+            SinkError::Nats(_) => None,
+        }
     }
 
     /// Whose fault the failure is. Permanent: the event's, or a setting no retry changes (it
@@ -97,6 +109,9 @@ impl PublishError {
     /// replicas, authentication, an unusable producer): released without counting an attempt,
     /// however long the outage lasts. Unknown: any other code (see `claim.rs`).
     pub fn class(&self) -> FailureClass {
+        if let SinkError::Nats(e) = &self.source {
+            return e.class();
+        }
         let Some(code) = self.code() else {
             // No code: the delivery was cancelled (the producer was replaced under it).
             return FailureClass::Transient;
@@ -110,15 +125,22 @@ impl PublishError {
         }
     }
 
-    /// librdkafka's name of the code (`InvalidTimestamp`), `none` without one: the `code` label.
+    /// librdkafka's name of the code (`InvalidTimestamp`), `none` without one, or the NATS
+    /// error's kind: the `code` label.
     pub fn code_label(&self) -> String {
+        if let SinkError::Nats(e) = &self.source {
+            return e.kind.label().to_string();
+        }
         self.code()
             .map_or_else(|| "none".to_string(), |c| format!("{c:?}"))
     }
 
     /// No delivery report within the send timeout.
     pub fn timed_out(&self) -> bool {
-        self.code() == Some(RDKafkaErrorCode::MessageTimedOut)
+        match &self.source {
+            SinkError::Kafka(_) => self.code() == Some(RDKafkaErrorCode::MessageTimedOut),
+            SinkError::Nats(e) => e.kind == crate::nats::NatsErrorKind::TimedOut,
+        }
     }
 
     /// The idempotent producer cannot go on (its producer id/epoch is rejected): every later send
@@ -230,7 +252,11 @@ impl FailureClass {
 }
 
 /// The text `outbox_nack` records: it always names the topic.
-fn describe(topic: &str, e: &KafkaError) -> String {
+fn describe(topic: &str, e: &SinkError) -> String {
+    let e = match e {
+        SinkError::Kafka(e) => e,
+        SinkError::Nats(e) => return format!("publish to topic {topic} failed: {e}"),
+    };
     match e.rdkafka_error_code() {
         Some(RDKafkaErrorCode::UnknownTopicOrPartition) | Some(RDKafkaErrorCode::UnknownTopic) => {
             format!("topic {topic} does not exist on the broker: {e}")
@@ -249,7 +275,7 @@ mod tests {
     fn publish_error(code: RDKafkaErrorCode) -> PublishError {
         PublishError {
             topic: "orders".into(),
-            source: KafkaError::MessageProduction(code),
+            source: KafkaError::MessageProduction(code).into(),
         }
     }
 
@@ -300,7 +326,7 @@ mod tests {
         }
         let cancelled = PublishError {
             topic: "orders".into(),
-            source: KafkaError::Canceled,
+            source: KafkaError::Canceled.into(),
         };
         assert_eq!(cancelled.class(), FailureClass::Transient);
         assert_eq!(cancelled.code_label(), "none");

@@ -19,8 +19,8 @@ use crate::cli::RunArgs;
 use crate::config::{self, DatabaseConfig, Producer};
 use crate::health::Health;
 use crate::metrics::{render_all, Metrics, Status};
-use crate::publisher::Publisher;
 use crate::relay::{shared_publisher, Database, Server};
+use crate::sink::Sink;
 use crate::{shutdown, Fatal};
 
 /// First wait before a failed database is started again; it doubles up to [`RESTART_MAX`].
@@ -124,7 +124,7 @@ struct Member {
 /// What every database shares.
 #[derive(Clone)]
 struct Shared {
-    publisher: Arc<Publisher>,
+    publisher: Arc<dyn Sink>,
     fleet: Arc<Fleet>,
     cancel: CancellationToken,
 }
@@ -153,7 +153,7 @@ pub async fn run(base: RunArgs) -> Result<(), Fatal> {
     shutdown::spawn_deadline(cancel.clone(), base.shutdown_timeout);
     let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
     let shared = Shared {
-        publisher: shared_publisher(&base, &props, &fleet.registry)?,
+        publisher: shared_publisher(&base, &props, &fleet.registry).await?,
         fleet: fleet.clone(),
         cancel: cancel.clone(),
     };
@@ -172,7 +172,7 @@ pub async fn run(base: RunArgs) -> Result<(), Fatal> {
     for (_, m) in members {
         let _ = m.task.await;
     }
-    shared.publisher.flush();
+    shared.publisher.flush().await;
     let result = server.stop(Ok(())).await;
     if result.is_ok() {
         tracing::info!("relay stopped: in-flight events settled");
@@ -225,15 +225,16 @@ async fn supervise(
     cancel: CancellationToken,
 ) {
     let metrics = shared.fleet.add(&name, &args);
-    let publisher = match own_producer {
-        false => shared.publisher.clone(),
-        true => match args
-            .producer_properties()
-            .and_then(|props| shared_publisher(&args, &props, &metrics.registry))
-        {
-            Ok(p) => p,
-            Err(e) => return not_started(&name, &e, &metrics, &shared.fleet, &cancel).await,
+    let own = match own_producer {
+        false => Ok(shared.publisher.clone()),
+        true => match args.producer_properties() {
+            Ok(props) => shared_publisher(&args, &props, &metrics.registry).await,
+            Err(e) => Err(e),
         },
+    };
+    let publisher = match own {
+        Ok(p) => p,
+        Err(e) => return not_started(&name, &e, &metrics, &shared.fleet, &cancel).await,
     };
     let mut backoff = RESTART_MIN;
     while !cancel.is_cancelled() {
@@ -263,7 +264,7 @@ async fn supervise(
         backoff = (backoff * 2).min(RESTART_MAX);
     }
     if own_producer {
-        publisher.flush();
+        publisher.flush().await;
     }
     shared.fleet.remove(&name);
 }

@@ -46,10 +46,11 @@ fn breaks_guarantee(key: &str, value: &str) -> Option<&'static str> {
     let ok = match key {
         "acks" => matches!(value, "all" | "-1"),
         "enable.idempotence" => matches!(value, "true" | "t" | "1"),
-        "max.in.flight.requests.per.connection" => value.parse::<u32>().is_ok_and(|n| n <= 5),
+        "max.in.flight.requests.per.connection" => value == "1",
         "queuing.strategy" => value == "fifo",
         "partitioner" => value != "random",
         "delivery.report.only.error" => !matches!(value, "true" | "t" | "1"),
+        "enable.gapless.guarantee" => matches!(value, "true" | "t" | "1"),
         "transactional.id" => false,
         _ => true,
     };
@@ -67,7 +68,8 @@ fn reason(key: &str) -> &'static str {
              librdkafka's retries can reorder or duplicate a partition's events"
         }
         "max.in.flight.requests.per.connection" => {
-            "the idempotent producer keeps a partition's order with at most 5 requests in flight"
+            "with more than one request in flight, a later event of a key can be written while \
+             the broker rejects an earlier one"
         }
         "queuing.strategy" => "only fifo keeps the events of a key in commit order",
         "partitioner" => {
@@ -76,6 +78,10 @@ fn reason(key: &str) -> &'static str {
         "delivery.report.only.error" => {
             "the relay acks an event on its delivery report; without reports for successes no \
              event would ever be acked"
+        }
+        "enable.gapless.guarantee" => {
+            "without it a batch the broker rejects lets later events of the same keys through \
+             (the producer bumps its epoch and sends them on), out of commit order"
         }
         "transactional.id" => {
             "the relay's producer is idempotent, not transactional: it never begins a \
@@ -102,7 +108,6 @@ mod tests {
             ("acks", "-1"),
             ("request.required.acks", "ALL"),
             ("enable.idempotence", "true"),
-            ("max.in.flight.requests.per.connection", "5"),
             ("max.in.flight", "1"),
             ("queuing.strategy", "fifo"),
             ("partitioner", "murmur2"),
@@ -123,12 +128,13 @@ mod tests {
             ("topic.acks", "1", "acks=all"),
             ("topic.request.required.acks", "0", "acks=all"),
             ("enable.idempotence", "false", "idempotent"),
-            ("max.in.flight.requests.per.connection", "6", "at most 5"),
-            ("max.in.flight", "1000000", "at most 5"),
+            ("max.in.flight.requests.per.connection", "2", "in flight"),
+            ("max.in.flight", "1000000", "in flight"),
             ("queuing.strategy", "lifo", "fifo"),
             ("topic.partitioner", "random", "one key"),
             ("delivery.report.only.error", "true", "delivery report"),
             ("transactional.id", "relay-1", "transactional"),
+            ("enable.gapless.guarantee", "false", "out of commit order"),
         ] {
             let e = check(&props(&[("linger.ms", "1"), (k, v)])).expect_err(k);
             assert_eq!(e.code, 2, "{k}");

@@ -138,10 +138,10 @@ pub async fn broker_watch(
         // A frozen broker holds the request for `timeout`: not the stop.
         let ok = tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            r = relay.publisher.metadata(timeout) => r,
+            r = relay.publisher.health(timeout) => r,
         };
         if let Err(e) = &ok {
-            tracing::debug!("Kafka metadata request failed: {e}");
+            tracing::debug!("{} health request failed: {e}", relay.publisher.name());
         }
         relay.metrics.health.set_broker_reachable(ok.is_ok());
     }

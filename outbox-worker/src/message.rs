@@ -1,5 +1,5 @@
-//! The Kafka message of an outbox row: payload and key as stored, and headers that identify the
-//! event (the names consumers and tests rely on) followed by the row's own headers.
+//! The message of an outbox row: payload and key as stored, and headers that identify the event
+//! (the names consumers and tests rely on) followed by the row's own headers.
 
 use rdkafka::message::{Header, OwnedHeaders};
 
@@ -30,29 +30,17 @@ pub const RESERVED_HEADERS: [&str; 4] = [
 
 /// `event_id` (the UUID consumers dedupe on), `outbox_id` (the row's id), `event_type`,
 /// `event_key`, `content-type` (unless the row has one), then the row's own headers (reserved
-/// names skipped; non-string values sent as their JSON text).
-pub fn build_headers(ev: &Event) -> OwnedHeaders {
-    let id = ev.id.to_string();
-    let mut h = OwnedHeaders::new()
-        .insert(Header {
-            key: HEADER_EVENT_ID,
-            value: Some(ev.event_id.as_str()),
-        })
-        .insert(Header {
-            key: HEADER_OUTBOX_ID,
-            value: Some(id.as_str()),
-        });
+/// names skipped; non-string values sent as their JSON text): every sink's headers, in order.
+pub fn headers(ev: &Event) -> Vec<(String, String)> {
+    let mut h = vec![
+        (HEADER_EVENT_ID.to_string(), ev.event_id.clone()),
+        (HEADER_OUTBOX_ID.to_string(), ev.id.to_string()),
+    ];
     if let Some(t) = &ev.event_type {
-        h = h.insert(Header {
-            key: HEADER_EVENT_TYPE,
-            value: Some(t.as_str()),
-        });
+        h.push((HEADER_EVENT_TYPE.to_string(), t.clone()));
     }
     if let Some(k) = &ev.key {
-        h = h.insert(Header {
-            key: HEADER_EVENT_KEY,
-            value: Some(k.as_str()),
-        });
+        h.push((HEADER_EVENT_KEY.to_string(), k.clone()));
     }
     let row_headers = match serde_json::from_str(&ev.headers) {
         Ok(serde_json::Value::Object(map)) => map,
@@ -62,10 +50,10 @@ pub fn build_headers(ev: &Event) -> OwnedHeaders {
         .iter()
         .any(|(k, v)| !v.is_null() && k.eq_ignore_ascii_case(HEADER_CONTENT_TYPE))
     {
-        h = h.insert(Header {
-            key: HEADER_CONTENT_TYPE,
-            value: Some(defaults::CONTENT_TYPE),
-        });
+        h.push((
+            HEADER_CONTENT_TYPE.to_string(),
+            defaults::CONTENT_TYPE.to_string(),
+        ));
     }
     for (k, v) in row_headers {
         if RESERVED_HEADERS.contains(&k.as_str()) {
@@ -76,12 +64,21 @@ pub fn build_headers(ev: &Event) -> OwnedHeaders {
             serde_json::Value::Null => continue,
             other => other.to_string(),
         };
-        h = h.insert(Header {
-            key: &k,
-            value: Some(text.as_str()),
-        });
+        h.push((k, text));
     }
     h
+}
+
+/// [`headers`] as a Kafka message's headers.
+pub fn build_headers(ev: &Event) -> OwnedHeaders {
+    headers(ev)
+        .iter()
+        .fold(OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: Some(value.as_str()),
+            })
+        })
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
-use crate::publisher::ReplaceReason;
+use crate::sink::ReplaceReason;
 use crate::Fatal;
 
 pub struct Metrics {

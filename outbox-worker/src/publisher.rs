@@ -20,56 +20,12 @@ use crate::defaults;
 use crate::error::PublishError;
 use crate::kafka_metrics::KafkaMetrics;
 use crate::message::build_headers;
+use crate::sink::{Outcome, ReplaceReason, Replaced, Sink};
 use crate::store::Event;
 use crate::Fatal;
 
 /// How long a batch waits before offering a message again to a full librdkafka queue.
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
-
-/// Why a producer was replaced: the `reason` label of `outbox_producer_replaced_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReplaceReason {
-    /// A delivery report said the broker rejects the producer's id, epoch or sequence
-    /// (ProducerFenced, InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId, ...).
-    Fenced,
-    /// librdkafka raised a fatal error: the producer refuses every later message.
-    Fatal,
-    /// Several rounds in a row in which every publish timed out.
-    Timeouts,
-}
-
-impl ReplaceReason {
-    pub const ALL: [ReplaceReason; 3] = [
-        ReplaceReason::Fenced,
-        ReplaceReason::Fatal,
-        ReplaceReason::Timeouts,
-    ];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            ReplaceReason::Fenced => "fenced",
-            ReplaceReason::Fatal => "fatal",
-            ReplaceReason::Timeouts => "timeouts",
-        }
-    }
-}
-
-/// A producer this round found unusable and replaced: why, and librdkafka's words for it.
-#[derive(Debug, Clone)]
-pub struct Replaced {
-    pub reason: ReplaceReason,
-    pub detail: String,
-}
-
-#[derive(Debug, Clone)]
-pub enum Outcome {
-    Delivered {
-        latency: Duration,
-    },
-    Failed(PublishError),
-    /// Not handed to the producer: an earlier event of its ordered key failed to be queued.
-    NotSent,
-}
 
 /// Routes librdkafka's own log lines and client errors into tracing, its statistics into the
 /// `outbox_kafka_*` gauges.
@@ -160,7 +116,7 @@ fn without_value(desc: &str, value: &str) -> String {
 }
 
 impl Publisher {
-    /// Builds the producer: idempotent, acks=all, linger.ms=0, message.timeout.ms = send
+    /// Builds the producer: idempotent with the gapless guarantee, acks=all, linger.ms=0, message.timeout.ms = send
     /// timeout, the Java client's partitioner, statistics every 15 s, then the user's properties
     /// on top. Nothing is connected yet.
     pub fn new(
@@ -173,6 +129,13 @@ impl Publisher {
         cfg.set("bootstrap.servers", brokers)
             .set("client.id", defaults::CLIENT_ID)
             .set("enable.idempotence", "true")
+            // A request the broker rejects for good (too large, invalid timestamp...) raises a
+            // fatal error instead of an epoch bump that sends the partition's later batches on,
+            // and with one request in flight no later batch has left yet (a new producer id's
+            // first batch accepts any sequence): a later event of a key never overtakes a
+            // rejected one. The producer is replaced after a fatal error.
+            .set("enable.gapless.guarantee", "true")
+            .set("max.in.flight.requests.per.connection", "1")
             .set("acks", defaults::ACKS)
             // A round waits for every delivery report before it acks, and hands the whole
             // batch to librdkafka at once (so it batches anyway): lingering only delays the
@@ -265,7 +228,7 @@ impl Publisher {
                 Err(e) => {
                     let error = PublishError {
                         topic: ev.topic.clone(),
-                        source: e,
+                        source: e.into(),
                     };
                     let unusable = error.producer_unusable().then(|| Replaced {
                         reason: if error.code() == Some(RDKafkaErrorCode::Fatal) {
@@ -273,7 +236,7 @@ impl Publisher {
                         } else {
                             ReplaceReason::Fenced
                         },
-                        detail: error.source.to_string(),
+                        detail: error.to_string(),
                     });
                     (Outcome::Failed(error), unusable)
                 }
@@ -425,22 +388,6 @@ impl Publisher {
         }
     }
 
-    /// Connects and reads the cluster metadata once (logged), so the first round does not pay
-    /// for the bootstrap and an unreachable broker shows in the log at start-up. Returns whether
-    /// the broker answered.
-    pub async fn probe(self: Arc<Self>) -> bool {
-        match self.metadata(Duration::from_secs(10)).await {
-            Ok((brokers, topics)) => {
-                tracing::info!(brokers, topics, "connected to Kafka");
-                true
-            }
-            Err(e) => {
-                tracing::warn!("Kafka not reachable yet ({e}); events are retried until it is");
-                false
-            }
-        }
-    }
-
     /// One metadata request (brokers, topics known), answered within `timeout` or an error.
     pub async fn metadata(&self, timeout: Duration) -> Result<(usize, usize), String> {
         let producer = self.current();
@@ -454,10 +401,29 @@ impl Publisher {
         .await
         .map_err(|e| e.to_string())?
     }
+}
 
-    /// Waits for whatever is still queued in librdkafka.
-    pub fn flush(&self) {
-        if let Err(e) = self.current().flush(Timeout::After(self.send_timeout)) {
+#[async_trait::async_trait]
+impl Sink for Publisher {
+    fn name(&self) -> &'static str {
+        "Kafka"
+    }
+
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
+        Publisher::publish(self, events).await
+    }
+
+    async fn health(&self, timeout: Duration) -> Result<String, String> {
+        let (brokers, topics) = self.metadata(timeout).await?;
+        Ok(format!("{brokers} brokers, {topics} topics"))
+    }
+
+    async fn flush(&self) {
+        let producer = self.current();
+        let timeout = self.send_timeout;
+        let flushed =
+            tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
+        if let Ok(Err(e)) = flushed {
             tracing::warn!("flushing the producer: {e}");
         }
     }

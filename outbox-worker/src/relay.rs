@@ -11,12 +11,15 @@ use tracing::Instrument;
 use crate::breaker::{probe_loop, Breaker};
 use crate::claim::{claim_loop, Relay};
 use crate::cli::RunArgs;
+use crate::cli::SinkKind;
 use crate::error::DbError;
 use crate::health::Health;
 use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
 use crate::maintenance::{broker_watch, heartbeat_loop, reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
+use crate::nats::NatsSink;
 use crate::publisher::Publisher;
+use crate::sink::{self, Sink};
 use crate::store::{Settings, Store};
 use crate::tasks::Tasks;
 use crate::unknown::UnknownErrors;
@@ -64,10 +67,10 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     let db = Database::open(&args).await?;
     broker_tls::check(&args.kafka.brokers, &props, args.send_timeout).await?;
     // Created after the database checks: librdkafka starts connecting at once.
-    let publisher = shared_publisher(&args, &props, &metrics.registry)?;
+    let publisher = shared_publisher(&args, &props, &metrics.registry).await?;
     let server = Server::start(args.metrics_addr, metrics.clone()).await?;
     let result = db.serve(&args, metrics, publisher.clone(), cancel).await;
-    publisher.flush();
+    publisher.flush().await;
     let result = server.stop(result).await;
     if result.is_ok() {
         tracing::info!("relay stopped: in-flight events settled");
@@ -75,12 +78,17 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     result
 }
 
-/// The producer all databases' claim loops share, its librdkafka statistics in `registry`.
-pub fn shared_publisher(
+/// The sink all databases' claim loops share (`--sink`), its client's statistics in `registry`.
+pub async fn shared_publisher(
     args: &RunArgs,
     props: &[(String, String)],
     registry: &prometheus::Registry,
-) -> Result<Arc<Publisher>, Fatal> {
+) -> Result<Arc<dyn Sink>, Fatal> {
+    if args.sink == SinkKind::Nats {
+        return Ok(Arc::new(
+            NatsSink::connect(&args.nats, args.send_timeout).await?,
+        ));
+    }
     let kafka_metrics = Arc::new(KafkaMetrics::register(registry));
     let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, props, kafka_metrics)?;
     let (rdkafka_version, rdkafka_features) = librdkafka_build();
@@ -179,12 +187,12 @@ impl Database {
         self,
         args: &RunArgs,
         metrics: Arc<Metrics>,
-        publisher: Arc<Publisher>,
+        publisher: Arc<dyn Sink>,
         cancel: CancellationToken,
     ) -> Result<(), Fatal> {
         let owner = args.owner.clone().unwrap_or_else(default_owner);
         log_start(args, &owner, &self);
-        let probe = publisher.clone().probe();
+        let probe = sink::probe(publisher.clone());
         let m = metrics.clone();
         tokio::spawn(async move { m.health.set_broker_reachable(probe.await) }.in_current_span());
         let (rounds_tx, rounds_rx) = watch::channel(0usize);
@@ -334,11 +342,20 @@ async fn settle_leftovers(relay: &Relay, beating: bool) {
     }
 }
 
+/// The address of the broker `--sink` names.
+fn broker_address(args: &RunArgs) -> &str {
+    match args.sink {
+        SinkKind::Kafka => &args.kafka.brokers,
+        SinkKind::Nats => &args.nats.nats_url,
+    }
+}
+
 fn log_start(args: &RunArgs, owner: &str, db: &Database) {
     tracing::info!(
         owner = %owner,
         database_address = %db.store.desc(),
-        brokers = %args.kafka.brokers,
+        sink = ?args.sink,
+        brokers = %broker_address(args),
         batch_size = args.batch_size,
         concurrency = args.concurrency,
         poll_interval = %humantime::format_duration(args.poll_interval),

@@ -10,21 +10,26 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, enqueue_burst, ids_in, status_counts, wait_counts};
 use outbox_tests::relay::Relay;
+use outbox_tests::sinks::TestSink;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_a_burst_settles_every_claimed_row() {
+    sigterm_settles(TestSink::kafka()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_burst_settles_every_claimed_row_nats() {
+    sigterm_settles(TestSink::nats()).await;
+}
+
+async fn sigterm_settles(broker: TestSink) {
     let db = TestDb::create();
-    let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
     let n = 20_000i64;
     enqueue_burst(&client, "orders", n).await;
-    let mut worker = Relay::spawn(
-        &db.url(),
-        &broker.addr(),
-        &["--batch-size", "500", "--concurrency", "2"],
-    );
+    let mut worker = broker.spawn_relay(&db.url(), &["--batch-size", "500", "--concurrency", "2"]);
     let c = wait_counts(&client, Duration::from_secs(30), |c| c["SUCCESS"] > 0).await;
     assert!(c["SUCCESS"] > 0, "nothing delivered: {}", worker.logs());
     worker.signal(libc::SIGTERM);

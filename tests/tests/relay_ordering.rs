@@ -9,30 +9,43 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::{self, TestDb};
 use outbox_tests::events::wait_counts;
 use outbox_tests::relay::Relay;
+use outbox_tests::sinks::TestSink;
 
 const KEYS: i64 = 12;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn first_arrivals_of_each_key_are_in_commit_order() {
+    first_arrivals_in_commit_order(TestSink::kafka()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn first_arrivals_of_each_key_are_in_commit_order_nats() {
+    first_arrivals_in_commit_order(TestSink::nats()).await;
+}
+
+async fn first_arrivals_in_commit_order(broker: TestSink) {
     let db = TestDb::create();
-    let broker = Broker::start();
     broker.create_topic("orders");
-    let relays: Vec<Relay> = (0..2)
-        .map(|_| {
-            Relay::spawn(
-                &db.url(),
-                &broker.addr(),
-                &[
-                    "--concurrency",
-                    "2",
-                    "--batch-size",
-                    "7",
-                    "--poll-interval",
-                    "100ms",
-                ],
-            )
-        })
-        .collect();
+    // A relay killed holds claims: with heartbeats every 1/6 s, another relay takes them back
+    // within about a second instead of the lease.
+    let spawn = || {
+        broker.spawn_relay(
+            &db.url(),
+            &[
+                "--concurrency",
+                "2",
+                "--batch-size",
+                "7",
+                "--poll-interval",
+                "100ms",
+                "--heartbeat-timeout",
+                "1s",
+                "--reclaim-interval",
+                "500ms",
+            ],
+        )
+    };
+    let mut relays: Vec<Relay> = (0..2).map(|_| spawn()).collect();
 
     // Four producers commit 1 to 3 events per transaction on keys they share, each first locking
     // its orders' rows (in key order) as an order service does: who commits first is decided by
@@ -81,6 +94,11 @@ async fn first_arrivals_of_each_key_are_in_commit_order() {
             committed
         }));
     }
+    // While the producers commit, relays are killed (SIGKILL, claims held) and replaced.
+    for k in 0..3 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        relays[k % 2] = spawn();
+    }
     let mut committed = BTreeSet::new();
     for p in producers {
         committed.extend(p.await.unwrap());
@@ -101,8 +119,7 @@ async fn first_arrivals_of_each_key_are_in_commit_order() {
         r.terminate(Duration::from_secs(20)).unwrap();
     }
 
-    let mut msgs = broker.consume_all("orders", Duration::from_secs(10));
-    msgs.sort_by_key(|m| (m.partition, m.offset));
+    let msgs = broker.consume_all("orders", Duration::from_secs(10));
     let mut first_arrivals: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     let mut seen = BTreeSet::new();
     for m in &msgs {
@@ -218,6 +235,101 @@ async fn a_failed_event_holds_back_the_rest_of_its_key_until_skipped() {
     .await;
     assert_eq!(counts.get("SUCCESS"), Some(&4), "{counts:?}");
     assert_eq!(first_arrivals(&broker, "orders", "K"), [k1, k3, k4]);
+    assert!(relay.is_running(), "{}", relay.log_tail(20));
+    relay.terminate(Duration::from_secs(20)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_rejection_lets_no_later_event_of_its_key_onto_the_wire() {
+    // The topic refuses batches over 4,096 bytes, the extension allows larger events: the broker
+    // rejects K's first event after the relay handed the whole round to the producer. One message
+    // per produce request (as when a key's events are queued while earlier requests are in
+    // flight): K's later events travel in requests of their own, behind the rejected one.
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.max_retry = 0",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic_with("sized", &[("max.message.bytes", "4096")]);
+    let client = db.connect().await;
+    let tx_events: Vec<(&str, i32)> = std::iter::once(("K", 8_000))
+        .chain((0..12).map(|i| (if i % 3 == 2 { "L" } else { "K" }, 10)))
+        .collect();
+    let mut ids: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    let mut c = db.connect().await;
+    let tx = c.transaction().await.unwrap();
+    for (key, size) in &tx_events {
+        let id: i64 = tx
+            .query_one(
+                "SELECT outbox_enqueue('sized', jsonb_build_object('pad', repeat('x', $1)), key => $2)",
+                &[size, key],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        ids.entry(key).or_default().push(id);
+    }
+    tx.commit().await.unwrap();
+    let head = ids["K"][0];
+    let mut relay = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--poll-interval",
+            "100ms",
+            "--kafka-property",
+            "batch.num.messages=1",
+        ],
+    );
+    // K's head is rejected for good (max_retry 0): the rest of K waits behind it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let dead: i64 = db::scalar(
+            &client,
+            "SELECT count(*) FROM outbox_event WHERE id = $1 AND status::text = 'FAIL'",
+            &[&head],
+        )
+        .await;
+        let blocked: i64 =
+            db::scalar(&client, "SELECT blocked_keys FROM outbox_stats()", &[]).await;
+        if (dead == 1 && blocked >= 1) || std::time::Instant::now() > deadline {
+            assert_eq!((dead, blocked >= 1), (1, true), "{}", relay.log_tail(30));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let early = first_arrivals(&broker, "sized", "K");
+    assert!(
+        early.is_empty(),
+        "later events of K reached the broker although its first event was rejected: {early:?}"
+    );
+
+    // The operator skips the rejected event: the rest of K follows in commit order.
+    let n: i32 = db::scalar(&client, "SELECT outbox_skip($1)", &[&vec![head]]).await;
+    assert_eq!(n, 1);
+    let rest = ids["K"][1..].to_vec();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let arrived = first_arrivals(&broker, "sized", "K");
+        if arrived.len() >= rest.len() || std::time::Instant::now() > deadline {
+            let states: Vec<(i64, String, Option<String>)> = client
+                .query(
+                    "SELECT id, status::text, last_error FROM outbox_event ORDER BY id",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
+                .collect();
+            assert_eq!(arrived, rest, "{states:?}\n{}", relay.log_tail(30));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let l = first_arrivals(&broker, "sized", "L");
+    assert!(l.windows(2).all(|w| w[0] < w[1]), "L out of order: {l:?}");
     assert!(relay.is_running(), "{}", relay.log_tail(20));
     relay.terminate(Duration::from_secs(20)).unwrap();
 }

@@ -1,0 +1,93 @@
+//! What the claim loops need of a broker: publish a round of events with one outcome per event,
+//! answer a health request, flush on the way out. Kafka (`publisher.rs`) is the default sink,
+//! NATS JetStream (`nats.rs`) the other; the claim loop, breaker, settling and metrics only see
+//! this interface.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::PublishError;
+use crate::store::Event;
+
+/// The sink's contract, which every implementation keeps:
+/// - `publish` returns the outcome of `events[i]` at index `i`, within about the send timeout;
+/// - per ordered key, a later event never reaches the broker once an earlier event of that key
+///   in the same round has failed or may still fail: it is `NotSent` (or failed) instead;
+/// - `Delivered` only once the broker has stored the event (acked by all its replicas).
+#[async_trait::async_trait]
+pub trait Sink: Send + Sync {
+    /// The broker's name in log lines ("Kafka", "NATS").
+    fn name(&self) -> &'static str;
+
+    /// Publishes a round: the events come sorted by id (commit order per key).
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>);
+
+    /// One request to the broker answered within `timeout`: what it said, or why not.
+    async fn health(&self, timeout: Duration) -> Result<String, String>;
+
+    /// Waits (at most the send timeout) for whatever is still on its way to the broker.
+    async fn flush(&self);
+}
+
+/// One event's outcome in a round.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    Delivered {
+        latency: Duration,
+    },
+    /// Failed: its class (`PublishError::class`) says whose fault it was.
+    Failed(PublishError),
+    /// Not handed to the broker: an earlier event of its ordered key failed in this round.
+    NotSent,
+}
+
+/// Why a sink's client was replaced: the `reason` label of `outbox_producer_replaced_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplaceReason {
+    /// A delivery report said the broker rejects the producer's id, epoch or sequence
+    /// (ProducerFenced, InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId, ...).
+    Fenced,
+    /// The client raised a fatal error: it refuses every later message.
+    Fatal,
+    /// Several rounds in a row in which every publish timed out.
+    Timeouts,
+}
+
+impl ReplaceReason {
+    pub const ALL: [ReplaceReason; 3] = [
+        ReplaceReason::Fenced,
+        ReplaceReason::Fatal,
+        ReplaceReason::Timeouts,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ReplaceReason::Fenced => "fenced",
+            ReplaceReason::Fatal => "fatal",
+            ReplaceReason::Timeouts => "timeouts",
+        }
+    }
+}
+
+/// A client this round found unusable and replaced: why, and the client's words for it.
+#[derive(Debug, Clone)]
+pub struct Replaced {
+    pub reason: ReplaceReason,
+    pub detail: String,
+}
+
+/// Asks the broker once at start-up (logged), so the first round does not pay for the connection
+/// and an unreachable broker shows in the log. Returns whether the broker answered.
+pub async fn probe(sink: Arc<dyn Sink>) -> bool {
+    let name = sink.name();
+    match sink.health(Duration::from_secs(10)).await {
+        Ok(what) => {
+            tracing::info!("connected to {name}: {what}");
+            true
+        }
+        Err(e) => {
+            tracing::warn!("{name} not reachable yet ({e}); events are retried until it is");
+            false
+        }
+    }
+}
