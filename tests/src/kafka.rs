@@ -326,8 +326,8 @@ impl Kafka {
             dir: dir.to_path_buf(),
             child: None,
         };
-        match sasl {
-            Some(_) => k.format(sasl)?,
+        match extra {
+            Some(_) => k.format(extra)?,
             None => copy_dir(&storage_template()?, &data)
                 .map_err(|e| err("copying the formatted storage", e))?,
         }
@@ -336,8 +336,8 @@ impl Kafka {
     }
 
     /// Formats the storage named by this broker's server.properties (a JVM run of its own), with
-    /// the SCRAM user of `sasl` if any.
-    fn format(&self, sasl: Option<&Sasl>) -> Result<(), String> {
+    /// the SCRAM user of the `extra` listeners if any.
+    fn format(&self, extra: Option<Listeners<'_>>) -> Result<(), String> {
         let cluster_id = random_cluster_id().map_err(|e| format!("cluster id: {e}"))?;
         let mut format_cmd = self.java()?;
         format_cmd
