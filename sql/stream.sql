@@ -14,35 +14,29 @@ $$;
 CREATE FUNCTION @extschema@.outbox_stream_lock() RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '1s'
 AS $$
-DECLARE
-    caller_lock_timeout text := current_setting('lock_timeout');
 BEGIN
     IF pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
         RETURN true;
     END IF;
-    PERFORM set_config('lock_timeout', '1s', true);
-    BEGIN
+    BEGIN -- the block's subtransaction only when the lock is taken
         PERFORM pg_advisory_xact_lock(@extschema@.outbox_stream_lock_id());
     EXCEPTION WHEN lock_not_available THEN
-        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
         RETURN false;
     END;
-    PERFORM set_config('lock_timeout', caller_lock_timeout, true);
     RETURN true;
 END
 $$;
 
--- A cursor restored into another cluster, made good before a fresh one starts: events it owed
+-- A cursor restored into another cluster, made good and replaced by a fresh one: events it owed
 -- become tracked rows due now, held ones stay their claim's; stream rows of txids this cluster has
 -- not reached are deleted, never to be handed out again. Loud: such a restore re-delivers.
-CREATE FUNCTION @extschema@.outbox_stream_rebase(prev_snap pg_snapshot, cur_snap pg_snapshot,
-                                                 pos_id bigint, hwm bigint)
-RETURNS void
+CREATE FUNCTION @extschema@.outbox_stream_rebase(c @extschema@.outbox_stream_cursor)
+RETURNS @extschema@.outbox_stream_cursor
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-#variable_conflict use_variable
 DECLARE
     stamp timestamptz := clock_timestamp();
     owed_ids bigint[];
@@ -50,7 +44,8 @@ DECLARE
 BEGIN
     held_ids := ARRAY(SELECT unnest(b.pending) FROM @extschema@.outbox_stream_batch b);
     owed_ids := ARRAY(SELECT s.id FROM @extschema@.outbox_stream s
-                       WHERE (s.id > hwm OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, prev_snap, cur_snap, pos_id))
+                       WHERE (s.id > c.id_hwm
+                              OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, c.prev_snap, c.cur_snap, c.pos_id))
                          AND NOT s.id = ANY (held_ids)
                          AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id));
     held_ids := ARRAY(SELECT h FROM unnest(held_ids) h
@@ -69,6 +64,13 @@ BEGIN
     RAISE WARNING USING
         MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts',
                          cardinality(owed_ids), cardinality(held_ids));
+    c.prev_snap := @extschema@.outbox_snapshot_of_others();
+    c.cur_snap := c.prev_snap;
+    c.pos_id := 0;
+    c.win_lo := NULL;
+    c.win_hi := 0;
+    c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+    RETURN c;
 END
 $$;
 
@@ -204,13 +206,7 @@ BEGIN
     -- A cursor ahead of this database's transaction ids was restored into another cluster (the
     -- SQL-only build's pg_dump carries it): its snapshots say nothing about the txids here.
     IF pg_snapshot_xmax(c.cur_snap) > pg_snapshot_xmax(pg_current_snapshot()) THEN
-        PERFORM @extschema@.outbox_stream_rebase(c.prev_snap, c.cur_snap, c.pos_id, c.id_hwm);
-        c.prev_snap := @extschema@.outbox_snapshot_of_others();
-        c.cur_snap := c.prev_snap;
-        c.pos_id := 0;
-        c.win_lo := NULL;
-        c.win_hi := 0;
-        c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
+        c := @extschema@.outbox_stream_rebase(c);
         was := '';
     END IF;
     FOR w IN 1..2 LOOP

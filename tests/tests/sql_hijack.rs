@@ -787,10 +787,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_keys_track", "'{1}', now()"),
         ("outbox_keys_wake", "'{orders}', '{k-1}', now()"),
         ("outbox_stream_track", "'{}', 'WAIT', 0, now(), NULL, now()"),
-        (
-            "outbox_stream_rebase",
-            "pg_current_snapshot(), pg_current_snapshot(), 0::bigint, 0::bigint",
-        ),
+        ("outbox_stream_rebase", "'(1,1:1:,1:1:,0,,0,0,0)'"),
         ("outbox_stream_lock", ""),
         (
             "outbox_stream_window",
