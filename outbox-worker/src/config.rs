@@ -26,8 +26,8 @@ pub struct DatabaseConfig {
     pub url: Option<String>,
     pub url_file: Option<PathBuf>,
     pub owner: Option<String>,
-    /// `"shared"` (default): the relay's one producer; `"own"`: a producer of its own, for a
-    /// database whose latency must not wait behind another's backlog on the broker connections.
+    /// `"own"` (default): a producer of its own, so this database's events never wait behind
+    /// another's backlog on the broker connections; `"shared"`: the relay's one producer.
     #[serde(default)]
     pub producer: Producer,
     pub concurrency: Option<usize>,
@@ -53,8 +53,8 @@ pub struct DatabaseConfig {
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Producer {
-    #[default]
     Shared,
+    #[default]
     Own,
 }
 
@@ -213,7 +213,7 @@ mod tests {
     #[test]
     fn overrides_apply_per_database_and_flags_fill_the_rest() {
         let f = load(&write(
-            "[databases.orders]\nurl = \"host=a dbname=orders\"\nconcurrency = 2\nlease = \"40s\"\nproducer = \"own\"\n\
+            "[databases.orders]\nurl = \"host=a dbname=orders\"\nconcurrency = 2\nlease = \"40s\"\nproducer = \"shared\"\n\
              [databases.billing]\nurl_file = \"/run/secrets/billing\"\n",
         ))
         .expect("valid");
@@ -222,8 +222,8 @@ mod tests {
             .expect("ok");
         assert_eq!((orders.concurrency, orders.batch_size), (2, 7), "flag kept");
         assert_eq!(orders.lease, Duration::from_secs(40));
-        assert_eq!(f.databases["orders"].producer, Producer::Own);
-        assert_eq!(f.databases["billing"].producer, Producer::Shared);
+        assert_eq!(f.databases["orders"].producer, Producer::Shared);
+        assert_eq!(f.databases["billing"].producer, Producer::Own);
         assert_eq!(
             orders.db.database_url.as_deref(),
             Some("host=a dbname=orders")

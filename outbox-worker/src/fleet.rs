@@ -1,6 +1,6 @@
 //! `outbox-worker run --config FILE`: one relay process for every database of the config file.
-//! The Kafka producer and the metrics server are shared; each database has its own pool, claim
-//! loops, heartbeat owner, circuit breaker, wake-up session and metrics (label `database`), and
+//! The metrics server is shared, and the Kafka producer for databases with `producer = "shared"`;
+//! each database has its own producer by default, pool, claim loops, heartbeat owner, circuit breaker, wake-up session and metrics (label `database`), and
 //! runs in a span naming it. A database that fails (unreachable at start, a revoked grant) is
 //! started again with a backoff while the others go on. SIGHUP re-reads the file: removed
 //! databases stop after settling their rounds, added ones start, changed ones restart.

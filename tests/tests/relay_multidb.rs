@@ -134,21 +134,25 @@ async fn a_stopped_cluster_does_not_hold_up_the_others_and_its_backlog_drains() 
     }
     let config = config_path("multidb-isolation");
     // c's rows claimed when its server dies come back after a short lease, not ten minutes.
-    let c_extra = ["lease = \"20s\"", "reclaim_interval = \"1s\""];
-    // b publishes through a producer of its own, a and c share the relay's.
-    let b_extra = ["producer = \"own\""];
+    let c_extra = [
+        "lease = \"20s\"",
+        "reclaim_interval = \"1s\"",
+        "producer = \"shared\"",
+    ];
+    // b publishes through a producer of its own (the default), a and c share the relay's.
+    let a_extra = ["producer = \"shared\""];
     write_config(
         &config,
         &[
             ConfigDb {
                 name: "a",
                 url: a.url(),
-                extra: &[],
+                extra: &a_extra,
             },
             ConfigDb {
                 name: "b",
                 url: b.url(),
-                extra: &b_extra,
+                extra: &[],
             },
             ConfigDb {
                 name: "c",
