@@ -203,13 +203,13 @@ BEGIN
                                             WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= stamp
                                             LIMIT max_events) u)
                  + (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_key k
-                                            WHERE k.due_at <= stamp AND k.state <> 'idle'
-                                            LIMIT max_events) k);
-    IF max_events - least(due_tracked, (max_events + 1) / 2) > 0 THEN
-        stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
-                                                     max_events - least(due_tracked, (max_events + 1) / 2));
-    END IF;
-    IF cardinality(stream_ids) < max_events THEN
+                                            WHERE k.due_at <= stamp LIMIT max_events) k);
+    stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
+                                                 max_events - least(due_tracked, (max_events + 1) / 2));
+    -- The tracked part only when it has work: tracked rows due, or key rows due (idle ones
+    -- included, to be deleted) before the stream's part or made due by it (diverted events).
+    IF cardinality(stream_ids) < max_events
+       AND (due_tracked > 0 OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k WHERE k.due_at <= stamp)) THEN
         tracked_ids := @extschema@.outbox_claim_tracked(owner, token, stamp, max_events - cardinality(stream_ids));
     END IF;
 
