@@ -138,16 +138,19 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
 -- The current snapshot as another session would take it: this transaction, if it has an id, is
 -- listed as in progress. A snapshot leaves its own transaction out, so the cursor would count
 -- the claim's own transaction as finished, and pass events it enqueues after the claim.
+-- PL/pgSQL, not SQL: a SQL function with a SET clause is parsed and planned at every call.
 CREATE FUNCTION @extschema@.outbox_snapshot_of_others() RETURNS pg_snapshot
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT CASE WHEN c.me IS NOT NULL AND c.me < pg_snapshot_xmax(c.snap)
-                THEN format('%s:%s:%s', least(pg_snapshot_xmin(c.snap), c.me), pg_snapshot_xmax(c.snap),
-                            array_to_string(ARRAY(SELECT x FROM pg_snapshot_xip(c.snap) x
-                                                  UNION SELECT c.me ORDER BY 1), ','))::pg_snapshot
-                ELSE c.snap END
-      FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c
+BEGIN
+    RETURN (SELECT CASE WHEN c.me IS NOT NULL AND c.me < pg_snapshot_xmax(c.snap)
+                        THEN format('%s:%s:%s', least(pg_snapshot_xmin(c.snap), c.me), pg_snapshot_xmax(c.snap),
+                                    array_to_string(ARRAY(SELECT x FROM pg_snapshot_xip(c.snap) x
+                                                          UNION SELECT c.me ORDER BY 1), ','))::pg_snapshot
+                        ELSE c.snap END
+              FROM (SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me) c);
+END
 $$;
 
 -- The cursor's newest version, the one that counts. No SET clause, so the planner inlines it;

@@ -102,20 +102,22 @@ $$;
 
 -- The window between two snapshots (events cur_snap sees finished and prev_snap does not): lo, the
 -- smallest id of transactions begun after prev_snap; hi, the largest of all. A transaction
--- prev_snap saw running costs a probe on txid, not a range.
+-- prev_snap saw running costs a probe on txid, not a range. (PL/pgSQL: its plan is cached.)
 CREATE FUNCTION @extschema@.outbox_stream_window(prev_snap pg_snapshot, cur_snap pg_snapshot,
                                                  OUT lo bigint, OUT hi bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT min(w.id) FILTER (WHERE w.newer), max(w.id)
+BEGIN
+    SELECT min(w.id) FILTER (WHERE w.newer), max(w.id) INTO lo, hi
       FROM (SELECT e.id, true AS newer FROM @extschema@.outbox_stream e
              WHERE e.txid >= pg_snapshot_xmax(prev_snap) AND e.txid < pg_snapshot_xmax(cur_snap)
                AND pg_visible_in_snapshot(e.txid, cur_snap)
             UNION ALL
             SELECT (SELECT max(e.id) FROM @extschema@.outbox_stream e WHERE e.txid = x), false
               FROM pg_snapshot_xip(prev_snap) x
-             WHERE pg_visible_in_snapshot(x, cur_snap)) w
+             WHERE pg_visible_in_snapshot(x, cur_snap)) w;
+END
 $$;
 
 -- Up to `need` events of the window after pos_id, in id order: by txid for transactions prev_snap
