@@ -2,36 +2,40 @@
 
 -- Whether a claim would find something now (outbox_wait's look at the queue): each probe stops at
 -- its first index entry, whatever the history or backlog (scalar subqueries in index order, and
--- min() compared with the clock, which cannot bound an index scan).
+-- min() compared with the clock, which cannot bound an index scan). PL/pgSQL: planned once per
+-- session, where a SQL function with SET clauses is planned at every look.
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 -- Every look is an index probe; bounds known only at run time must not lead to a scan.
 SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$
-    -- The stream: the rest of the cursor's window, or a committed event of a later one (a plain
-    -- read sees only committed rows): after xmax(cur_snap), or of a transaction it saw running.
-    SELECT EXISTS (SELECT 1 FROM @extschema@.outbox_cursor() c
-                    WHERE c.pos_id < c.win_hi
-                       OR (SELECT e.id FROM @extschema@.outbox_stream e
-                            WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
-                            ORDER BY e.txid, e.id
-                            LIMIT 1) IS NOT NULL
-                       -- A scalar probe per txid: a join could be planned as a scan of the stream.
-                       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.cur_snap) x
-                                   WHERE (SELECT e.id FROM @extschema@.outbox_stream e
-                                           WHERE e.txid = x LIMIT 1) IS NOT NULL))
-        -- (No such row: min is NULL, and the look must say false, not NULL.)
-        OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
-                      WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
-        OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.state <> 'idle')
-                    <= clock_timestamp(), false)
-        OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
-                    WHERE k.state = 'idle'
-                      AND EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
-                                   WHERE e.topic = k.topic AND e.event_key = k.event_key
-                                     AND e.ordered AND e.status = 'WAIT'))
+BEGIN
+    RETURN (
+        -- The stream: the rest of the cursor's window, or a committed event of a later one (a plain
+        -- read sees only committed rows): after xmax(cur_snap), or of a transaction it saw running.
+        SELECT EXISTS (SELECT 1 FROM @extschema@.outbox_cursor() c
+                        WHERE c.pos_id < c.win_hi
+                           OR (SELECT e.id FROM @extschema@.outbox_stream e
+                                WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
+                                ORDER BY e.txid, e.id
+                                LIMIT 1) IS NOT NULL
+                           -- A scalar probe per txid: a join could be planned as a scan of the stream.
+                           OR EXISTS (SELECT 1 FROM pg_snapshot_xip(c.cur_snap) x
+                                       WHERE (SELECT e.id FROM @extschema@.outbox_stream e
+                                               WHERE e.txid = x LIMIT 1) IS NOT NULL))
+            -- (No such row: min is NULL, and the look must say false, not NULL.)
+            OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
+                          WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
+            OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.state <> 'idle')
+                        <= clock_timestamp(), false)
+            OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
+                        WHERE k.state = 'idle'
+                          AND EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
+                                       WHERE e.topic = k.topic AND e.event_key = k.event_key
+                                         AND e.ordered AND e.status = 'WAIT')));
+END
 $$;
 
 -- Blocks until a claim may find something (true) or the timeout passes (false), in one statement
