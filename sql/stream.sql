@@ -154,10 +154,11 @@ $$;
 -- keys are due now. Whatever is locked is skipped: a claim never waits here.
 CREATE FUNCTION @extschema@.outbox_stream_divert(ids bigint[], busy bigint[], stamp timestamptz, floor bigint)
 RETURNS void
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT count(*) FROM @extschema@.outbox_stream_track(
+BEGIN
+    PERFORM FROM @extschema@.outbox_stream_track(
         ARRAY(SELECT s.id FROM @extschema@.outbox_stream s WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)),
         'WAIT', 0, stamp, NULL, stamp);
     INSERT INTO @extschema@.outbox_key (topic, event_key, state, due_at)
@@ -177,6 +178,7 @@ AS $$
      WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
                               WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
                               FOR UPDATE SKIP LOCKED);
+END
 $$;
 
 -- The stream's part of a claim: up to max_events fresh events as this token's batch (PgQ's rule:
