@@ -91,7 +91,9 @@ pub async fn claim_loop(
         relay.metrics.health.round_completed(n);
         relay.rounds.send_replace(*result.as_ref().unwrap_or(&0));
         let delay = match result {
-            Ok(claimed) if claimed as i32 >= relay.batch_size => {
+            // A full batch, or events committed while the round ran: claim again at once rather
+            // than after the wake-up session's next look (a database round trip later).
+            Ok(claimed) if claimed > 0 => {
                 failures = 0;
                 continue;
             }
