@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use outbox_tests::broker::PARTITIONS;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message, Offset, Timestamp, TopicPartitionList};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 /// arrival time is the message's, not the fetch's.
 pub const FETCH_WAIT_MAX_MS: u32 = 1;
 
-/// (sequence number from the payload, when the consumer got it)
-type Arrival = (i64, Instant);
+/// (sequence number from the payload, when the consumer got it, the broker's append time in Unix
+/// milliseconds when the topic stamps it: `message.timestamp.type=LogAppendTime`)
+type Arrival = (i64, Instant, Option<i64>);
 
 /// Reads a topic from offset 0 with assigned partitions (no group join) and records when each
 /// message carrying a `"seq"` number in its JSON payload arrived.
@@ -57,7 +58,11 @@ impl Arrivals {
                         match seq {
                             Some(q) if q < 0 => w.store(true, Ordering::Relaxed),
                             Some(q) => {
-                                out.push((q, at));
+                                let appended = match m.timestamp() {
+                                    Timestamp::LogAppendTime(ms) => Some(ms),
+                                    _ => None,
+                                };
+                                out.push((q, at, appended));
                                 n.fetch_add(1, Ordering::Relaxed);
                             }
                             None => {}

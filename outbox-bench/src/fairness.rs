@@ -205,6 +205,7 @@ async fn side(
     let (run, drained) = tokio::join!(
         latency(
             steady,
+            &relays[0],
             &topic,
             p.fair_rate,
             p.fair_time.as_secs_f64(),

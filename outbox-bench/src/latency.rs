@@ -12,9 +12,10 @@ use tokio_postgres::Client;
 use crate::arrivals::{Arrivals, FETCH_WAIT_MAX_MS};
 use crate::db::BenchDb;
 use crate::goals::LATENCY_GOAL_RATE;
-use crate::relay_env::RelayEnv;
+use crate::relay_env::{BenchRelay, RelayEnv};
 use crate::report::{ms, not_run, num, Table};
 use crate::results::Results;
+use crate::stages::StageHists;
 use crate::sys::ProcSnapshot;
 use crate::Profile;
 
@@ -54,6 +55,14 @@ pub struct LatencyRun {
     pub relay_db_cpu_us: Option<f64>,
     /// Per event, when the database runs on this machine: (commit as Unix µs, commit to ack µs).
     pub acks: Vec<(f64, f64)>,
+    /// Commit seen by the client to the broker's append (the topic stamps messages with
+    /// LogAppendTime, milliseconds): p50, p99 in µs.
+    pub to_append: (f64, f64),
+    /// Where the time went, p50 and p99 in µs: commit seen by the client to the claim's start
+    /// (the claim's own clock_timestamp; one machine clock), then the relay's stages
+    /// ([`crate::stages::STAGES`], from its metrics).
+    pub commit_to_claim: (f64, f64),
+    pub stages: Vec<(&'static str, f64, f64)>,
 }
 
 impl LatencyRun {
@@ -79,6 +88,7 @@ pub const PRELOADED_SERVER: &str = "throwaway server, preloaded";
 #[allow(clippy::too_many_arguments)]
 pub async fn latency(
     env: &RelayEnv<'_>,
+    relay: &BenchRelay,
     topic: &str,
     rate: f64,
     secs: f64,
@@ -92,7 +102,14 @@ pub async fn latency(
         .query_one("SELECT outbox_wake_mode()", &[])
         .await?
         .get(0);
-    env.broker.try_create_topic(topic).map_err(|e| anyhow!(e))?;
+    // Broker timestamps: a message's timestamp is its append time (commit → append).
+    outbox_tests::kafka::create_topics_with(
+        &env.broker.addr(),
+        &[topic],
+        outbox_tests::broker::PARTITIONS,
+        &[("message.timestamp.type", "LogAppendTime")],
+    )
+    .map_err(|e| anyhow!(e))?;
     env.monitor.batch_execute(STREAM_ACK_LOG).await?;
     let arrivals = Arrivals::start(&env.broker.addr(), topic)?;
     // Warm-up: one event must make it through before the clock starts.
@@ -119,6 +136,7 @@ pub async fn latency(
         }
         clients.push(c);
     }
+    let stages_before = StageHists::parse(&relay.metrics().unwrap_or_default());
     let relay_sessions = crate::idle::relay_pids(env.monitor, &env.db.name).await?;
     let relay_cpu = ProcSnapshot::take(&relay_sessions);
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
@@ -137,10 +155,12 @@ pub async fn latency(
     }
     let mut commits: Vec<Option<(Instant, Instant)>> = vec![None; total as usize];
     let mut commit_wall: Vec<(i64, f64)> = Vec::with_capacity(total as usize);
+    let mut wall_of_seq: Vec<f64> = vec![f64::NAN; total as usize];
     let mut last_commit = start.into_std();
     for t in tasks {
         for (seq, issued, at, id, wall) in t.await?? {
             commits[seq as usize] = Some((issued, at));
+            wall_of_seq[seq as usize] = wall;
             commit_wall.push((id, wall));
             if at > last_commit {
                 last_commit = at;
@@ -170,17 +190,47 @@ pub async fn latency(
     // A little longer to catch duplicates.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got = arrivals.finish()?;
+    let stages_after = StageHists::parse(&relay.metrics().unwrap_or_default());
     let mut first: Vec<Option<Instant>> = vec![None; total as usize];
     let mut duplicates = 0;
-    for (seq, at) in got {
+    let mut append_hist = crate::report::hist();
+    for (seq, at, appended) in got {
         if seq < 0 || seq >= total {
             continue;
         }
         match first[seq as usize] {
-            None => first[seq as usize] = Some(at),
+            None => {
+                first[seq as usize] = Some(at);
+                // The append time has millisecond resolution: the middle of its millisecond.
+                if let Some(ms) = appended {
+                    let us = ms as f64 * 1e3 + 500.0 - wall_of_seq[seq as usize];
+                    if us.is_finite() {
+                        append_hist.saturating_record(us.max(0.0) as u64);
+                    }
+                }
+            }
             Some(_) => duplicates += 1,
         }
     }
+    let q = |h: &Histogram<u64>, q: f64| {
+        if h.is_empty() {
+            f64::NAN
+        } else {
+            h.value_at_quantile(q) as f64
+        }
+    };
+    let to_append = (q(&append_hist, 0.5), q(&append_hist, 0.99));
+    let stages = crate::stages::STAGES
+        .iter()
+        .map(|st| {
+            let at = |p| {
+                stages_after
+                    .quantile_since(&stages_before, st, p)
+                    .unwrap_or(f64::NAN)
+            };
+            (*st, at(0.5), at(0.99))
+        })
+        .collect();
     let mut hist = crate::report::hist();
     let mut stmt_hist = crate::report::hist();
     let mut received = 0;
@@ -213,25 +263,32 @@ pub async fn latency(
     let mut commit_to_ack = [f(4), f(5), f(6), f(7)];
     let mut ack_source = "DB clock: transaction start → ack";
     let mut samples = Vec::new();
+    let mut commit_to_claim = (f64::NAN, f64::NAN);
     if env.db.is_local() {
-        let acks: std::collections::HashMap<i64, f64> = env
+        let acks: std::collections::HashMap<i64, (f64, f64)> = env
             .monitor
             .query(
-                format!("SELECT id, (extract(epoch FROM acked_at) * 1e6)::float8 FROM ({ACKED}) e")
-                    .as_str(),
+                format!(
+                    "SELECT id, (extract(epoch FROM acked_at) * 1e6)::float8, \
+                            (extract(epoch FROM claimed_at) * 1e6)::float8 FROM ({ACKED}) e"
+                )
+                .as_str(),
                 &[&topic],
             )
             .await?
             .iter()
-            .map(|r| (r.get(0), r.get(1)))
+            .map(|r| (r.get(0), (r.get(1), r.get(2))))
             .collect();
         let mut h = crate::report::hist();
+        let mut claims = crate::report::hist();
         for (id, wall) in &commit_wall {
-            if let Some(a) = acks.get(id) {
+            if let Some((a, c)) = acks.get(id) {
                 h.saturating_record((a - wall).max(0.0) as u64);
+                claims.saturating_record((c - wall).max(0.0) as u64);
                 samples.push((*wall, (a - wall).max(0.0)));
             }
         }
+        commit_to_claim = (q(&claims, 0.5), q(&claims, 0.99));
         if !h.is_empty() {
             commit_to_ack = [
                 h.value_at_quantile(0.5) as f64,
@@ -243,11 +300,13 @@ pub async fn latency(
         }
     }
     progress!(
-        "    -> achieved {:.0}/s; statement to consumer p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; commit to ack p50 {:.2} ms; {} of {total} arrived",
+        "    -> achieved {:.0}/s; statement to consumer p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; commit to append p50 {:.2} ms, p99 {:.2} ms; commit to ack p50 {:.2} ms; {} of {total} arrived",
         achieved_rate,
         stmt_hist.value_at_quantile(0.5) as f64 / 1000.0,
         stmt_hist.value_at_quantile(0.99) as f64 / 1000.0,
         stmt_hist.max() as f64 / 1000.0,
+        to_append.0 / 1000.0,
+        to_append.1 / 1000.0,
         commit_to_ack[0] / 1000.0,
         received
     );
@@ -258,6 +317,9 @@ pub async fn latency(
         ack_source,
         relay_db_cpu_us,
         acks: samples,
+        to_append,
+        commit_to_claim,
+        stages,
         rate,
         server,
         wake,
@@ -389,11 +451,47 @@ pub fn latency_table(runs: &[LatencyRun]) -> String {
     t.render()
 }
 
+/// Where each run's time went per event: commit → broker append, commit → the claim that took the
+/// event, then the relay's stages (its `outbox_event_stage_seconds` over the run).
+pub fn stages_table(runs: &[LatencyRun]) -> String {
+    let mut head = vec![
+        "server (wake-up mode)".to_string(),
+        "offered ev/s (achieved)".into(),
+        "relay settings".into(),
+        "commit→append p50 / p99 ms".into(),
+        "commit→claim p50 / p99 ms".into(),
+    ];
+    head.extend(
+        crate::stages::STAGES
+            .iter()
+            .map(|s| format!("{s} p50 / p99 ms")),
+    );
+    let head: Vec<&str> = head.iter().map(String::as_str).collect();
+    let mut t = Table::new(&head);
+    for r in runs.iter().filter(|r| !r.producer_notify) {
+        let mut row = vec![
+            format!("{} (`{}`)", r.server, r.wake),
+            format!("{} ({})", num(r.rate), num(r.achieved_rate)),
+            r.settings.clone(),
+            format!("{} / {}", ms(r.to_append.0), ms(r.to_append.1)),
+            format!("{} / {}", ms(r.commit_to_claim.0), ms(r.commit_to_claim.1)),
+        ];
+        row.extend(
+            r.stages
+                .iter()
+                .map(|(_, p50, p99)| format!("{} / {}", ms(*p50), ms(*p99))),
+        );
+        t.row(row);
+    }
+    t.render()
+}
+
 /// One latency run, its failure (events lost) recorded.
 #[allow(clippy::too_many_arguments)]
 async fn one(
     p: &Profile,
     env: &RelayEnv<'_>,
+    relay: &BenchRelay,
     r: &mut Results,
     n: &mut usize,
     rate: f64,
@@ -410,6 +508,7 @@ async fn one(
     );
     let run = latency(
         env,
+        relay,
         &format!("bench.lat.{}.{n}", server.replace([' ', ','], "")),
         rate,
         p.latency_time.as_secs_f64(),
@@ -457,14 +556,26 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
         };
         if extra.is_empty() {
             for &rate in &p.latency_rates {
-                one(p, env, r, &mut n, rate, false, &settings, MAIN_SERVER).await?;
+                one(
+                    p,
+                    env,
+                    &relay,
+                    r,
+                    &mut n,
+                    rate,
+                    false,
+                    &settings,
+                    MAIN_SERVER,
+                )
+                .await?;
             }
             let top = p.latency_rates.iter().copied().fold(0.0, f64::max);
-            one(p, env, r, &mut n, top, true, &settings, MAIN_SERVER).await?;
+            one(p, env, &relay, r, &mut n, top, true, &settings, MAIN_SERVER).await?;
         } else {
             one(
                 p,
                 env,
+                &relay,
                 r,
                 &mut n,
                 LATENCY_GOAL_RATE,
@@ -490,7 +601,7 @@ pub async fn run_throwaway(
     let relay = env.start_relay(&[], &format!("latency-{}", server.replace([' ', ','], "")))?;
     let mut n = 0;
     for &rate in &p.polling_rates {
-        one(p, env, r, &mut n, rate, false, "defaults", server).await?;
+        one(p, env, &relay, r, &mut n, rate, false, "defaults", server).await?;
     }
     relay.stop()?;
     Ok(())
@@ -554,6 +665,18 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
                 .unwrap_or("n/a")
         );
         s += &latency_table(&r.latency);
+        s += "\n**Where the time goes**, per event (the runs above without `outbox.notify`): \
+              **commit→append** from the commit seen by the producer to the broker's append time \
+              (the topics stamp messages with `LogAppendTime`, in milliseconds: each counts as \
+              the middle of its millisecond); **commit→claim** to the start of the claim that \
+              took the event (the claim's `clock_timestamp()`, one machine clock): the wake-up; \
+              then the relay's own stages from its `outbox_event_stage_seconds` histograms \
+              (read from `/metrics` before and after the run; quantiles interpolated within \
+              their buckets): **claim** the claim call, **handoff** claim returned → handed to \
+              librdkafka (waiting behind earlier events of its key included), **delivery** → \
+              the delivery report, **ack** → `outbox_ack` returned (waiting for the round's \
+              other reports included).\n\n";
+        s += &stages_table(&r.latency);
         let top = p.latency_rates.iter().copied().fold(0.0, f64::max);
         if let Some(note) = notify_cap_note(r, top) {
             s += &format!(

@@ -34,10 +34,14 @@ impl RelayEnv<'_> {
     }
 
     fn spawn(&self, extra: &[String], tag: &str, url: Option<String>) -> Result<BenchRelay> {
+        // Its /metrics tell where an event's time went (the latency section).
+        let metrics_port = outbox_tests::broker::free_port();
         let mut cmd = Command::new(self.relay_bin);
         cmd.arg("run")
             .arg("--brokers")
             .arg(self.broker.addr())
+            .arg("--metrics-addr")
+            .arg(format!("127.0.0.1:{metrics_port}"))
             .args(extra);
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("OUTBOX_") {
@@ -47,8 +51,9 @@ impl RelayEnv<'_> {
         if let Some(url) = url {
             cmd.env("OUTBOX_DATABASE_URL", url);
         }
-        let relay =
+        let mut relay =
             Relay::start(cmd).map_err(|e| anyhow!("starting {}: {e}", self.relay_bin.display()))?;
+        relay.metrics_port = metrics_port;
         let mut r = BenchRelay {
             relay,
             log: self.workdir.join(format!("relay-{tag}.log")),
@@ -77,6 +82,11 @@ impl BenchRelay {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
         let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
         line.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    /// Its `/metrics` page (Prometheus text), or None when it did not answer.
+    pub fn metrics(&self) -> Option<String> {
+        self.relay.http_get("/metrics").map(|(_, body)| body)
     }
 
     pub fn is_running(&mut self) -> bool {

@@ -121,6 +121,9 @@ fn latency_run(l: &latency::LatencyRun) -> Value {
         "commit_to_consumer_us": quantiles(&l.hist),
         "start_to_claim_us": {"p50": l.to_claim.0, "p99": l.to_claim.1},
         "claim_to_ack_us": {"p50": l.to_ack.0, "p99": l.to_ack.1},
+        "commit_to_append_us": {"p50": l.to_append.0, "p99": l.to_append.1},
+        "commit_to_claim_us": {"p50": l.commit_to_claim.0, "p99": l.commit_to_claim.1},
+        "relay_stages_us": l.stages.iter().map(|(s, p50, p99)| (s.to_string(), json!({"p50": p50, "p99": p99}))).collect::<serde_json::Map<_, _>>(),
     })
 }
 

@@ -91,7 +91,9 @@ pub async fn claim_loop(
         relay.metrics.health.round_completed(n);
         relay.rounds.send_replace(*result.as_ref().unwrap_or(&0));
         let delay = match result {
-            Ok(claimed) if claimed as i32 >= relay.batch_size => {
+            // A full batch, or events committed while the round ran: claim again at once rather
+            // than after the wake-up session's next look (a database round trip later).
+            Ok(claimed) if claimed > 0 => {
                 failures = 0;
                 continue;
             }
@@ -159,6 +161,7 @@ impl Relay {
         }
         self.metrics.claim_batch_size.observe(events.len() as f64);
 
+        let publishing_at = Instant::now();
         let (outcomes, replaced) = self.publisher.publish(&events).await;
         let producer_failures = outcomes
             .iter()
@@ -181,7 +184,8 @@ impl Relay {
         let published_at = Instant::now();
 
         let mut permanent: Option<DbError> = None;
-        let mut delivered = Vec::new();
+        // (index, handed to the broker's client, acknowledged by the broker)
+        let mut delivered: Vec<(usize, Instant, Instant)> = Vec::new();
         let held = held_back(&events, &outcomes);
         // One settle call per settlement, class and distinct error text (the rows' last_error).
         let mut failed: BTreeMap<(Settle, FailureClass, String), Vec<usize>> = BTreeMap::new();
@@ -190,9 +194,14 @@ impl Relay {
                 continue;
             }
             match o {
-                Outcome::Delivered { latency } => {
-                    self.metrics.publish_latency.observe(latency.as_secs_f64());
-                    delivered.push(i);
+                Outcome::Delivered {
+                    handed,
+                    delivered: at,
+                } => {
+                    self.metrics
+                        .publish_latency
+                        .observe(at.saturating_sub(*handed).as_secs_f64());
+                    delivered.push((i, publishing_at + *handed, publishing_at + *at));
                 }
                 Outcome::Failed(error) => {
                     let class = error.class();
@@ -211,7 +220,8 @@ impl Relay {
             }
         }
         if !delivered.is_empty() {
-            if let Err(e) = self.ack(&events, &delivered, token, claimed_at).await {
+            let claim = (round_start, claimed_at);
+            if let Err(e) = self.ack(&events, &delivered, token, claim).await {
                 keep_permanent(&mut permanent, e);
             }
         }
@@ -314,23 +324,32 @@ impl Relay {
         }
     }
 
-    /// Acks the delivered events.
+    /// Acks the delivered events (index, handed to the broker's client, acknowledged by the
+    /// broker) of the claim that ran from `claim.0` to `claim.1`, and records where each one's
+    /// time in the relay went.
     async fn ack(
         &self,
         events: &[Event],
-        idx: &[usize],
+        delivered: &[(usize, Instant, Instant)],
         token: i64,
-        claimed_at: Instant,
+        (claim_start, claimed_at): (Instant, Instant),
     ) -> Result<(), DbError> {
-        let ids: Vec<i64> = idx.iter().map(|&i| events[i].id).collect();
+        let ids: Vec<i64> = delivered.iter().map(|d| events[d.0].id).collect();
         self.unknown.forget(ids.iter().copied());
         let n = self
             .settle("ack delivered", ids.len(), claimed_at + self.lease, || {
                 self.store.ack(&self.owner, token, &ids)
             })
             .await?;
+        let acked_at = Instant::now();
         let now = claimed_at.elapsed().as_secs_f64();
-        for &i in idx {
+        let stage = |name: &str, from: Instant, to: Instant| {
+            self.metrics
+                .stage
+                .with_label_values(&[name])
+                .observe(to.saturating_duration_since(from).as_secs_f64())
+        };
+        for &(i, handed, broker_ack) in delivered {
             let ev = &events[i];
             self.metrics
                 .published
@@ -339,6 +358,10 @@ impl Relay {
             self.metrics
                 .commit_to_ack_lag
                 .observe(ev.age_at_claim + now);
+            stage("claim", claim_start, claimed_at);
+            stage("handoff", claimed_at, handed);
+            stage("delivery", handed, broker_ack);
+            stage("ack", broker_ack, acked_at);
         }
         if n < ids.len() as u64 {
             tracing::warn!(
@@ -528,7 +551,8 @@ mod tests {
 
     fn ok() -> Outcome {
         Outcome::Delivered {
-            latency: Duration::ZERO,
+            handed: Duration::ZERO,
+            delivered: Duration::ZERO,
         }
     }
 

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus::{
-    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec,
-    IntGauge, Opts, Registry, TextEncoder,
+    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -38,6 +38,8 @@ pub struct Metrics {
     pub producer_failures: IntCounter,
     pub claim_batch_size: Histogram,
     pub publish_latency: Histogram,
+    /// Per acked event, by `stage`: where its time in the relay went.
+    pub stage: HistogramVec,
     pub commit_to_ack_lag: Histogram,
     pub backlog: IntGauge,
     pub delayed: IntGauge,
@@ -55,6 +57,12 @@ pub struct Metrics {
 /// The `topic` label of every topic past the first [`MAX_TOPIC_LABELS`]: parentheses are not
 /// allowed in Kafka topic names, so no topic has it.
 pub const OTHER_TOPICS: &str = "(other)";
+
+/// Buckets of `outbox_event_stage_seconds`: fine below 10 ms, where a healthy relay's stages are.
+const STAGE_BUCKETS: [f64; 20] = [
+    0.0001, 0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
+    0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
 
 /// How many topics get a `topic` label of their own.
 pub const MAX_TOPIC_LABELS: usize = 100;
@@ -177,6 +185,22 @@ impl Metrics {
                 "From handing an event to the producer to its successful delivery report",
                 exponential_buckets(0.0005, 2.0, 16).expect("valid buckets"),
             ),
+            stage: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(
+                        "outbox_event_stage_seconds",
+                        "Where each acked event's time in the relay went: stage=claim (the claim \
+                         call that took it), handoff (claim returned to handed to the broker's \
+                         client), delivery (handed to acknowledged by the broker), ack (broker's \
+                         acknowledgement to outbox_ack returned)",
+                    )
+                    .buckets(STAGE_BUCKETS.to_vec()),
+                    &["stage"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
             commit_to_ack_lag: histogram(
                 &r,
                 "outbox_commit_to_ack_lag_seconds",

@@ -2,7 +2,6 @@
 //! its topic (and key), with the relay's headers and `Nats-Msg-Id` = `event_id`, so the stream's
 //! duplicate window drops a redelivery. Delivered means the stream's publish ack.
 
-use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -14,7 +13,7 @@ use futures_util::future::join_all;
 use crate::cli::NatsArgs;
 use crate::error::{FailureClass, PublishError};
 use crate::message::headers;
-use crate::sink::{Outcome, Replaced, Sink};
+use crate::sink::{chains, Outcome, Replaced, Sink};
 use crate::store::Event;
 use crate::Fatal;
 
@@ -230,7 +229,8 @@ impl NatsSink {
                 out.push((i, Outcome::NotSent));
                 continue;
             }
-            let sent = if start.elapsed() >= self.send_timeout {
+            let handed = start.elapsed();
+            let sent = if handed >= self.send_timeout {
                 Err(NatsError::new(
                     NatsErrorKind::TimedOut,
                     "the send timeout ran out before an earlier event of its key was acked",
@@ -242,7 +242,8 @@ impl NatsSink {
                 i,
                 match sent {
                     Ok(()) => Outcome::Delivered {
-                        latency: start.elapsed(),
+                        handed,
+                        delivered: start.elapsed(),
                     },
                     Err(e) => {
                         failed = true;
@@ -256,26 +257,6 @@ impl NatsSink {
         }
         out
     }
-}
-
-/// The round's events as chains published one event at a time: one per ordered key (in the
-/// round's order), one per other event.
-fn chains(events: &[Event]) -> Vec<Vec<(usize, &Event)>> {
-    let mut by_key: BTreeMap<(&str, &str), usize> = BTreeMap::new();
-    let mut out: Vec<Vec<(usize, &Event)>> = Vec::new();
-    for (i, ev) in events.iter().enumerate() {
-        match ev.key.as_deref().filter(|_| ev.ordered) {
-            Some(k) => {
-                let n = *by_key.entry((ev.topic.as_str(), k)).or_insert_with(|| {
-                    out.push(Vec::new());
-                    out.len() - 1
-                });
-                out[n].push((i, ev));
-            }
-            None => out.push(vec![(i, ev)]),
-        }
-    }
-    out
 }
 
 #[async_trait::async_trait]
@@ -367,27 +348,6 @@ mod tests {
         assert!(check_subject_template("x.{topic}.{key}").is_ok());
         assert!(check_subject_template("{key}").is_err());
         assert!(check_subject_template("{topic}.{id}").is_err());
-    }
-
-    #[test]
-    fn ordered_keys_are_chained_others_sent_alone() {
-        let events = [
-            ev(1, "orders", Some("A"), true),
-            ev(2, "orders", Some("B"), true),
-            ev(3, "orders", Some("A"), true),
-            ev(4, "audit", Some("A"), true),
-            ev(5, "orders", None, true),
-            ev(6, "clicks", Some("A"), false),
-            ev(7, "clicks", Some("A"), false),
-        ];
-        let c: Vec<Vec<usize>> = chains(&events)
-            .iter()
-            .map(|c| c.iter().map(|(i, _)| *i).collect())
-            .collect();
-        assert_eq!(
-            c,
-            vec![vec![0, 2], vec![1], vec![3], vec![4], vec![5], vec![6]]
-        );
     }
 
     #[test]

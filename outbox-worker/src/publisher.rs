@@ -1,6 +1,7 @@
 //! The Kafka side: one idempotent producer shared by every claim loop (replaced when it becomes
 //! unusable), librdkafka's log lines routed to tracing and its statistics to the metrics, and
-//! concurrent publishing of a batch with one outcome per row. The message itself is built in
+//! publishing of a batch (keys concurrently, each ordered key one event at a time) with one
+//! outcome per row. The message itself is built in
 //! `message.rs`.
 
 use std::collections::BTreeSet;
@@ -20,7 +21,7 @@ use crate::defaults;
 use crate::error::PublishError;
 use crate::kafka_metrics::KafkaMetrics;
 use crate::message::build_headers;
-use crate::sink::{Outcome, ReplaceReason, Replaced, Sink};
+use crate::sink::{chains, Outcome, ReplaceReason, Replaced, Sink};
 use crate::store::Event;
 use crate::Fatal;
 
@@ -115,6 +116,23 @@ fn without_value(desc: &str, value: &str) -> String {
     desc.replace(&format!("\"{value}\""), "(value not shown)")
 }
 
+/// A failed publish of `ev`, and the producer's replacement when the error made it unusable.
+fn failure(ev: &Event, e: KafkaError) -> (Outcome, Option<Replaced>) {
+    let error = PublishError {
+        topic: ev.topic.clone(),
+        source: e.into(),
+    };
+    let unusable = error.producer_unusable().then(|| Replaced {
+        reason: if error.code() == Some(RDKafkaErrorCode::Fatal) {
+            ReplaceReason::Fatal
+        } else {
+            ReplaceReason::Fenced
+        },
+        detail: error.to_string(),
+    });
+    (Outcome::Failed(error), unusable)
+}
+
 impl Publisher {
     /// Builds the producer: idempotent with the gapless guarantee, acks=all, linger.ms=0, message.timeout.ms = send
     /// timeout, the Java client's partitioner, statistics every 15 s, then the user's properties
@@ -142,6 +160,9 @@ impl Publisher {
             // round. Measured on the 2-core box: idle commit-to-ack 24 ms -> 12 ms, drain rate
             // equal or better. Override with --kafka-property linger.ms=N.
             .set("linger.ms", defaults::LINGER_MS.to_string())
+            // A produce request is one small write: Nagle's algorithm would hold it back until
+            // the previous segment is acknowledged.
+            .set("socket.nagle.disable", "true")
             .set(
                 "message.timeout.ms",
                 send_timeout.as_millis().max(1).to_string(),
@@ -178,71 +199,29 @@ impl Publisher {
         self.producer.read().expect("producer lock").clone()
     }
 
-    /// Publishes every event concurrently and waits for each delivery report; the outcome of
-    /// `events[i]` is at index `i`. Returns within about the send timeout. When the producer
-    /// turned out unusable (fenced, fatal, timing out round after round), it is replaced for the
-    /// next round and the reason is returned (None when another claim loop replaced it first).
+    /// Publishes a round and waits for each delivery report; the outcome of `events[i]` is at
+    /// index `i`. Ordered keys go one event at a time, the next handed to librdkafka only after
+    /// the previous one's successful delivery report: librdkafka may fail an earlier event (its
+    /// `message.timeout.ms`) and still send a later one (an epoch bump), so nothing of a key may
+    /// wait in its queue behind an event that can still fail. Keys and other events run
+    /// concurrently and share librdkafka's batches. Returns within about twice the send timeout.
+    /// When the producer turned out unusable (fenced, fatal, timing out round after round), it is
+    /// replaced for the next round and the reason is returned (None when another claim loop
+    /// replaced it first).
     pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
         let producer = self.current();
         self.recheck_missing_topics(&producer, events).await;
         let start = Instant::now();
-        // Handed to librdkafka one at a time in the batch's (commit) order, so the events of a
-        // key reach its partition in that order; the idempotent producer keeps it through
-        // retries. A full local queue holds back the rest of the batch instead of letting a
-        // later event overtake the one that waits for room.
-        // An event that could not be queued (too large, unknown partition...) stops the rest of
-        // its ordered key: sending them would let them arrive before it.
-        let mut queued = Vec::with_capacity(events.len());
-        let mut refused: BTreeSet<(&str, &str)> = BTreeSet::new();
-        for ev in events {
-            let key = ev.key.as_deref().filter(|_| ev.ordered);
-            let held = key.is_some_and(|k| refused.contains(&(ev.topic.as_str(), k)));
-            let q = if held {
-                None
-            } else {
-                let q = self.enqueue(&producer, ev, start).await;
-                if let (Err(_), Some(k)) = (&q, key) {
-                    refused.insert((ev.topic.as_str(), k));
-                }
-                Some(q)
-            };
-            queued.push((ev, q));
+        let sent = join_all(
+            chains(events)
+                .into_iter()
+                .map(|c| self.send_chain(&producer, c, start)),
+        )
+        .await;
+        let mut results = vec![(Outcome::NotSent, None); events.len()];
+        for (i, r) in sent.into_iter().flatten() {
+            results[i] = r;
         }
-        let sends = queued.into_iter().map(|(ev, queued)| async move {
-            let result = match queued {
-                None => return (Outcome::NotSent, None),
-                Some(Ok(delivery)) => match delivery.await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err((e, _msg))) => Err(e),
-                    Err(_canceled) => Err(KafkaError::Canceled),
-                },
-                Some(Err(e)) => Err(e),
-            };
-            match result {
-                Ok(()) => (
-                    Outcome::Delivered {
-                        latency: start.elapsed(),
-                    },
-                    None,
-                ),
-                Err(e) => {
-                    let error = PublishError {
-                        topic: ev.topic.clone(),
-                        source: e.into(),
-                    };
-                    let unusable = error.producer_unusable().then(|| Replaced {
-                        reason: if error.code() == Some(RDKafkaErrorCode::Fatal) {
-                            ReplaceReason::Fatal
-                        } else {
-                            ReplaceReason::Fenced
-                        },
-                        detail: error.to_string(),
-                    });
-                    (Outcome::Failed(error), unusable)
-                }
-            }
-        });
-        let results = join_all(sends).await;
         self.note_missing_topics(&results);
         let mut broken = results.iter().find_map(|(_, u)| u.clone());
         if broken.is_none() {
@@ -263,6 +242,59 @@ impl Publisher {
             None => None,
         };
         (outcomes, replaced)
+    }
+
+    /// Publishes a chain (one ordered key's events, or one other event) one event after the
+    /// other: the first failure ends it, the rest is `NotSent`. An event whose turn comes after
+    /// the send timeout is not sent either: it fails as timed out (released, no attempt counted).
+    async fn send_chain(
+        &self,
+        producer: &KafkaProducer,
+        chain: Vec<(usize, &Event)>,
+        start: Instant,
+    ) -> Vec<(usize, (Outcome, Option<Replaced>))> {
+        let mut out = Vec::with_capacity(chain.len());
+        let mut failed = false;
+        for (i, ev) in chain {
+            let result = if failed {
+                (Outcome::NotSent, None)
+            } else if start.elapsed() >= self.send_timeout {
+                failure(
+                    ev,
+                    KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+                )
+            } else {
+                self.send(producer, ev, start).await
+            };
+            failed = !matches!(result.0, Outcome::Delivered { .. });
+            out.push((i, result));
+        }
+        out
+    }
+
+    /// Hands one event to librdkafka and waits for its delivery report.
+    async fn send(
+        &self,
+        producer: &KafkaProducer,
+        ev: &Event,
+        start: Instant,
+    ) -> (Outcome, Option<Replaced>) {
+        let delivery = match self.enqueue(producer, ev, start).await {
+            Ok(delivery) => delivery,
+            Err(e) => return failure(ev, e),
+        };
+        let handed = start.elapsed();
+        match delivery.await {
+            Ok(Ok(_)) => (
+                Outcome::Delivered {
+                    handed,
+                    delivered: start.elapsed(),
+                },
+                None,
+            ),
+            Ok(Err((e, _msg))) => failure(ev, e),
+            Err(_canceled) => failure(ev, KafkaError::Canceled),
+        }
     }
 
     /// Queues one message, waiting for room in librdkafka's queue until the send timeout.

@@ -3,6 +3,7 @@
 //! NATS JetStream (`nats.rs`) the other; the claim loop, breaker, settling and metrics only see
 //! this interface.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,8 +33,12 @@ pub trait Sink: Send + Sync {
 /// One event's outcome in a round.
 #[derive(Debug, Clone)]
 pub enum Outcome {
+    /// Stored by the broker. Both durations count from the start of `publish`.
     Delivered {
-        latency: Duration,
+        /// Until the event was handed to the broker's client.
+        handed: Duration,
+        /// Until the broker acknowledged it.
+        delivered: Duration,
     },
     /// Failed: its class (`PublishError::class`) says whose fault it was.
     Failed(PublishError),
@@ -89,5 +94,68 @@ pub async fn probe(sink: Arc<dyn Sink>) -> bool {
             tracing::warn!("{name} not reachable yet ({e}); events are retried until it is");
             false
         }
+    }
+}
+
+/// The round's events as chains published one event at a time: one per ordered key (in the
+/// round's order), one per other event.
+pub fn chains(events: &[Event]) -> Vec<Vec<(usize, &Event)>> {
+    let mut by_key: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    let mut out: Vec<Vec<(usize, &Event)>> = Vec::new();
+    for (i, ev) in events.iter().enumerate() {
+        match ev.key.as_deref().filter(|_| ev.ordered) {
+            Some(k) => {
+                let n = *by_key.entry((ev.topic.as_str(), k)).or_insert_with(|| {
+                    out.push(Vec::new());
+                    out.len() - 1
+                });
+                out[n].push((i, ev));
+            }
+            None => out.push(vec![(i, ev)]),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(id: i64, topic: &str, key: Option<&str>, ordered: bool) -> Event {
+        Event {
+            id,
+            event_id: format!("e{id}"),
+            topic: topic.into(),
+            key: key.map(Into::into),
+            event_type: None,
+            payload: "{}".into(),
+            headers: "{}".into(),
+            claim_token: 1,
+            retry_count: 0,
+            age_at_claim: 0.0,
+            created_at_ms: 0,
+            ordered,
+        }
+    }
+
+    #[test]
+    fn ordered_keys_are_chained_others_sent_alone() {
+        let events = [
+            ev(1, "orders", Some("A"), true),
+            ev(2, "orders", Some("B"), true),
+            ev(3, "orders", Some("A"), true),
+            ev(4, "audit", Some("A"), true),
+            ev(5, "orders", None, true),
+            ev(6, "clicks", Some("A"), false),
+            ev(7, "clicks", Some("A"), false),
+        ];
+        let c: Vec<Vec<usize>> = chains(&events)
+            .iter()
+            .map(|c| c.iter().map(|(i, _)| *i).collect())
+            .collect();
+        assert_eq!(
+            c,
+            vec![vec![0, 2], vec![1], vec![3], vec![4], vec![5], vec![6]]
+        );
     }
 }

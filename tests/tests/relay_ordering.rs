@@ -333,3 +333,103 @@ async fn a_broker_rejection_lets_no_later_event_of_its_key_onto_the_wire() {
     assert!(relay.is_running(), "{}", relay.log_tail(20));
     relay.terminate(Duration::from_secs(20)).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_refused_again_and_again_let_no_later_event_of_their_key_onto_the_wire() {
+    // The fault runner's rejection phase without its other faults, repeated: three keys, each a
+    // head too large for its topic and later events in the same transaction. Each refusal makes
+    // the producer fatal and the relay replaces it, so every retry goes out on a new producer id,
+    // whose first batch the broker accepts at any sequence: a later event handed to librdkafka
+    // before its head's delivery report could be written although the head was refused.
+    const REFUSALS: i32 = 4;
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {0} SET outbox.max_retry = 100; \
+         ALTER DATABASE {0} SET outbox.backoff_base = '50ms'; \
+         ALTER DATABASE {0} SET outbox.backoff_max = '200ms'",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic_with("limited", &[("max.message.bytes", "1024")]);
+    let keys = ["A", "B", "C"];
+    let mut ids: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    let mut c = db.connect().await;
+    let tx = c.transaction().await.unwrap();
+    for j in 0..3 {
+        for key in keys {
+            let pad: i32 = if j == 0 { 20_000 } else { 10 };
+            let id: i64 = tx
+                .query_one(
+                    "SELECT outbox_enqueue('limited', jsonb_build_object('pad', repeat('x', $1)), key => $2)",
+                    &[&pad, &key],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            ids.entry(key).or_default().push(id);
+        }
+    }
+    tx.commit().await.unwrap();
+    let heads: Vec<i64> = keys.iter().map(|k| ids[k][0]).collect();
+    // A head above batch.size travels in a record batch of its own, its key's later events in
+    // the next one (in one batch with them the broker would refuse them all).
+    let mut relay = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &[
+            "--poll-interval",
+            "100ms",
+            "--kafka-property",
+            "batch.size=16384",
+        ],
+    );
+    let client = db.connect().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let refused: i64 = db::scalar(
+            &client,
+            "SELECT count(*) FROM outbox_event WHERE id = ANY($1) AND retry_count >= $2",
+            &[&heads, &REFUSALS],
+        )
+        .await;
+        if refused == keys.len() as i64 || std::time::Instant::now() > deadline {
+            assert_eq!(refused, keys.len() as i64, "{}", relay.log_tail(30));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let replaced = relay
+        .metric_where("outbox_producer_replaced_total", "reason=\"fatal\"")
+        .unwrap_or(0.0);
+    for key in keys {
+        let early = first_arrivals(&broker, "limited", key);
+        assert!(
+            early.is_empty(),
+            "later events of {key} reached the broker while its head was refused \
+             ({replaced} producers replaced): {early:?}"
+        );
+    }
+
+    // The operator raises the topic's limit: the heads go through, then the rest, in order.
+    outbox_tests::kafka::alter_topic_config(
+        &broker.addr(),
+        "limited",
+        &[("max.message.bytes", "1048588")],
+    )
+    .unwrap();
+    let total = (keys.len() * 3) as i64;
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| {
+        c.get("SUCCESS").copied().unwrap_or(0) == total
+    })
+    .await;
+    assert_eq!(counts.get("SUCCESS"), Some(&total), "{counts:?}");
+    for key in keys {
+        assert_eq!(
+            first_arrivals(&broker, "limited", key),
+            ids[key],
+            "key {key}"
+        );
+    }
+    assert!(relay.is_running(), "{}", relay.log_tail(20));
+    relay.terminate(Duration::from_secs(20)).unwrap();
+}

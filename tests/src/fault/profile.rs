@@ -67,9 +67,7 @@ impl Profile {
             outage_for: Duration::from_secs(4),
             restart_at: Some(Duration::from_secs(34)),
             terminate_at: vec![Duration::from_secs(18), Duration::from_secs(42)],
-            // Off in CI: a refused head can still reach the topic after a later event of its key
-            // (issue 29, item 4, open); the long profile keeps the phase and reports it.
-            reject_at: None,
+            reject_at: Some(Duration::from_secs(14)),
             lease: Duration::from_secs(5),
             send_timeout: Duration::from_secs(1),
             reclaim_interval: Duration::from_secs(1),
