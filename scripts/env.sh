@@ -14,6 +14,10 @@ export KAFKA_HOME=${KAFKA_HOME:-$OUTBOX_TOOLS/kafka-$KAFKA_VERSION}
 # tests/src/nats.rs reads NATS_SERVER_VERSION from this file too.
 NATS_SERVER_VERSION=v2.15.3
 export NATS_SERVER_HOME=${NATS_SERVER_HOME:-$OUTBOX_TOOLS/nats-server-$NATS_SERVER_VERSION}
+# The RocketMQ sink's broker: Apache RocketMQ from Maven Central (scripts/rocketmq install), run on
+# the system Java 17; tests/src/rocketmq.rs reads ROCKETMQ_VERSION from this file too.
+ROCKETMQ_VERSION=5.3.3
+export ROCKETMQ_HOME=${ROCKETMQ_HOME:-$OUTBOX_TOOLS/rocketmq-$ROCKETMQ_VERSION}
 # One build cache per machine, shared by every clone: CI runs in a fresh clone each time and a
 # cold build of librdkafka + pgrx takes most of the CI budget.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/outbox/target}

@@ -32,8 +32,9 @@ pub struct Args {
     /// Skip everything that needs the broker and the relay.
     #[arg(long)]
     pub no_broker: bool,
-    /// Run only these sections (comma-separated). `indexes` is not in the default set: alone it
-    /// writes its own report (`scripts/bench --only indexes` writes reports/INDEXES.md).
+    /// Run only these sections (comma-separated). `indexes`, `fairness` and `sinks` are not in
+    /// the default set: alone each writes its own report (`scripts/bench --only indexes` writes
+    /// reports/INDEXES.md, `--only sinks` reports/sinks/drain.md).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<Section>,
     /// The null sink's claim loops send unnamed statements, parsed and planned on every call (as
@@ -55,17 +56,17 @@ impl Args {
     /// run adds (its report is INDEXES.md, not BENCHMARKS.md).
     pub fn wants(&self, s: Section) -> bool {
         if self.only.is_empty() {
-            !matches!(s, Section::Indexes | Section::Fairness) || self.smoke
+            !matches!(s, Section::Indexes | Section::Fairness | Section::Sinks) || self.smoke
         } else {
             self.only.contains(&s)
         }
     }
 
-    /// `--only indexes` or `--only fairness`: the run writes that section's own report instead
+    /// `--only indexes`, `fairness` or `sinks`: the run writes that section's own report instead
     /// of the benchmark report.
     pub fn own_report(&self) -> Option<Section> {
         match self.only.as_slice() {
-            [s @ (Section::Indexes | Section::Fairness)] => Some(*s),
+            [s @ (Section::Indexes | Section::Fairness | Section::Sinks)] => Some(*s),
             _ => None,
         }
     }
@@ -121,4 +122,6 @@ pub enum Section {
     Fairness,
     /// The consumer's inbox: accept vs a plain INSERT, WAL per accept (issue 31).
     Inbox,
+    /// The drain to each sink: Kafka, NATS JetStream, RocketMQ (reports/sinks/drain.md).
+    Sinks,
 }

@@ -11,6 +11,9 @@ use crate::results::Results;
 use crate::sys::{HostMeter, ProcSnapshot};
 use crate::Profile;
 
+/// The topic of the drain's backlog (RocketMQ allows no dot in a topic name).
+pub const DRAIN_TOPIC: &str = "bench_drain";
+
 /// A configuration that drains slower than this (events/s) runs once: it is slow, not disturbed.
 const REPEAT_ABOVE: f64 = 2_500.0;
 
@@ -48,7 +51,7 @@ pub async fn drain(
     extra: &[String],
     tag: &str,
 ) -> Result<BrokerDrain> {
-    db::fill_backlog(env.monitor, backlog, "bench.drain").await?;
+    db::fill_backlog(env.monitor, backlog, DRAIN_TOPIC).await?;
     drain_filled(env, backlog, cap, loops, extra, tag).await
 }
 
@@ -70,7 +73,7 @@ pub async fn drain_filled(
     // batches are logged as they are created and settled, for the span below.
     m.batch_execute(STREAM_BATCH_LOG).await?;
     let cpu = DbCpu::start(m, &env.db.name).await?;
-    let broker_pid = env.broker.pid().map_or(0, |p| p as i32);
+    let broker_pid = env.sink.pid.map_or(0, |p| p as i32);
     let b0 = ProcSnapshot::take(&[broker_pid]);
     let host0 = HostMeter::start();
     let start = Instant::now();

@@ -43,6 +43,7 @@ mod relay_env;
 mod report;
 mod results;
 mod seed;
+mod sinks;
 mod stages;
 mod suite;
 mod sys;

@@ -72,6 +72,10 @@ pub struct Profile {
     /// and how many rounds of every set-up.
     pub fair_backlog: i64,
     pub fair_rounds: usize,
+    /// Rounds of the drain per sink (`--only sinks`), the sinks alternating.
+    pub sink_rounds: usize,
+    /// Whether the sinks section drains to RocketMQ too (its JVMs take seconds to start).
+    pub sink_rocketmq: bool,
     pub fair_rate: f64,
     pub fair_time: Duration,
     /// The inbox (issue 31): calls per measured variant (accept, plain INSERT).
@@ -140,6 +144,8 @@ impl Profile {
             held_warmup: Duration::from_secs(20),
             fair_backlog: 200_000,
             fair_rounds: 5,
+            sink_rounds: 5,
+            sink_rocketmq: true,
             fair_rate: 500.0,
             fair_time: Duration::from_secs(10),
             inbox_calls: 20_000,
@@ -170,6 +176,8 @@ impl Profile {
             held_warmup: Duration::from_secs(150),
             fair_time: Duration::from_secs(30),
             fair_rounds: 9,
+            sink_rounds: 5,
+            sink_rocketmq: true,
             ..Profile::quick()
         }
     }
@@ -225,6 +233,8 @@ impl Profile {
             held_warmup: Duration::from_secs(1),
             fair_backlog: 2_000,
             fair_rounds: 1,
+            sink_rounds: 1,
+            sink_rocketmq: false,
             fair_rate: 100.0,
             fair_time: Duration::from_secs(1),
             inbox_calls: 200,

@@ -1,5 +1,5 @@
-//! What the broker sections share: the bench database, the broker and a way to start the relay
-//! with default settings and its log kept in the workdir.
+//! What the broker sections share: the bench database, the broker, the sink the relay publishes
+//! to and a way to start the relay with default settings and its log kept in the workdir.
 
 use anyhow::{anyhow, bail, Result};
 use std::path::{Path, PathBuf};
@@ -10,24 +10,54 @@ use tokio_postgres::Client;
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::relay::Relay;
+use outbox_tests::sinks::TestSink;
+
+/// The broker a relay publishes to: its name, the relay flags that reach it and its process (for
+/// its CPU time).
+pub struct SinkTarget {
+    pub name: &'static str,
+    pub args: Vec<String>,
+    pub pid: Option<u32>,
+}
+
+impl SinkTarget {
+    pub fn kafka(broker: &Broker) -> SinkTarget {
+        SinkTarget {
+            name: "Kafka",
+            args: vec!["--brokers".into(), broker.addr()],
+            pid: broker.pid(),
+        }
+    }
+
+    pub fn of(sink: &TestSink) -> SinkTarget {
+        SinkTarget {
+            name: sink.name(),
+            args: sink.relay_args(),
+            pid: sink.pid(),
+        }
+    }
+}
 
 pub struct RelayEnv<'a> {
     pub db: &'a TestDb,
     pub monitor: &'a Client,
+    /// The Kafka broker of the sections that read it back (latency, fairness).
     pub broker: &'a Broker,
+    /// Where the relays of this environment publish.
+    pub sink: &'a SinkTarget,
     pub relay_bin: &'a Path,
     pub workdir: &'a Path,
 }
 
 impl RelayEnv<'_> {
-    /// `outbox-worker run --brokers BROKERS <extra>` on the bench database, with no `OUTBOX_*`
+    /// `outbox-worker run <sink flags> <extra>` on the bench database, with no `OUTBOX_*`
     /// variable of the caller ("default settings" means defaults) and the URL in the environment
     /// (a password never shows in `ps`); its log is written to `relay-<tag>.log` in the workdir.
     pub fn start_relay(&self, extra: &[String], tag: &str) -> Result<BenchRelay> {
         self.spawn(extra, tag, Some(self.db.url()))
     }
 
-    /// `outbox-worker run --brokers BROKERS --config CONFIG`: the databases of the file.
+    /// `outbox-worker run <sink flags> --config CONFIG`: the databases of the file.
     pub fn start_fleet(&self, config: &Path, tag: &str) -> Result<BenchRelay> {
         let extra = ["--config".to_string(), config.display().to_string()];
         self.spawn(&extra, tag, None)
@@ -38,8 +68,7 @@ impl RelayEnv<'_> {
         let metrics_port = outbox_tests::broker::free_port();
         let mut cmd = Command::new(self.relay_bin);
         cmd.arg("run")
-            .arg("--brokers")
-            .arg(self.broker.addr())
+            .args(&self.sink.args)
             .arg("--metrics-addr")
             .arg(format!("127.0.0.1:{metrics_port}"))
             .args(extra);

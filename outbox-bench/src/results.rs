@@ -33,6 +33,8 @@ pub struct Results {
     pub indexes: Option<Value>,
     pub fairness_md: Option<String>,
     pub fairness: Option<Value>,
+    pub sinks_md: Option<String>,
+    pub sinks: Option<Value>,
     pub lifecycle: Option<lifecycle::Lifecycle>,
     pub held: Vec<held_snapshot::HeldRun>,
     pub inbox: Vec<inbox::InboxRun>,

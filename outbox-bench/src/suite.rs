@@ -8,11 +8,11 @@ use outbox_tests::broker::{free_port, Broker};
 use outbox_tests::db::TestDb;
 
 use crate::db::BenchDb;
-use crate::relay_env::RelayEnv;
+use crate::relay_env::{RelayEnv, SinkTarget};
 use crate::results::{self, Results};
 use crate::{
     broker_drain, contention, enqueue, fairness, goals, health, held_snapshot, hot_key, idle,
-    inbox, indexes, latency, lifecycle, null_sink, ordering, polling, report, seed, sys,
+    inbox, indexes, latency, lifecycle, null_sink, ordering, polling, report, seed, sinks, sys,
 };
 use crate::{Args, Profile, Section};
 
@@ -60,7 +60,8 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
         || want(Section::Latency)
         || want(Section::Idle)
         || want(Section::Ordering)
-        || want(Section::Fairness);
+        || want(Section::Fairness)
+        || want(Section::Sinks);
     if !args.no_broker && broker_wanted {
         let relay_bin = outbox_tests::relay::find_relay_bin();
         if let Ok(bin) = &relay_bin {
@@ -104,6 +105,12 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
             r.indexes_md.as_deref(),
             "INDEXES.json",
         )),
+        Some(Section::Sinks) => Some((
+            "Drain rate per sink",
+            "sinks",
+            r.sinks_md.as_deref(),
+            "drain.json",
+        )),
         Some(_) => Some((
             "Fairness between the databases of one relay",
             "fairness",
@@ -124,6 +131,7 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     let secs = took.as_secs_f64();
     let json = match args.own_report() {
         Some(Section::Indexes) => results::section_json(p, "indexes", &r.indexes, &r, secs),
+        Some(Section::Sinks) => results::section_json(p, "sinks", &r.sinks, &r, secs),
         Some(_) => results::section_json(p, "fairness", &r.fairness, &r, secs),
         None => results::to_json(p, &r, &goals, secs),
     };
@@ -148,17 +156,19 @@ async fn broker_sections(
     let broker = Broker::try_start_in(&workdir.join("kafka"), free_port(), None)
         .map_err(anyhow::Error::msg)?;
     broker
-        .try_create_topic("bench.drain")
+        .try_create_topic(broker_drain::DRAIN_TOPIC)
         .map_err(anyhow::Error::msg)?;
     if want(Section::Ordering) {
         broker
             .try_create_topic(ordering::TOPIC)
             .map_err(anyhow::Error::msg)?;
     }
+    let kafka = SinkTarget::kafka(&broker);
     let env = RelayEnv {
         db,
         monitor,
         broker: &broker,
+        sink: &kafka,
         relay_bin,
         workdir,
     };
@@ -195,6 +205,7 @@ async fn broker_sections(
                         db: &s.db,
                         monitor: &s.monitor,
                         broker: &broker,
+                        sink: &kafka,
                         relay_bin,
                         workdir,
                     },
@@ -225,6 +236,10 @@ async fn broker_sections(
     if want(Section::Fairness) {
         progress!("==> fairness: two databases on one relay, one with a backlog");
         fairness::run(p, &env, r).await?;
+    }
+    if want(Section::Sinks) {
+        progress!("==> drain rate per sink");
+        sinks::run(p, &env, r).await?;
     }
     Ok(())
 }

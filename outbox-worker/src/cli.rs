@@ -138,6 +138,19 @@ pub enum SinkKind {
     Kafka,
     /// NATS JetStream.
     Nats,
+    /// Apache RocketMQ 5 (through its gRPC proxy).
+    Rocketmq,
+}
+
+impl SinkKind {
+    /// The broker's name in `/ready` and the log.
+    pub fn broker_name(self) -> &'static str {
+        match self {
+            SinkKind::Kafka => "Kafka",
+            SinkKind::Nats => "NATS",
+            SinkKind::Rocketmq => "RocketMQ",
+        }
+    }
 }
 
 /// The NATS JetStream connection of `run --sink nats`.
@@ -151,6 +164,33 @@ pub struct NatsArgs {
     /// (an event without a key gets `_`). A subject must be captured by a JetStream stream.
     #[arg(long, env = "OUTBOX_NATS_SUBJECT", default_value = defaults::NATS_SUBJECT)]
     pub nats_subject: String,
+
+    /// PEM file of the CA(s) that signed the NATS servers' certificates: TLS is then required,
+    /// and a certificate they did not sign stops the start with exit 2.
+    #[arg(long, env = "OUTBOX_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+
+    /// User name for the NATS server (with --nats-password).
+    #[arg(long, env = "OUTBOX_NATS_USER", requires = "nats_password")]
+    pub nats_user: Option<String>,
+
+    /// Password of --nats-user; set it in the environment, not on the command line.
+    #[arg(
+        long,
+        env = "OUTBOX_NATS_PASSWORD",
+        hide_env_values = true,
+        requires = "nats_user"
+    )]
+    pub nats_password: Option<String>,
+}
+
+/// The RocketMQ connection of `run --sink rocketmq`.
+#[derive(Args, Debug, Clone)]
+pub struct RocketMqArgs {
+    /// HOST:PORT of a RocketMQ 5 proxy's gRPC endpoint (the broker's proxy in local mode, or a
+    /// proxy cluster). Topics must exist and be FIFO topics.
+    #[arg(long, env = "OUTBOX_ROCKETMQ_PROXY", default_value = defaults::ROCKETMQ_PROXY)]
+    pub rocketmq_proxy: String,
 }
 
 /// Duration defaults are written as text (that is what `--help` shows); a test keeps them equal to
@@ -169,6 +209,9 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub nats: NatsArgs,
+
+    #[command(flatten)]
+    pub rocketmq: RocketMqArgs,
 
     /// File with librdkafka properties, one KEY=VALUE a line (# comments); for secrets such as
     /// sasl.password. Applied before --kafka-property.

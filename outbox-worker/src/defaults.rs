@@ -9,6 +9,8 @@ pub const BROKERS: &str = "localhost:9092";
 pub const NATS_URL: &str = "nats://localhost:4222";
 /// `--nats-subject`: the event's topic.
 pub const NATS_SUBJECT: &str = "{topic}";
+/// `--rocketmq-proxy`: the gRPC endpoint of a RocketMQ 5 proxy.
+pub const ROCKETMQ_PROXY: &str = "localhost:8081";
 
 /// `--batch-size`: events claimed per round (see README: large enough that a backlog drains at
 /// broker speed, small enough that a round finishes well inside the send timeout).

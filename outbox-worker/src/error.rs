@@ -90,8 +90,9 @@ pub struct PublishError {
 pub enum SinkError {
     #[error(transparent)]
     Kafka(#[from] KafkaError),
+    /// NATS's or RocketMQ's, classified by the sink.
     #[error(transparent)]
-    Nats(#[from] crate::nats::NatsError),
+    Broker(#[from] crate::sink::BrokerError),
 }
 
 impl PublishError {
@@ -99,7 +100,7 @@ impl PublishError {
     pub fn code(&self) -> Option<RDKafkaErrorCode> {
         match &self.source {
             SinkError::Kafka(e) => e.rdkafka_error_code(),
-            SinkError::Nats(_) => None,
+            SinkError::Broker(_) => None,
         }
     }
 
@@ -109,7 +110,7 @@ impl PublishError {
     /// replicas, authentication, an unusable producer): released without counting an attempt,
     /// however long the outage lasts. Unknown: any other code (see `claim.rs`).
     pub fn class(&self) -> FailureClass {
-        if let SinkError::Nats(e) = &self.source {
+        if let SinkError::Broker(e) = &self.source {
             return e.class();
         }
         let Some(code) = self.code() else {
@@ -125,10 +126,10 @@ impl PublishError {
         }
     }
 
-    /// librdkafka's name of the code (`InvalidTimestamp`), `none` without one, or the NATS
-    /// error's kind: the `code` label.
+    /// librdkafka's name of the code (`InvalidTimestamp`), `none` without one, or the
+    /// other sinks' failure kind: the `code` label.
     pub fn code_label(&self) -> String {
-        if let SinkError::Nats(e) = &self.source {
+        if let SinkError::Broker(e) = &self.source {
             return e.kind.label().to_string();
         }
         self.code()
@@ -139,7 +140,7 @@ impl PublishError {
     pub fn timed_out(&self) -> bool {
         match &self.source {
             SinkError::Kafka(_) => self.code() == Some(RDKafkaErrorCode::MessageTimedOut),
-            SinkError::Nats(e) => e.kind == crate::nats::NatsErrorKind::TimedOut,
+            SinkError::Broker(e) => e.kind == crate::sink::FailureKind::TimedOut,
         }
     }
 
@@ -255,7 +256,7 @@ impl FailureClass {
 fn describe(topic: &str, e: &SinkError) -> String {
     let e = match e {
         SinkError::Kafka(e) => e,
-        SinkError::Nats(e) => return format!("publish to topic {topic} failed: {e}"),
+        SinkError::Broker(e) => return format!("publish to topic {topic} failed: {e}"),
     };
     match e.rdkafka_error_code() {
         Some(RDKafkaErrorCode::UnknownTopicOrPartition) | Some(RDKafkaErrorCode::UnknownTopic) => {

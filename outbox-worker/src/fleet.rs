@@ -40,7 +40,11 @@ impl Fleet {
     fn add(&self, name: &str, args: &RunArgs) -> Arc<Metrics> {
         let label = HashMap::from([("database".to_string(), name.to_string())]);
         let registry = Registry::new_custom(None, Some(label)).expect("valid label");
-        let health = Health::new(args.concurrency, args.live_timeout());
+        let health = Health::new(
+            args.concurrency,
+            args.live_timeout(),
+            args.sink.broker_name(),
+        );
         let m = Metrics::in_registry(health, registry);
         let mut dbs = self.databases.lock().expect("databases");
         dbs.insert(name.to_string(), m.clone());
@@ -90,7 +94,7 @@ impl Status for Fleet {
         }
     }
     fn ready(&self) -> Result<String, String> {
-        self.some_ok(|m| m.health.ready().map_err(str::to_string))
+        self.some_ok(|m| m.health.ready())
     }
     fn health(&self) -> Result<(), String> {
         self.some_ok(Status::health).map(|_| ())

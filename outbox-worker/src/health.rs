@@ -18,12 +18,15 @@ pub struct Health {
     /// The circuit breaker is open: no claims, whatever a metadata request says meanwhile.
     breaker_open: AtomicBool,
     stopping: AtomicBool,
+    /// The sink's broker as `/ready` and the log name it ("Kafka", "NATS").
+    broker: &'static str,
 }
 
 impl Health {
     /// `loops` claim loops; `/live` fails once one of them has not ended a round for
-    /// `live_timeout` (counted from start-up before the first round).
-    pub fn new(loops: usize, live_timeout: Duration) -> Health {
+    /// `live_timeout` (counted from start-up before the first round). `broker` names the sink's
+    /// broker in `/ready`.
+    pub fn new(loops: usize, live_timeout: Duration, broker: &'static str) -> Health {
         Health {
             start: Instant::now(),
             rounds: (0..loops).map(|_| AtomicU64::new(0)).collect(),
@@ -32,6 +35,7 @@ impl Health {
             broker_ok: AtomicBool::new(false),
             breaker_open: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            broker,
         }
     }
 
@@ -62,9 +66,12 @@ impl Health {
     pub fn set_broker_reachable(&self, ok: bool) {
         let was = self.broker_ok.swap(ok, Ordering::Relaxed);
         if was && !ok {
-            tracing::warn!("Kafka unreachable: not ready until it answers again");
+            tracing::warn!(
+                "{} unreachable: not ready until it answers again",
+                self.broker
+            );
         } else if !was && ok {
-            tracing::debug!("Kafka reachable");
+            tracing::debug!("{} reachable", self.broker);
         }
     }
 
@@ -101,15 +108,18 @@ impl Health {
     }
 
     /// `Ok` when ready; otherwise why not.
-    pub fn ready(&self) -> Result<(), &'static str> {
+    pub fn ready(&self) -> Result<(), String> {
+        let broker = self.broker;
         if self.stopping() {
-            Err("stopping")
+            Err("stopping".into())
         } else if !self.db_ok() {
-            Err("database unreachable")
+            Err("database unreachable".into())
         } else if self.breaker_open.load(Ordering::Relaxed) {
-            Err("Kafka unreachable: circuit breaker open, not claiming")
+            Err(format!(
+                "{broker} unreachable: circuit breaker open, not claiming"
+            ))
         } else if !self.broker_ok.load(Ordering::Relaxed) {
-            Err("Kafka unreachable")
+            Err(format!("{broker} unreachable"))
         } else {
             Ok(())
         }
@@ -122,33 +132,33 @@ mod tests {
 
     #[test]
     fn ready_needs_database_broker_and_no_stop() {
-        let h = Health::new(1, Duration::from_secs(60));
-        assert_eq!(h.ready(), Err("Kafka unreachable"));
+        let h = Health::new(1, Duration::from_secs(60), "NATS");
+        assert_eq!(h.ready(), Err("NATS unreachable".into()));
         // A delivery (claim.rs) or an answered probe says reachable; the circuit breaker
         // opening (breaker.rs) says unreachable.
         h.set_broker_reachable(true);
         assert_eq!(h.ready(), Ok(()));
         h.set_broker_reachable(false);
-        assert_eq!(h.ready(), Err("Kafka unreachable"));
+        assert_eq!(h.ready(), Err("NATS unreachable".into()));
         h.set_broker_reachable(true);
         // A metadata request answered while the breaker is open: still not ready.
         h.set_breaker_open(true);
         assert_eq!(
             h.ready(),
-            Err("Kafka unreachable: circuit breaker open, not claiming")
+            Err("NATS unreachable: circuit breaker open, not claiming".into())
         );
         h.set_breaker_open(false);
         assert_eq!(h.ready(), Ok(()));
         h.db_result(false);
-        assert_eq!(h.ready(), Err("database unreachable"));
+        assert_eq!(h.ready(), Err("database unreachable".into()));
         h.db_result(true);
         h.set_stopping();
-        assert_eq!(h.ready(), Err("stopping"));
+        assert_eq!(h.ready(), Err("stopping".into()));
     }
 
     #[test]
     fn live_needs_every_loop_to_complete_rounds() {
-        let h = Health::new(2, Duration::from_millis(50));
+        let h = Health::new(2, Duration::from_millis(50), "Kafka");
         assert!(h.live().is_ok());
         std::thread::sleep(Duration::from_millis(80));
         h.round_completed(0);

@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod nats;
 pub mod publisher;
 pub mod relay;
+pub mod rocketmq;
 pub mod shutdown;
 pub mod sink;
 pub mod store;

@@ -293,10 +293,7 @@ impl Status for Metrics {
         self.health.live()
     }
     fn ready(&self) -> Result<String, String> {
-        self.health
-            .ready()
-            .map(|()| "ok\n".to_string())
-            .map_err(str::to_string)
+        self.health.ready().map(|()| "ok\n".to_string())
     }
     fn health(&self) -> Result<(), String> {
         match (self.health.stopping(), self.health.db_ok()) {
@@ -419,7 +416,7 @@ mod tests {
 
     #[test]
     fn topics_past_the_cap_share_one_label() {
-        let m = Metrics::new(Health::new(1, Duration::from_secs(60)));
+        let m = Metrics::new(Health::new(1, Duration::from_secs(60), "Kafka"));
         for n in 0..MAX_TOPIC_LABELS {
             assert_eq!(m.topic_label(&format!("t{n}")), format!("t{n}"));
         }

@@ -3,17 +3,15 @@
 //! duplicate window drops a redelivery. Delivered means the stream's publish ack.
 
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
-use futures_util::future::join_all;
 
 use crate::cli::NatsArgs;
-use crate::error::{FailureClass, PublishError};
 use crate::message::headers;
-use crate::sink::{chains, Outcome, Replaced, Sink};
+use crate::sink::{publish_chained, BrokerError, FailureKind, Outcome, Replaced, Sink};
 use crate::store::Event;
 use crate::Fatal;
 
@@ -23,91 +21,86 @@ const NO_KEY: &str = "_";
 /// Publishes awaiting their ack at once, over all claim loops.
 const MAX_ACK_INFLIGHT: usize = 10_000;
 
-/// What went wrong with one publish; decides how the event is settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NatsErrorKind {
-    /// No publish ack within the send timeout (server down, slow, or unreachable).
-    TimedOut,
-    /// The connection broke before the ack came.
-    Disconnected,
-    /// No stream captures the event's subject.
-    NoStream,
-    /// Larger than the server's `max_payload` or the stream's `max_msg_size`.
-    TooLarge,
-    /// The event cannot be a NATS message: its key or a header name or value is not allowed.
-    Invalid,
-    /// JetStream refused it with an error code neither list above names.
-    Rejected,
+/// A JetStream publish error as the relay classifies it.
+fn broker_error(e: async_nats::jetstream::context::PublishError) -> BrokerError {
+    let api_code = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .map(|a| a.error_code());
+    let kind = match e.kind() {
+        PublishErrorKind::TimedOut | PublishErrorKind::MaxAckPending => FailureKind::TimedOut,
+        PublishErrorKind::BrokenPipe => FailureKind::Disconnected,
+        PublishErrorKind::StreamNotFound => FailureKind::NotFound,
+        PublishErrorKind::MaxPayloadExceeded => FailureKind::TooLarge,
+        _ => match api_code {
+            Some(
+                ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+                | ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM,
+            ) => FailureKind::TooLarge,
+            Some(ErrorCode::STREAM_NOT_FOUND) => FailureKind::NotFound,
+            _ => FailureKind::Rejected,
+        },
+    };
+    let message = match std::error::Error::source(&e) {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    };
+    BrokerError::new(kind, message)
 }
 
-impl NatsErrorKind {
-    /// The `code` label of the failure metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            NatsErrorKind::TimedOut => "TimedOut",
-            NatsErrorKind::Disconnected => "Disconnected",
-            NatsErrorKind::NoStream => "NoStream",
-            NatsErrorKind::TooLarge => "TooLarge",
-            NatsErrorKind::Invalid => "Invalid",
-            NatsErrorKind::Rejected => "Rejected",
+/// The client's options from the flags: name, reconnects, TLS and the user.
+fn connect_options(
+    args: &NatsArgs,
+    send_timeout: Duration,
+) -> Result<async_nats::ConnectOptions, Fatal> {
+    let mut o = async_nats::ConnectOptions::new()
+        .name(crate::defaults::CLIENT_ID)
+        .max_reconnects(None)
+        .request_timeout(Some(send_timeout));
+    if let Some(ca) = &args.nats_tls_ca {
+        if !ca.is_file() {
+            return Err(Fatal::usage(format!(
+                "--nats-tls-ca {}: no such file",
+                ca.display()
+            )));
         }
+        o = o.add_root_certificates(ca.clone()).require_tls(true);
     }
+    if let (Some(user), Some(password)) = (&args.nats_user, &args.nats_password) {
+        o = o.user_and_password(user.clone(), password.clone());
+    }
+    Ok(o)
 }
 
-/// A failed NATS publish: its kind and the client's words.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{message}")]
-pub struct NatsError {
-    pub kind: NatsErrorKind,
-    pub message: String,
-}
-
-impl NatsError {
-    fn new(kind: NatsErrorKind, message: impl Into<String>) -> NatsError {
-        NatsError {
-            kind,
-            message: message.into(),
-        }
+/// A connect error that is the TLS handshake's: the client refused the server's certificate
+/// (rustls reports it as invalid data), or the TLS set-up itself failed.
+fn is_tls_failure(e: &async_nats::ConnectError) -> bool {
+    if e.kind() == async_nats::ConnectErrorKind::Tls {
+        return true;
     }
-
-    /// The event's own fault (no stream, too large, invalid) is permanent; the server's or the
-    /// network's is transient; a JetStream error code not named here is unknown.
-    pub fn class(&self) -> FailureClass {
-        match self.kind {
-            NatsErrorKind::TimedOut | NatsErrorKind::Disconnected => FailureClass::Transient,
-            NatsErrorKind::NoStream | NatsErrorKind::TooLarge | NatsErrorKind::Invalid => {
-                FailureClass::Permanent
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::InvalidData {
+                return true;
             }
-            NatsErrorKind::Rejected => FailureClass::Unknown,
         }
+        source = s.source();
     }
+    false
 }
 
-impl From<async_nats::jetstream::context::PublishError> for NatsError {
-    fn from(e: async_nats::jetstream::context::PublishError) -> NatsError {
-        let api_code = std::error::Error::source(&e)
-            .and_then(|s| s.downcast_ref::<jetstream::Error>())
-            .map(|a| a.error_code());
-        let kind = match e.kind() {
-            PublishErrorKind::TimedOut | PublishErrorKind::MaxAckPending => NatsErrorKind::TimedOut,
-            PublishErrorKind::BrokenPipe => NatsErrorKind::Disconnected,
-            PublishErrorKind::StreamNotFound => NatsErrorKind::NoStream,
-            PublishErrorKind::MaxPayloadExceeded => NatsErrorKind::TooLarge,
-            _ => match api_code {
-                Some(
-                    ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
-                    | ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM,
-                ) => NatsErrorKind::TooLarge,
-                Some(ErrorCode::STREAM_NOT_FOUND) => NatsErrorKind::NoStream,
-                _ => NatsErrorKind::Rejected,
-            },
-        };
-        let message = match std::error::Error::source(&e) {
-            Some(s) => format!("{e}: {s}"),
-            None => e.to_string(),
-        };
-        NatsError::new(kind, message)
+/// An error and its sources on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out += &format!(": {text}");
+        }
+        source = s.source();
     }
+    out
 }
 
 /// `--nats-subject` has only the placeholders `{topic}` and `{key}`, and `{topic}`.
@@ -123,11 +116,11 @@ pub fn check_subject_template(t: &str) -> Result<(), Fatal> {
 
 /// The subject of `ev` under `template`: a NATS subject of non-empty tokens without whitespace or
 /// wildcards; the key, when used, must be one token.
-fn subject(template: &str, ev: &Event) -> Result<String, NatsError> {
+fn subject(template: &str, ev: &Event) -> Result<String, BrokerError> {
     let key = ev.key.as_deref().unwrap_or(NO_KEY);
     if template.contains("{key}") && !is_token(key) {
-        return Err(NatsError::new(
-            NatsErrorKind::Invalid,
+        return Err(BrokerError::new(
+            FailureKind::Invalid,
             format!(
                 "key {key:?} cannot be a NATS subject token (no '.', '*', '>', whitespace, empty)"
             ),
@@ -135,8 +128,8 @@ fn subject(template: &str, ev: &Event) -> Result<String, NatsError> {
     }
     let s = template.replace("{topic}", &ev.topic).replace("{key}", key);
     if !s.split('.').all(is_token) {
-        return Err(NatsError::new(
-            NatsErrorKind::Invalid,
+        return Err(BrokerError::new(
+            FailureKind::Invalid,
             format!("{s:?} is not a NATS subject"),
         ));
     }
@@ -148,12 +141,12 @@ fn is_token(t: &str) -> bool {
 }
 
 /// The relay's headers as NATS headers, `Nats-Msg-Id` among them.
-fn nats_headers(ev: &Event) -> Result<HeaderMap, NatsError> {
+fn nats_headers(ev: &Event) -> Result<HeaderMap, BrokerError> {
     let mut map = HeaderMap::new();
     for (k, v) in headers(ev) {
         let invalid = |what: &str| {
-            NatsError::new(
-                NatsErrorKind::Invalid,
+            BrokerError::new(
+                FailureKind::Invalid,
                 format!("header {k:?}: {what} not allowed in a NATS header"),
             )
         };
@@ -173,8 +166,8 @@ pub struct NatsSink {
 }
 
 impl NatsSink {
-    /// Connects in the background (a server not up yet is retried, as Kafka's is) and never gives
-    /// up reconnecting.
+    /// Connects once at start: a TLS handshake the client refuses ends the start (exit 2); a
+    /// server not up yet is retried in the background, as Kafka's is. Never gives up reconnecting.
     pub async fn connect(args: &NatsArgs, send_timeout: Duration) -> Result<NatsSink, Fatal> {
         check_subject_template(&args.nats_subject)?;
         let servers: Vec<async_nats::ServerAddr> = args
@@ -183,14 +176,26 @@ impl NatsSink {
             .map(|u| u.trim().parse())
             .collect::<Result<_, _>>()
             .map_err(|e| Fatal::usage(format!("invalid --nats-url: {e}")))?;
-        let client = async_nats::ConnectOptions::new()
-            .name(crate::defaults::CLIENT_ID)
-            .retry_on_initial_connect()
-            .max_reconnects(None)
-            .request_timeout(Some(send_timeout))
-            .connect(servers)
-            .await
-            .map_err(|e| Fatal::usage(format!("cannot connect to NATS: {e}")))?;
+        let first = tokio::time::timeout(
+            send_timeout,
+            connect_options(args, send_timeout)?.connect(servers.clone()),
+        )
+        .await;
+        let client = match first {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) if is_tls_failure(&e) => {
+                return Err(Fatal::usage(format!(
+                    "TLS to the NATS server {} failed: {}",
+                    args.nats_url,
+                    error_chain(&e)
+                )))
+            }
+            _ => connect_options(args, send_timeout)?
+                .retry_on_initial_connect()
+                .connect(servers)
+                .await
+                .map_err(|e| Fatal::usage(format!("cannot connect to NATS: {e}")))?,
+        };
         let js = ContextBuilder::new()
             .timeout(send_timeout)
             .max_ack_inflight(MAX_ACK_INFLIGHT)
@@ -205,80 +210,31 @@ impl NatsSink {
     }
 
     /// Publishes one event and waits for its ack.
-    async fn send(&self, ev: &Event) -> Result<(), NatsError> {
+    async fn send(&self, ev: &Event) -> Result<(), BrokerError> {
         let subject = subject(&self.subject, ev)?;
         let msg = jetstream::message::PublishMessage::build()
             .payload(ev.payload.clone().into())
             .headers(nats_headers(ev)?);
-        let ack = self.js.send_publish(subject, msg).await?;
-        ack.await?;
+        let ack = self
+            .js
+            .send_publish(subject, msg)
+            .await
+            .map_err(broker_error)?;
+        ack.await.map_err(broker_error)?;
         Ok(())
-    }
-
-    /// Publishes a chain of events one after the other, each after the previous one's ack: the
-    /// first failure (or the end of the send timeout) ends it, the rest is `NotSent`.
-    async fn send_chain(
-        &self,
-        chain: Vec<(usize, &Event)>,
-        start: Instant,
-    ) -> Vec<(usize, Outcome)> {
-        let mut out = Vec::with_capacity(chain.len());
-        let mut failed = false;
-        for (i, ev) in chain {
-            if failed {
-                out.push((i, Outcome::NotSent));
-                continue;
-            }
-            let handed = start.elapsed();
-            let sent = if handed >= self.send_timeout {
-                Err(NatsError::new(
-                    NatsErrorKind::TimedOut,
-                    "the send timeout ran out before an earlier event of its key was acked",
-                ))
-            } else {
-                self.send(ev).await
-            };
-            out.push((
-                i,
-                match sent {
-                    Ok(()) => Outcome::Delivered {
-                        handed,
-                        delivered: start.elapsed(),
-                    },
-                    Err(e) => {
-                        failed = true;
-                        Outcome::Failed(PublishError {
-                            topic: ev.topic.clone(),
-                            source: e.into(),
-                        })
-                    }
-                },
-            ));
-        }
-        out
     }
 }
 
 #[async_trait::async_trait]
 impl Sink for NatsSink {
     fn name(&self) -> &'static str {
-        "NATS"
+        crate::cli::SinkKind::Nats.broker_name()
     }
 
     /// Ordered keys go one event at a time (the next after the previous one's ack), so a later
     /// event never reaches the stream once an earlier one of its key failed; keys run concurrently.
     async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
-        let start = Instant::now();
-        let done = join_all(
-            chains(events)
-                .into_iter()
-                .map(|c| self.send_chain(c, start)),
-        )
-        .await;
-        let mut outcomes = vec![Outcome::NotSent; events.len()];
-        for (i, o) in done.into_iter().flatten() {
-            outcomes[i] = o;
-        }
+        let outcomes = publish_chained(events, self.send_timeout, |ev| self.send(ev)).await;
         (outcomes, None)
     }
 
@@ -335,8 +291,8 @@ mod tests {
         for bad in ["a.b", "a b", "*", ">", ""] {
             let e = ev(3, "orders", Some(bad), true);
             let err = subject("{topic}.{key}", &e).unwrap_err();
-            assert_eq!(err.kind, NatsErrorKind::Invalid, "{bad:?}");
-            assert_eq!(err.class(), FailureClass::Permanent);
+            assert_eq!(err.kind, FailureKind::Invalid, "{bad:?}");
+            assert_eq!(err.class(), crate::error::FailureClass::Permanent);
         }
         // A key with a dot is fine while the subject does not use it.
         assert!(subject("{topic}", &ev(4, "orders", Some("a.b"), true)).is_ok());
@@ -358,6 +314,6 @@ mod tests {
         assert_eq!(h.get("outbox_id").map(|v| v.as_str()), Some("9"));
         let mut bad = ev(10, "orders", Some("A"), true);
         bad.headers = r#"{"x":"line\r\nbreak"}"#.into();
-        assert_eq!(nats_headers(&bad).unwrap_err().kind, NatsErrorKind::Invalid);
+        assert_eq!(nats_headers(&bad).unwrap_err().kind, FailureKind::Invalid);
     }
 }

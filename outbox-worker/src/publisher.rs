@@ -438,7 +438,7 @@ impl Publisher {
 #[async_trait::async_trait]
 impl Sink for Publisher {
     fn name(&self) -> &'static str {
-        "Kafka"
+        crate::cli::SinkKind::Kafka.broker_name()
     }
 
     async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {

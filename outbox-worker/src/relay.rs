@@ -19,6 +19,7 @@ use crate::maintenance::{broker_watch, heartbeat_loop, reclaim_loop, stats_loop}
 use crate::metrics::{self, Metrics};
 use crate::nats::NatsSink;
 use crate::publisher::Publisher;
+use crate::rocketmq::RocketMqSink;
 use crate::sink::{self, Sink};
 use crate::store::{Settings, Store};
 use crate::tasks::Tasks;
@@ -57,7 +58,11 @@ pub async fn run(args: RunArgs) -> Result<(), Fatal> {
     }
     args.validate()?;
     // Signals from here on stop the relay cleanly (exit 0), even during start-up.
-    let metrics = Metrics::new(Health::new(args.concurrency, args.live_timeout()));
+    let metrics = Metrics::new(Health::new(
+        args.concurrency,
+        args.live_timeout(),
+        args.sink.broker_name(),
+    ));
     let cancel = CancellationToken::new();
     let m = metrics.clone();
     shutdown::spawn_signal_handler(cancel.clone(), move || m.health.set_stopping());
@@ -84,10 +89,19 @@ pub async fn shared_publisher(
     props: &[(String, String)],
     registry: &prometheus::Registry,
 ) -> Result<Arc<dyn Sink>, Fatal> {
-    if args.sink == SinkKind::Nats {
-        return Ok(Arc::new(
-            NatsSink::connect(&args.nats, args.send_timeout).await?,
-        ));
+    match args.sink {
+        SinkKind::Nats => {
+            return Ok(Arc::new(
+                NatsSink::connect(&args.nats, args.send_timeout).await?,
+            ))
+        }
+        SinkKind::Rocketmq => {
+            return Ok(Arc::new(RocketMqSink::new(
+                &args.rocketmq,
+                args.send_timeout,
+            )?))
+        }
+        SinkKind::Kafka => {}
     }
     let kafka_metrics = Arc::new(KafkaMetrics::register(registry));
     let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, props, kafka_metrics)?;
@@ -347,6 +361,7 @@ fn broker_address(args: &RunArgs) -> &str {
     match args.sink {
         SinkKind::Kafka => &args.kafka.brokers,
         SinkKind::Nats => &args.nats.nats_url,
+        SinkKind::Rocketmq => &args.rocketmq.rocketmq_proxy,
     }
 }
 

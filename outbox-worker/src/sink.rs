@@ -1,13 +1,16 @@
 //! What the claim loops need of a broker: publish a round of events with one outcome per event,
 //! answer a health request, flush on the way out. Kafka (`publisher.rs`) is the default sink,
-//! NATS JetStream (`nats.rs`) the other; the claim loop, breaker, settling and metrics only see
-//! this interface.
+//! NATS JetStream (`nats.rs`) and Apache RocketMQ (`rocketmq.rs`) the others; the claim loop,
+//! breaker, settling and metrics only see this interface.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::error::PublishError;
+use futures_util::future::join_all;
+
+use crate::error::{FailureClass, PublishError};
 use crate::store::Event;
 
 /// The sink's contract, which every implementation keeps:
@@ -97,6 +100,67 @@ pub async fn probe(sink: Arc<dyn Sink>) -> bool {
     }
 }
 
+/// What went wrong with one publish of a sink that reports per message (NATS, RocketMQ); decides
+/// how the event is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// No ack within the send timeout (broker down, slow, or unreachable).
+    TimedOut,
+    /// The connection broke before the ack came.
+    Disconnected,
+    /// Nothing on the broker takes the event: no stream captures its subject, no such topic.
+    NotFound,
+    /// Larger than the broker or the stream or topic accepts.
+    TooLarge,
+    /// The event cannot be a message of this broker: its key or a header is not allowed.
+    Invalid,
+    /// The broker refused it for a reason none of the kinds above names.
+    Rejected,
+}
+
+impl FailureKind {
+    /// The `code` label of the failure metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            FailureKind::TimedOut => "TimedOut",
+            FailureKind::Disconnected => "Disconnected",
+            FailureKind::NotFound => "NotFound",
+            FailureKind::TooLarge => "TooLarge",
+            FailureKind::Invalid => "Invalid",
+            FailureKind::Rejected => "Rejected",
+        }
+    }
+}
+
+/// A failed publish of a sink that reports per message: its kind and the client's words.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct BrokerError {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl BrokerError {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> BrokerError {
+        BrokerError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The event's own fault (nothing takes it, too large, invalid) is permanent; the broker's or
+    /// the network's is transient; a refusal not named here is unknown.
+    pub fn class(&self) -> FailureClass {
+        match self.kind {
+            FailureKind::TimedOut | FailureKind::Disconnected => FailureClass::Transient,
+            FailureKind::NotFound | FailureKind::TooLarge | FailureKind::Invalid => {
+                FailureClass::Permanent
+            }
+            FailureKind::Rejected => FailureClass::Unknown,
+        }
+    }
+}
+
 /// The round's events as chains published one event at a time: one per ordered key (in the
 /// round's order), one per other event.
 pub fn chains(events: &[Event]) -> Vec<Vec<(usize, &Event)>> {
@@ -117,11 +181,68 @@ pub fn chains(events: &[Event]) -> Vec<Vec<(usize, &Event)>> {
     out
 }
 
+/// Publishes a round with `send` (one event, until the broker stored it): the chains
+/// concurrently, a chain's events one after the other, so a later event of an ordered key never
+/// reaches the broker once an earlier one failed. A failure, or the end of `send_timeout` since
+/// the round began, ends a chain: the rest of it is `NotSent`.
+pub async fn publish_chained<'a, F, Fut>(
+    events: &'a [Event],
+    send_timeout: Duration,
+    send: F,
+) -> Vec<Outcome>
+where
+    F: Fn(&'a Event) -> Fut,
+    Fut: Future<Output = Result<(), BrokerError>>,
+{
+    let start = Instant::now();
+    let send = &send;
+    let chain = |chain: Vec<(usize, &'a Event)>| async move {
+        let mut out = Vec::with_capacity(chain.len());
+        let mut failed = false;
+        for (i, ev) in chain {
+            if failed {
+                out.push((i, Outcome::NotSent));
+                continue;
+            }
+            let handed = start.elapsed();
+            let sent = if handed >= send_timeout {
+                Err(BrokerError::new(
+                    FailureKind::TimedOut,
+                    "the send timeout ran out before an earlier event of its key was acked",
+                ))
+            } else {
+                send(ev).await
+            };
+            let outcome = match sent {
+                Ok(()) => Outcome::Delivered {
+                    handed,
+                    delivered: start.elapsed(),
+                },
+                Err(e) => {
+                    failed = true;
+                    Outcome::Failed(PublishError {
+                        topic: ev.topic.clone(),
+                        source: e.into(),
+                    })
+                }
+            };
+            out.push((i, outcome));
+        }
+        out
+    };
+    let done = join_all(chains(events).into_iter().map(chain)).await;
+    let mut outcomes = vec![Outcome::NotSent; events.len()];
+    for (i, o) in done.into_iter().flatten() {
+        outcomes[i] = o;
+    }
+    outcomes
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn ev(id: i64, topic: &str, key: Option<&str>, ordered: bool) -> Event {
+    pub fn ev(id: i64, topic: &str, key: Option<&str>, ordered: bool) -> Event {
         Event {
             id,
             event_id: format!("e{id}"),
@@ -157,5 +278,24 @@ mod tests {
             c,
             vec![vec![0, 2], vec![1], vec![3], vec![4], vec![5], vec![6]]
         );
+    }
+
+    #[tokio::test]
+    async fn a_failed_event_stops_its_chain_only() {
+        let events = [
+            ev(1, "orders", Some("A"), true),
+            ev(2, "orders", Some("A"), true),
+            ev(3, "orders", Some("B"), true),
+        ];
+        let out = publish_chained(&events, Duration::from_secs(5), |e| async move {
+            match e.id {
+                1 => Err(BrokerError::new(FailureKind::TooLarge, "too large")),
+                _ => Ok(()),
+            }
+        })
+        .await;
+        assert!(matches!(out[0], Outcome::Failed(_)));
+        assert!(matches!(out[1], Outcome::NotSent));
+        assert!(matches!(out[2], Outcome::Delivered { .. }));
     }
 }

@@ -18,5 +18,6 @@ pub mod pgbouncer;
 pub mod provenance;
 pub mod proxy;
 pub mod relay;
+pub mod rocketmq;
 pub mod roles;
 pub mod sinks;

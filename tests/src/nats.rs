@@ -41,6 +41,19 @@ pub struct Nats {
     pub port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    /// TLS and a user, when the server requires them.
+    secure: Option<Secure>,
+}
+
+/// A TLS listener with this certificate and key, and a user with a password.
+#[derive(Clone)]
+pub struct Secure {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA that signed `cert`, which the helpers' own client trusts.
+    pub ca: PathBuf,
+    pub user: String,
+    pub password: String,
 }
 
 /// Runs `f` on a runtime of its own (the helpers are called from sync and async tests alike).
@@ -61,6 +74,15 @@ fn block_on<T: Send>(f: impl std::future::Future<Output = T> + Send) -> T {
 impl Nats {
     /// Starts a server with JetStream on a free port, its store in a fresh directory.
     pub fn start() -> Nats {
+        Nats::start_with(None)
+    }
+
+    /// As `start`, with TLS required and a user with a password.
+    pub fn start_secure(secure: Secure) -> Nats {
+        Nats::start_with(Some(secure))
+    }
+
+    fn start_with(secure: Option<Secure>) -> Nats {
         let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("outbox-test-nats-{port}-{}", std::process::id()));
@@ -70,14 +92,34 @@ impl Nats {
             port,
             dir,
             child: None,
+            secure,
         };
         n.start_again();
         n
     }
 
+    /// The server's process while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `nats://127.0.0.1:PORT` for `--nats-url`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// A connection of the helpers' own, with the CA and user of a secure server.
+    async fn client(&self) -> Result<async_nats::Client, async_nats::ConnectError> {
+        let mut o = async_nats::ConnectOptions::new();
+        let mut url = self.url();
+        if let Some(s) = &self.secure {
+            o = o
+                .add_root_certificates(s.ca.clone())
+                .require_tls(true)
+                .user_and_password(s.user.clone(), s.password.clone());
+            url = format!("tls://localhost:{}", self.port);
+        }
+        o.connect(url).await
     }
 
     /// Starts the stopped server again on the same port with the same store; returns once
@@ -100,16 +142,28 @@ impl Nats {
                 "-sd",
             ])
             .arg(self.dir.join("store"))
+            .args(self.secure.iter().flat_map(|s| {
+                [
+                    "--tls".into(),
+                    "--tlscert".into(),
+                    s.cert.display().to_string(),
+                    "--tlskey".into(),
+                    s.key.display().to_string(),
+                    "--user".into(),
+                    s.user.clone(),
+                    "--pass".into(),
+                    s.password.clone(),
+                ]
+            }))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
             .spawn()
             .expect("spawn nats-server");
         self.child = Some(child);
-        let url = self.url();
         let deadline = Instant::now() + START_TIMEOUT;
         while !block_on(async {
-            let Ok(c) = async_nats::connect(&url).await else {
+            let Ok(c) = self.client().await else {
                 return false;
             };
             jetstream::new(c).query_account().await.is_ok()
@@ -136,9 +190,8 @@ impl Nats {
 
     /// A stream named after `topic` that captures the subject `topic` and `topic.>`.
     pub fn create_stream(&self, topic: &str) {
-        let url = self.url();
         block_on(async move {
-            let js = jetstream::new(async_nats::connect(&url).await.expect("connect"));
+            let js = jetstream::new(self.client().await.expect("connect"));
             js.create_stream(stream::Config {
                 name: topic.replace('.', "_"),
                 subjects: vec![topic.to_string(), format!("{topic}.>")],
@@ -152,9 +205,8 @@ impl Nats {
     /// Every message of the stream of `topic` in stream order: `partition` 0, `offset` the
     /// stream sequence, `key` the `event_key` header.
     pub fn consume_all(&self, topic: &str) -> Vec<Msg> {
-        let url = self.url();
         block_on(async move {
-            let js = jetstream::new(async_nats::connect(&url).await.expect("connect"));
+            let js = jetstream::new(self.client().await.expect("connect"));
             let mut s = js
                 .get_stream(topic.replace('.', "_"))
                 .await

@@ -22,6 +22,11 @@ async fn committed_events_arrive_exactly_with_key_value_and_headers_nats() {
     committed_events_arrive(TestSink::nats()).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_events_arrive_exactly_with_key_value_and_headers_rocketmq() {
+    committed_events_arrive(TestSink::rocketmq()).await;
+}
+
 async fn committed_events_arrive(broker: TestSink) {
     let db = TestDb::create();
     broker.create_topic("orders");
@@ -103,6 +108,21 @@ async fn committed_events_arrive(broker: TestSink) {
             if let TestSink::Nats(_) = broker {
                 // JetStream's duplicate window drops a redelivery by this id.
                 assert_eq!(m.headers.get("Nats-Msg-Id"), Some(&e.event_id), "{id}");
+            }
+            if let TestSink::RocketMq(_) = broker {
+                // The message keys (consumers deduplicate by the event_id), the tag and the
+                // message group (the FIFO order of a key), as the broker stored them.
+                let keys = m.headers.get("KEYS").map(String::as_str).unwrap_or("");
+                assert_eq!(keys, format!("{} {}", e.event_id, e.key), "keys of {id}");
+                assert_eq!(
+                    m.headers.get("TAGS").map(String::as_str),
+                    Some("OrderCreated")
+                );
+                assert_eq!(
+                    m.headers.get("__SHARDINGKEY"),
+                    Some(&e.key),
+                    "group of {id}"
+                );
             }
             assert_eq!(
                 m.headers.get(HEADER_EVENT_TYPE).map(String::as_str),

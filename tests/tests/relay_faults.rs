@@ -23,6 +23,11 @@ async fn sigterm_during_a_burst_settles_every_claimed_row_nats() {
     sigterm_settles(TestSink::nats()).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_burst_settles_every_claimed_row_rocketmq() {
+    sigterm_settles(TestSink::rocketmq()).await;
+}
+
 async fn sigterm_settles(broker: TestSink) {
     let db = TestDb::create();
     broker.create_topic("orders");

@@ -11,6 +11,7 @@ use outbox_tests::broker::{free_port, Broker};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
 use outbox_tests::relay::Relay;
+use outbox_tests::sinks::TestSink;
 use serde_json::json;
 
 /// Polls `path` until its status line contains `want`; returns the last (status, body).
@@ -85,6 +86,30 @@ async fn ready_follows_the_broker_and_live_stays_up() {
 /// once the prober reaches the broker again it is ready and delivers. (That a metadata request
 /// answered meanwhile does not make it ready is health.rs's unit test: here the window between
 /// the two depends on the prober's jittered backoff.)
+/// `/ready` names the broker of the sink in use, here a NATS server that went away.
+#[test]
+fn not_ready_names_the_unreachable_nats_server() {
+    let db = TestDb::create();
+    let mut nats = TestSink::nats();
+    let w = nats.spawn_relay(
+        &db.url(),
+        &[
+            "--poll-interval",
+            "200ms",
+            "--stats-interval",
+            "500ms",
+            "--send-timeout",
+            "2s",
+        ],
+    );
+    let (status, body) = wait_status(&w, "/ready", "200", Duration::from_secs(20));
+    assert!(status.contains("200"), "{status} {body}\n{}", w.logs());
+    nats.stop();
+    let (status, body) = wait_status(&w, "/ready", "503", Duration::from_secs(20));
+    assert!(status.contains("503"), "{status} {body}\n{}", w.logs());
+    assert_eq!(body.trim(), "NATS unreachable", "{}", w.logs());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn not_ready_while_the_circuit_breaker_is_open() {
     let db = TestDb::create();

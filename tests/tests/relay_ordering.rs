@@ -23,6 +23,11 @@ async fn first_arrivals_of_each_key_are_in_commit_order_nats() {
     first_arrivals_in_commit_order(TestSink::nats()).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn first_arrivals_of_each_key_are_in_commit_order_rocketmq() {
+    first_arrivals_in_commit_order(TestSink::rocketmq()).await;
+}
+
 async fn first_arrivals_in_commit_order(broker: TestSink) {
     let db = TestDb::create();
     broker.create_topic("orders");

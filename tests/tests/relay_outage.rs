@@ -30,6 +30,12 @@ async fn a_nats_outage_dead_letters_nothing_and_loses_nothing() {
     broker_outage(TestSink::nats(), Duration::from_secs(30)).await;
 }
 
+/// The same shorter outage for RocketMQ: its broker and proxy stop together (one JVM).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rocketmq_outage_dead_letters_nothing_and_loses_nothing() {
+    broker_outage(TestSink::rocketmq(), Duration::from_secs(30)).await;
+}
+
 async fn broker_outage(mut broker: TestSink, outage: Duration) {
     let db = TestDb::create();
     broker.create_topic("orders");

@@ -1,0 +1,199 @@
+//! The Apache RocketMQ 5 sink: each event a FIFO message sent through the broker's gRPC proxy
+//! (the `rocketmq` crate). Its key is the message group, so a key's events are stored in one
+//! queue in order; the message keys are the `event_id` (consumers deduplicate by it) and the key;
+//! `event_type` is the tag; the relay's headers are user properties. Delivered means the proxy's
+//! send receipt: the broker stored the message.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rocketmq::conf::{ClientOption, LoggingFormat, ProducerOption};
+use rocketmq::error::{ClientError, ErrorKind};
+use rocketmq::model::message::MessageBuilder;
+use rocketmq::Producer;
+use tokio::sync::OnceCell;
+
+use crate::cli::{RocketMqArgs, SinkKind};
+use crate::message::headers;
+use crate::sink::{publish_chained, BrokerError, FailureKind, Outcome, Replaced, Sink};
+use crate::store::Event;
+use crate::Fatal;
+
+/// The message group of an event without a key: its own id, so such events spread over queues.
+fn message_group(ev: &Event) -> &str {
+    ev.key.as_deref().unwrap_or(&ev.event_id)
+}
+
+/// Response codes of the proxy that are the event's own fault.
+const PERMANENT_CODES: [&str; 8] = [
+    "TOPIC_NOT_FOUND",
+    "MESSAGE_BODY_TOO_LARGE",
+    "MESSAGE_PROPERTIES_TOO_LARGE",
+    "ILLEGAL_TOPIC",
+    "ILLEGAL_MESSAGE_TAG",
+    "ILLEGAL_MESSAGE_KEY",
+    "ILLEGAL_MESSAGE_GROUP",
+    "ILLEGAL_MESSAGE_PROPERTY_KEY",
+];
+
+/// Response codes of a broker that is busy, starting or down.
+const TRANSIENT_CODES: [&str; 6] = [
+    "INTERNAL_SERVER_ERROR",
+    "PROXY_TIMEOUT",
+    "TOO_MANY_REQUESTS",
+    "MASTER_PERSISTENCE_TIMEOUT",
+    "SLAVE_PERSISTENCE_TIMEOUT",
+    "HA_NOT_AVAILABLE",
+];
+
+/// A client error as the relay classifies it.
+fn broker_error(e: &ClientError) -> BrokerError {
+    let code = e
+        .context()
+        .iter()
+        .find(|(k, _)| *k == "code")
+        .map(|(_, v)| v.as_str());
+    let kind = match (e.kind(), code) {
+        (ErrorKind::InvalidMessage, _) => FailureKind::Invalid,
+        (ErrorKind::Server, Some("MESSAGE_BODY_TOO_LARGE" | "MESSAGE_PROPERTIES_TOO_LARGE")) => {
+            FailureKind::TooLarge
+        }
+        (ErrorKind::Server, Some("TOPIC_NOT_FOUND")) => FailureKind::NotFound,
+        (ErrorKind::Server, Some(c)) if PERMANENT_CODES.contains(&c) => FailureKind::Invalid,
+        (ErrorKind::Server, Some(c)) if TRANSIENT_CODES.contains(&c) => FailureKind::TimedOut,
+        (ErrorKind::Server, _) => FailureKind::Rejected,
+        _ => FailureKind::Disconnected,
+    };
+    let context: Vec<String> = e
+        .context()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    BrokerError::new(kind, format!("{} ({})", e.message(), context.join(", ")))
+}
+
+pub struct RocketMqSink {
+    /// Started by the first round or health request that reaches the proxy.
+    producer: OnceCell<Producer>,
+    client: ClientOption,
+    proxy: String,
+    send_timeout: Duration,
+}
+
+impl RocketMqSink {
+    /// Checks the flags; the producer starts once the proxy answers (a proxy not up yet is
+    /// retried, as Kafka's brokers are).
+    pub fn new(args: &RocketMqArgs, send_timeout: Duration) -> Result<RocketMqSink, Fatal> {
+        let proxy = args.rocketmq_proxy.trim().to_string();
+        if proxy.is_empty() || proxy.contains("://") || !proxy.contains(':') {
+            return Err(Fatal::usage(format!(
+                "--rocketmq-proxy {proxy:?} must be HOST:PORT of a RocketMQ proxy's gRPC endpoint"
+            )));
+        }
+        let mut client = ClientOption::default();
+        client.set_access_url(proxy.clone());
+        client.set_timeout(send_timeout);
+        client.set_enable_tls(false);
+        Ok(RocketMqSink {
+            producer: OnceCell::new(),
+            client,
+            proxy,
+            send_timeout,
+        })
+    }
+
+    async fn producer(&self) -> Result<&Producer, BrokerError> {
+        self.producer
+            .get_or_try_init(|| async {
+                let mut option = ProducerOption::default();
+                option.set_logging_format(LoggingFormat::Terminal);
+                let mut p =
+                    Producer::new(option, self.client.clone()).map_err(|e| broker_error(&e))?;
+                match tokio::time::timeout(self.send_timeout, p.start()).await {
+                    Ok(Ok(())) => Ok(p),
+                    Ok(Err(e)) => Err(broker_error(&e)),
+                    Err(_) => Err(BrokerError::new(
+                        FailureKind::TimedOut,
+                        format!(
+                            "no answer from the RocketMQ proxy {} within {:?}",
+                            self.proxy, self.send_timeout
+                        ),
+                    )),
+                }
+            })
+            .await
+    }
+
+    /// Sends one event and waits for its receipt.
+    async fn send(&self, ev: &Event) -> Result<(), BrokerError> {
+        let producer = self.producer().await?;
+        let mut keys = vec![ev.event_id.clone()];
+        keys.extend(ev.key.clone());
+        let properties: HashMap<String, String> = headers(ev).into_iter().collect();
+        let mut msg = MessageBuilder::fifo_message_builder(
+            ev.topic.clone(),
+            ev.payload.clone().into_bytes(),
+            message_group(ev),
+        )
+        .set_keys(keys)
+        .set_properties(properties);
+        if let Some(t) = &ev.event_type {
+            msg = msg.set_tag(t.clone());
+        }
+        let msg = msg.build().map_err(|e| broker_error(&e))?;
+        match tokio::time::timeout(self.send_timeout, producer.send(msg)).await {
+            Ok(Ok(_receipt)) => Ok(()),
+            Ok(Err(e)) => Err(broker_error(&e)),
+            Err(_) => Err(BrokerError::new(
+                FailureKind::TimedOut,
+                format!("no send receipt within {:?}", self.send_timeout),
+            )),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Sink for RocketMqSink {
+    fn name(&self) -> &'static str {
+        SinkKind::Rocketmq.broker_name()
+    }
+
+    /// Ordered keys go one event at a time (the next after the previous one's receipt), so a
+    /// later event never reaches the broker once an earlier one of its key failed.
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
+        let outcomes = publish_chained(events, self.send_timeout, |ev| self.send(ev)).await;
+        (outcomes, None)
+    }
+
+    /// The producer started (the proxy answered a route and a heartbeat), and the proxy's gRPC
+    /// port accepts a connection now.
+    async fn health(&self, timeout: Duration) -> Result<String, String> {
+        let check = async {
+            self.producer().await.map_err(|e| e.to_string())?;
+            tokio::net::TcpStream::connect(&self.proxy)
+                .await
+                .map_err(|e| format!("proxy {}: {e}", self.proxy))?;
+            Ok(format!("proxy {}", self.proxy))
+        };
+        match tokio::time::timeout(timeout, check).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("no answer within {timeout:?}")),
+        }
+    }
+
+    /// Every send awaits its receipt within the round: nothing is left on its way.
+    async fn flush(&self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_without_key_is_a_message_group_of_its_own() {
+        let mut ev = crate::sink::tests::ev(1, "orders", Some("A-1"), true);
+        assert_eq!(message_group(&ev), "A-1");
+        ev.key = None;
+        assert_eq!(message_group(&ev), "e1");
+    }
+}

@@ -1,0 +1,401 @@
+//! A real Apache RocketMQ 5 per test: a name server and a broker with its gRPC proxy in one JVM
+//! (the proxy's local mode), as `scripts/rocketmq start` runs them, from the same templates
+//! (`scripts/rocketmq-conf/`) and the jars `scripts/rocketmq install` put into
+//! `$OUTBOX_TOOLS/rocketmq-<version>`. Topics are created and read back over the broker's own
+//! remoting protocol (a JSON header per request), queue by queue in offset order.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::broker::{free_port, Msg};
+use crate::kafka::log_tail;
+
+const ENV_SH: &str = include_str!("../../scripts/env.sh");
+const BROKER_CONF: &str = include_str!("../../scripts/rocketmq-conf/broker.conf");
+const PROXY_JSON: &str = include_str!("../../scripts/rocketmq-conf/proxy.json");
+const NAMESRV_CONF: &str = include_str!("../../scripts/rocketmq-conf/namesrv.conf");
+const JVM_OPTIONS: &str = include_str!("../../scripts/rocketmq-conf/jvm.options");
+
+/// How long a start may take until the broker answers and the proxy listens.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// Queues of a topic the tests create.
+pub const QUEUES: i32 = 8;
+
+/// Remoting request codes (RocketMQ's `RequestCode`).
+const UPDATE_AND_CREATE_TOPIC: i32 = 17;
+const PULL_MESSAGE: i32 = 11;
+const GET_BROKER_RUNTIME_INFO: i32 = 28;
+/// Response codes of a pull that found nothing (more).
+const PULL_NOT_FOUND: i32 = 19;
+const PULL_OFFSET_MOVED: i32 = 21;
+
+/// `ROCKETMQ_VERSION` of `scripts/env.sh`.
+pub fn version() -> &'static str {
+    ENV_SH
+        .lines()
+        .find_map(|l| l.strip_prefix("ROCKETMQ_VERSION="))
+        .map(str::trim)
+        .expect("ROCKETMQ_VERSION=... in scripts/env.sh")
+}
+
+/// `$ROCKETMQ_HOME`, else `$OUTBOX_TOOLS/rocketmq-<version>`, as in `scripts/env.sh`.
+pub fn home() -> PathBuf {
+    if let Some(h) = std::env::var_os("ROCKETMQ_HOME") {
+        return h.into();
+    }
+    std::env::var_os("OUTBOX_TOOLS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/opt/outbox-tools".into())
+        .join(format!("rocketmq-{}", version()))
+}
+
+pub struct RocketMq {
+    /// The proxy's gRPC port: the relay's `--rocketmq-proxy`.
+    pub port: u16,
+    pub broker_port: u16,
+    namesrv_port: u16,
+    dir: PathBuf,
+    namesrv: Option<Child>,
+    proxy: Option<Child>,
+}
+
+/// A broker port P whose neighbours P-2 (its fast remoting port) and P+1 (its replication port)
+/// are free too.
+fn broker_port() -> u16 {
+    loop {
+        let p = free_port();
+        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
+        if p > 2 && free(p - 2) && free(p + 1) {
+            return p;
+        }
+    }
+}
+
+impl RocketMq {
+    /// Starts a name server and a broker with its proxy on free ports, their store in a fresh
+    /// directory; returns once the broker answers and the proxy listens.
+    pub fn start() -> RocketMq {
+        let libs = home().join("libs");
+        assert!(
+            libs.is_dir(),
+            "{} not found: scripts/rocketmq install fetches it",
+            libs.display()
+        );
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-test-rocketmq-{port}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("data")).expect("rocketmq dir");
+        let mut r = RocketMq {
+            port,
+            broker_port: broker_port(),
+            namesrv_port: free_port(),
+            dir,
+            namesrv: None,
+            proxy: None,
+        };
+        let proxy_remoting = free_port();
+        for (name, template) in [
+            ("broker.conf", BROKER_CONF),
+            ("proxy.json", PROXY_JSON),
+            ("namesrv.conf", NAMESRV_CONF),
+        ] {
+            let text = template
+                .replace("@NAMESRV_PORT@", &r.namesrv_port.to_string())
+                .replace("@BROKER_PORT@", &r.broker_port.to_string())
+                .replace("@GRPC_PORT@", &port.to_string())
+                .replace("@PROXY_REMOTING_PORT@", &proxy_remoting.to_string())
+                .replace("@DATA_DIR@", &r.dir.join("data").display().to_string());
+            std::fs::write(r.dir.join(name), text).expect("rocketmq config");
+        }
+        let conf = r.dir.join("namesrv.conf");
+        r.namesrv = Some(r.java(
+            "namesrv",
+            &[
+                "org.apache.rocketmq.namesrv.NamesrvStartup",
+                "-c",
+                &conf.display().to_string(),
+            ],
+        ));
+        r.start_again();
+        r
+    }
+
+    fn java(&self, name: &str, args: &[&str]) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{name}.log")))
+            .expect("rocketmq log");
+        Command::new("java")
+            .args(JVM_OPTIONS.split_whitespace())
+            .arg(format!("-Duser.home={}", self.dir.display()))
+            .arg("-cp")
+            .arg(format!("{}/*", home().join("libs").display()))
+            .args(args)
+            .env("ROCKETMQ_HOME", home())
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn java")
+    }
+
+    /// `127.0.0.1:PORT` of the proxy, for `--rocketmq-proxy`.
+    pub fn proxy_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The broker's (and proxy's) JVM while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.proxy.as_ref().map(Child::id)
+    }
+
+    /// Starts the stopped broker and proxy again with the same store; returns once the broker
+    /// answers and the proxy listens.
+    pub fn start_again(&mut self) {
+        let (bc, pc) = (self.dir.join("broker.conf"), self.dir.join("proxy.json"));
+        let ns = format!("127.0.0.1:{}", self.namesrv_port);
+        self.proxy = Some(self.java(
+            "proxy",
+            &[
+                "org.apache.rocketmq.proxy.ProxyStartup",
+                "-pm",
+                "local",
+                "-bc",
+                &bc.display().to_string(),
+                "-pc",
+                &pc.display().to_string(),
+                "-n",
+                &ns,
+            ],
+        ));
+        let deadline = Instant::now() + START_TIMEOUT;
+        while !(TcpStream::connect(self.proxy_addr()).is_ok()
+            && self.request(GET_BROKER_RUNTIME_INFO, json!({})).is_ok())
+        {
+            let exited = self
+                .proxy
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "RocketMQ did not start within {START_TIMEOUT:?} ({exited:?}): {}",
+                log_tail(&self.dir.join("proxy.log"), 30)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stops the broker and its proxy (SIGTERM), keeping the store and the name server.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.proxy.take() {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+            }
+            let _ = c.wait();
+        }
+    }
+
+    /// A FIFO topic of [`QUEUES`] queues.
+    pub fn create_topic(&self, topic: &str) {
+        let r = self
+            .request(
+                UPDATE_AND_CREATE_TOPIC,
+                json!({
+                    "topic": topic,
+                    "defaultTopic": "TBW102",
+                    "readQueueNums": QUEUES.to_string(),
+                    "writeQueueNums": QUEUES.to_string(),
+                    "perm": "6",
+                    "topicFilterType": "SINGLE_TAG",
+                    "topicSysFlag": "0",
+                    "order": "false",
+                    "attributes": "+message.type=FIFO",
+                }),
+            )
+            .expect("create topic");
+        assert_eq!(r.code, 0, "create topic {topic}: {:?}", r.remark);
+    }
+
+    /// Every message stored for `topic`: `partition` the queue, `offset` the queue offset, `key`
+    /// the `event_key` property, `headers` every property (the relay's headers, `KEYS`, `TAGS`,
+    /// `__SHARDINGKEY`, ...).
+    pub fn consume_all(&self, topic: &str) -> Vec<Msg> {
+        let mut out = Vec::new();
+        for queue in 0..QUEUES {
+            let mut offset = 0i64;
+            loop {
+                let r = self
+                    .request(
+                        PULL_MESSAGE,
+                        json!({
+                            "consumerGroup": "outbox-tests",
+                            "topic": topic,
+                            "queueId": queue.to_string(),
+                            "queueOffset": offset.to_string(),
+                            "maxMsgNums": "32",
+                            "sysFlag": "4",
+                            "commitOffset": "0",
+                            "suspendTimeoutMillis": "0",
+                            "subscription": "*",
+                            "subVersion": "0",
+                            "expressionType": "TAG",
+                        }),
+                    )
+                    .expect("pull");
+                if r.code == PULL_NOT_FOUND || r.code == PULL_OFFSET_MOVED {
+                    break;
+                }
+                assert_eq!(r.code, 0, "pull {topic} queue {queue}: {:?}", r.remark);
+                let msgs = decode_messages(&r.body);
+                if msgs.is_empty() {
+                    break;
+                }
+                offset = msgs.last().expect("a message").offset + 1;
+                out.extend(msgs);
+            }
+        }
+        out
+    }
+
+    /// One remoting request to the broker and its response.
+    fn request(&self, code: i32, ext: Value) -> std::io::Result<Response> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.broker_port))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let header = json!({
+            "code": code,
+            "language": "JAVA",
+            "version": 0,
+            "opaque": 1,
+            "flag": 0,
+            "extFields": ext,
+            "serializeTypeCurrentRPC": "JSON",
+        })
+        .to_string();
+        let mut frame = Vec::new();
+        frame.extend(((4 + header.len()) as u32).to_be_bytes());
+        frame.extend((header.len() as u32).to_be_bytes()); // serialize type 0: JSON
+        frame.extend(header.as_bytes());
+        s.write_all(&frame)?;
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len)?;
+        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut buf)?;
+        let header_len =
+            (u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) & 0xFF_FFFF) as usize;
+        let header: Value = serde_json::from_slice(&buf[4..4 + header_len])
+            .map_err(|e| std::io::Error::other(format!("response header: {e}")))?;
+        Ok(Response {
+            code: header["code"].as_i64().unwrap_or(-1) as i32,
+            remark: header["remark"].as_str().map(str::to_string),
+            body: buf[4 + header_len..].to_vec(),
+        })
+    }
+}
+
+struct Response {
+    code: i32,
+    remark: Option<String>,
+    body: Vec<u8>,
+}
+
+/// Reads big-endian fields off a byte slice.
+struct Fields<'a>(&'a [u8]);
+
+impl Fields<'_> {
+    fn take(&mut self, n: usize) -> &[u8] {
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        a
+    }
+    fn i16(&mut self) -> i16 {
+        i16::from_be_bytes(self.take(2).try_into().expect("2 bytes"))
+    }
+    fn i32(&mut self) -> i32 {
+        i32::from_be_bytes(self.take(4).try_into().expect("4 bytes"))
+    }
+    fn i64(&mut self) -> i64 {
+        i64::from_be_bytes(self.take(8).try_into().expect("8 bytes"))
+    }
+}
+
+/// The body of a pull: stored messages one after the other, in the broker's message format
+/// (version 1 or 2, IPv4 or IPv6 hosts); bodies the tests write are never compressed.
+fn decode_messages(mut body: &[u8]) -> Vec<Msg> {
+    const MAGIC_V2: i32 = -626843477;
+    const BORNHOST_V6: i32 = 1 << 4;
+    const STOREHOST_V6: i32 = 1 << 5;
+    let mut out = Vec::new();
+    while body.len() >= 4 {
+        let total = i32::from_be_bytes(body[..4].try_into().expect("4 bytes")) as usize;
+        let mut f = Fields(&body[..total]);
+        body = &body[total..];
+        f.i32(); // total size
+        let magic = f.i32();
+        f.i32(); // body CRC
+        let queue = f.i32();
+        f.i32(); // flag
+        let offset = f.i64();
+        f.i64(); // physical offset
+        let sys_flag = f.i32();
+        let born_ms = f.i64();
+        f.take(if sys_flag & BORNHOST_V6 != 0 { 20 } else { 8 });
+        f.i64(); // store timestamp
+        f.take(if sys_flag & STOREHOST_V6 != 0 { 20 } else { 8 });
+        f.i32(); // reconsume times
+        f.i64(); // prepared transaction offset
+        let body_len = f.i32() as usize;
+        let value = String::from_utf8_lossy(f.take(body_len)).into_owned();
+        let topic_len = if magic == MAGIC_V2 {
+            f.i16() as usize
+        } else {
+            f.take(1)[0] as usize
+        };
+        f.take(topic_len);
+        let props_len = f.i16() as usize;
+        let props = String::from_utf8_lossy(f.take(props_len)).into_owned();
+        let headers: BTreeMap<String, String> = props
+            .split('\u{2}')
+            .filter_map(|kv| kv.split_once('\u{1}'))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        out.push(Msg {
+            partition: queue as i64,
+            offset,
+            key: headers.get(outbox_worker::HEADER_EVENT_KEY).cloned(),
+            headers,
+            value,
+            timestamp_ms: Some(born_ms),
+        });
+    }
+    out
+}
+
+impl Drop for RocketMq {
+    fn drop(&mut self) {
+        for c in [self.proxy.take(), self.namesrv.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut c = c;
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("RocketMQ of the failed test kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
