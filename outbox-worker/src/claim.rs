@@ -533,20 +533,7 @@ mod tests {
     use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
     fn ev(id: i64, key: Option<&str>, ordered: bool) -> Event {
-        Event {
-            id,
-            event_id: format!("e{id}"),
-            topic: "orders".into(),
-            key: key.map(Into::into),
-            event_type: None,
-            payload: "{}".into(),
-            headers: "{}".into(),
-            claim_token: 1,
-            retry_count: 0,
-            age_at_claim: 0.0,
-            created_at_ms: 0,
-            ordered,
-        }
+        crate::sink::tests::ev(id, "orders", key, ordered)
     }
 
     fn ok() -> Outcome {

@@ -260,23 +260,7 @@ impl Sink for NatsSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ev(id: i64, topic: &str, key: Option<&str>, ordered: bool) -> Event {
-        Event {
-            id,
-            event_id: format!("e{id}"),
-            topic: topic.into(),
-            key: key.map(Into::into),
-            event_type: None,
-            payload: "{}".into(),
-            headers: "{}".into(),
-            claim_token: 1,
-            retry_count: 0,
-            age_at_claim: 0.0,
-            created_at_ms: 0,
-            ordered,
-        }
-    }
+    use crate::sink::tests::ev;
 
     #[test]
     fn subjects_come_from_topic_and_key() {
