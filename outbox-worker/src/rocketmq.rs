@@ -25,8 +25,7 @@ fn message_group(ev: &Event) -> &str {
 }
 
 /// Response codes of the proxy that are the event's own fault.
-const PERMANENT_CODES: [&str; 8] = [
-    "TOPIC_NOT_FOUND",
+const PERMANENT_CODES: [&str; 7] = [
     "MESSAGE_BODY_TOO_LARGE",
     "MESSAGE_PROPERTIES_TOO_LARGE",
     "ILLEGAL_TOPIC",
@@ -36,8 +35,10 @@ const PERMANENT_CODES: [&str; 8] = [
     "ILLEGAL_MESSAGE_PROPERTY_KEY",
 ];
 
-/// Response codes of a broker that is busy, starting or down.
-const TRANSIENT_CODES: [&str; 6] = [
+/// Response codes of a broker that is busy, starting or down. TOPIC_NOT_FOUND too: a new topic's
+/// route reaches the name server only when its broker next registers.
+const TRANSIENT_CODES: [&str; 7] = [
+    "TOPIC_NOT_FOUND",
     "INTERNAL_SERVER_ERROR",
     "PROXY_TIMEOUT",
     "TOO_MANY_REQUESTS",
@@ -58,7 +59,6 @@ fn broker_error(e: &ClientError) -> BrokerError {
         (ErrorKind::Server, Some("MESSAGE_BODY_TOO_LARGE" | "MESSAGE_PROPERTIES_TOO_LARGE")) => {
             FailureKind::TooLarge
         }
-        (ErrorKind::Server, Some("TOPIC_NOT_FOUND")) => FailureKind::NotFound,
         (ErrorKind::Server, Some(c)) if PERMANENT_CODES.contains(&c) => FailureKind::Invalid,
         (ErrorKind::Server, Some(c)) if TRANSIENT_CODES.contains(&c) => FailureKind::TimedOut,
         (ErrorKind::Server, _) => FailureKind::Rejected,
