@@ -63,6 +63,8 @@ pub struct RocketMq {
     dir: PathBuf,
     namesrv: Option<Child>,
     proxy: Option<Child>,
+    /// `ROCKETMQ_DIR` of a RocketMQ that `scripts/rocketmq` started (and stops when dropped).
+    script_dir: Option<PathBuf>,
 }
 
 /// A broker port P whose neighbours P-2 (its fast remoting port) and P+1 (its replication port)
@@ -101,6 +103,7 @@ impl RocketMq {
             dir,
             namesrv: None,
             proxy: None,
+            script_dir: None,
         };
         let proxy_remoting = free_port();
         for (name, template) in [
@@ -127,6 +130,70 @@ impl RocketMq {
         ));
         r.start_again();
         r
+    }
+
+    /// Started as a user starts it, by `scripts/rocketmq start PORT` (its `ROCKETMQ_DIR` a fresh
+    /// directory): topics can then be created with [`RocketMq::topic_script`]. Only the script
+    /// stops it (`wipe`, when dropped): `stop` and `start_again` are for [`RocketMq::start`]'s.
+    pub fn start_with_script() -> RocketMq {
+        let port = free_port();
+        let script_dir = std::env::temp_dir().join(format!(
+            "outbox-test-rocketmq-script-{port}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&script_dir);
+        std::fs::create_dir_all(&script_dir).expect("rocketmq dir");
+        let dir = script_dir.join(format!("rocketmq-{port}"));
+        let out = script(&script_dir, &["start", &port.to_string()])
+            .output()
+            .expect("run scripts/rocketmq");
+        assert!(
+            out.status.success(),
+            "scripts/rocketmq start {port}: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            log_tail(&dir.join("proxy.log"), 30)
+        );
+        let ports = std::fs::read_to_string(dir.join("ports")).expect("the script's ports file");
+        let port_of = |name: &str| -> u16 {
+            ports
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|p| p.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in {ports}"))
+        };
+        let r = RocketMq {
+            port,
+            broker_port: port_of("BROKER_PORT"),
+            namesrv_port: port_of("NAMESRV_PORT"),
+            dir,
+            namesrv: None,
+            proxy: None,
+            script_dir: Some(script_dir),
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        while r.request(GET_BROKER_RUNTIME_INFO, json!({})).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the broker did not answer within {START_TIMEOUT:?}: {}",
+                log_tail(&r.dir.join("proxy.log"), 30)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        r
+    }
+
+    /// `scripts/rocketmq topic NAME --port PORT` started (a FIFO topic, created through the
+    /// admin tool): the caller waits for it.
+    pub fn topic_script(&self, topic: &str) -> Child {
+        let dir = self
+            .script_dir
+            .as_ref()
+            .expect("a RocketMQ of RocketMq::start_with_script");
+        script(dir, &["topic", topic, "--port", &self.port.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run scripts/rocketmq topic")
     }
 
     fn java(&self, name: &str, args: &[&str]) -> Child {
@@ -392,10 +459,23 @@ impl Drop for RocketMq {
             let _ = c.kill();
             let _ = c.wait();
         }
+        if let Some(dir) = &self.script_dir {
+            let _ = script(dir, &["stop", &self.port.to_string()]).output();
+        }
         if std::thread::panicking() {
             eprintln!("RocketMQ of the failed test kept in {}", self.dir.display());
         } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
+            let _ = std::fs::remove_dir_all(self.script_dir.as_ref().unwrap_or(&self.dir));
         }
     }
+}
+
+/// `scripts/rocketmq ARGS` with `ROCKETMQ_DIR` set to `dir`.
+fn script(dir: &std::path::Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(crate::build::repo_root().join("scripts/rocketmq"));
+    cmd.args(args)
+        .env("ROCKETMQ_DIR", dir)
+        .env("ROCKETMQ_HOME", home())
+        .stdin(Stdio::null());
+    cmd
 }
