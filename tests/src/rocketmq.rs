@@ -31,6 +31,7 @@ pub const QUEUES: i32 = 8;
 const UPDATE_AND_CREATE_TOPIC: i32 = 17;
 const PULL_MESSAGE: i32 = 11;
 const GET_BROKER_RUNTIME_INFO: i32 = 28;
+const GET_ROUTEINFO_BY_TOPIC: i32 = 105;
 /// Response codes of a pull that found nothing (more).
 const PULL_NOT_FOUND: i32 = 19;
 const PULL_OFFSET_MOVED: i32 = 21;
@@ -293,6 +294,22 @@ impl RocketMq {
             )
             .expect("create topic");
         assert_eq!(r.code, 0, "create topic {topic}: {:?}", r.remark);
+        // The broker answers before the name server has the new topic's route (it can take until
+        // the broker's next registration): a test starts once the topic can be published to.
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let route = json!({ "topic": topic });
+            let r = request(self.namesrv_port, GET_ROUTEINFO_BY_TOPIC, route).expect("route");
+            if r.code == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the name server has no route of {topic} after {START_TIMEOUT:?}: {:?}",
+                r.remark
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     /// Every message stored for `topic`: `partition` the queue, `offset` the queue offset, `key`
@@ -338,37 +355,42 @@ impl RocketMq {
 
     /// One remoting request to the broker and its response.
     fn request(&self, code: i32, ext: Value) -> std::io::Result<Response> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.broker_port))?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let header = json!({
-            "code": code,
-            "language": "JAVA",
-            "version": 0,
-            "opaque": 1,
-            "flag": 0,
-            "extFields": ext,
-            "serializeTypeCurrentRPC": "JSON",
-        })
-        .to_string();
-        let mut frame = Vec::new();
-        frame.extend(((4 + header.len()) as u32).to_be_bytes());
-        frame.extend((header.len() as u32).to_be_bytes()); // serialize type 0: JSON
-        frame.extend(header.as_bytes());
-        s.write_all(&frame)?;
-        let mut len = [0u8; 4];
-        s.read_exact(&mut len)?;
-        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
-        s.read_exact(&mut buf)?;
-        let header_len =
-            (u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) & 0xFF_FFFF) as usize;
-        let header: Value = serde_json::from_slice(&buf[4..4 + header_len])
-            .map_err(|e| std::io::Error::other(format!("response header: {e}")))?;
-        Ok(Response {
-            code: header["code"].as_i64().unwrap_or(-1) as i32,
-            remark: header["remark"].as_str().map(str::to_string),
-            body: buf[4 + header_len..].to_vec(),
-        })
+        request(self.broker_port, code, ext)
     }
+}
+
+/// One remoting request to the broker or name server on `port` and its response.
+fn request(port: u16, code: i32, ext: Value) -> std::io::Result<Response> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let header = json!({
+        "code": code,
+        "language": "JAVA",
+        "version": 0,
+        "opaque": 1,
+        "flag": 0,
+        "extFields": ext,
+        "serializeTypeCurrentRPC": "JSON",
+    })
+    .to_string();
+    let mut frame = Vec::new();
+    frame.extend(((4 + header.len()) as u32).to_be_bytes());
+    frame.extend((header.len() as u32).to_be_bytes()); // serialize type 0: JSON
+    frame.extend(header.as_bytes());
+    s.write_all(&frame)?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut buf)?;
+    let header_len =
+        (u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) & 0xFF_FFFF) as usize;
+    let header: Value = serde_json::from_slice(&buf[4..4 + header_len])
+        .map_err(|e| std::io::Error::other(format!("response header: {e}")))?;
+    Ok(Response {
+        code: header["code"].as_i64().unwrap_or(-1) as i32,
+        remark: header["remark"].as_str().map(str::to_string),
+        body: buf[4 + header_len..].to_vec(),
+    })
 }
 
 struct Response {
