@@ -32,6 +32,7 @@ const UPDATE_AND_CREATE_TOPIC: i32 = 17;
 const PULL_MESSAGE: i32 = 11;
 const GET_BROKER_RUNTIME_INFO: i32 = 28;
 const GET_ROUTEINFO_BY_TOPIC: i32 = 105;
+const GET_BROKER_CLUSTER_INFO: i32 = 106;
 /// Response codes of a pull that found nothing (more).
 const PULL_NOT_FOUND: i32 = 19;
 const PULL_OFFSET_MOVED: i32 = 21;
@@ -171,11 +172,17 @@ impl RocketMq {
             proxy: None,
             script_dir: Some(script_dir),
         };
+        // Until the name server lists the broker: a topic created before fails (the script
+        // retries it), which would take the test's timing from the start-up, not the topic.
         let deadline = Instant::now() + START_TIMEOUT;
-        while r.request(GET_BROKER_RUNTIME_INFO, json!({})).is_err() {
+        let registered = || {
+            request(r.namesrv_port, GET_BROKER_CLUSTER_INFO, json!({}))
+                .is_ok_and(|c| String::from_utf8_lossy(&c.body).contains("outbox-broker"))
+        };
+        while !registered() {
             assert!(
                 Instant::now() < deadline,
-                "the broker did not answer within {START_TIMEOUT:?}: {}",
+                "the broker did not register within {START_TIMEOUT:?}: {}",
                 log_tail(&r.dir.join("proxy.log"), 30)
             );
             std::thread::sleep(Duration::from_millis(200));
