@@ -5,11 +5,13 @@
 //! send receipt: the broker stored the message.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rocketmq::conf::{ClientOption, LoggingFormat, ProducerOption};
 use rocketmq::error::{ClientError, ErrorKind};
-use rocketmq::model::message::MessageBuilder;
+use rocketmq::model::message::{Message, MessageBuilder};
 use rocketmq::Producer;
 use tokio::sync::OnceCell;
 
@@ -75,6 +77,7 @@ fn broker_error(e: &ClientError) -> BrokerError {
 pub struct RocketMqSink {
     /// Started by the first round or health request that reaches the proxy.
     producer: OnceCell<Producer>,
+    routes: Routes,
     client: ClientOption,
     proxy: String,
     send_timeout: Duration,
@@ -96,6 +99,7 @@ impl RocketMqSink {
         client.set_enable_tls(false);
         Ok(RocketMqSink {
             producer: OnceCell::new(),
+            routes: Routes::default(),
             client,
             proxy,
             send_timeout,
@@ -127,27 +131,100 @@ impl RocketMqSink {
     /// Sends one event and waits for its receipt.
     async fn send(&self, ev: &Event) -> Result<(), BrokerError> {
         let producer = self.producer().await?;
-        let mut keys = vec![ev.event_id.clone()];
-        keys.extend(ev.key.clone());
-        let properties: HashMap<String, String> = headers(ev).into_iter().collect();
-        let mut msg = MessageBuilder::fifo_message_builder(
-            ev.topic.clone(),
-            ev.payload.clone().into_bytes(),
-            message_group(ev),
-        )
-        .set_keys(keys)
-        .set_properties(properties);
-        if let Some(t) = &ev.event_type {
-            msg = msg.set_tag(t.clone());
-        }
-        let msg = msg.build().map_err(|e| broker_error(&e))?;
-        match tokio::time::timeout(self.send_timeout, producer.send(msg)).await {
-            Ok(Ok(_receipt)) => Ok(()),
-            Ok(Err(e)) => Err(broker_error(&e)),
+        let send = || async { producer.send(message(ev)?).await.map(drop) };
+        match tokio::time::timeout(self.send_timeout, self.routes.send(&ev.topic, send)).await {
+            Ok(sent) => sent,
             Err(_) => Err(BrokerError::new(
                 FailureKind::TimedOut,
                 format!("no send receipt within {:?}", self.send_timeout),
             )),
+        }
+    }
+}
+
+/// The event as a FIFO message of its topic.
+fn message(ev: &Event) -> Result<impl Message, ClientError> {
+    let mut keys = vec![ev.event_id.clone()];
+    keys.extend(ev.key.clone());
+    let properties: HashMap<String, String> = headers(ev).into_iter().collect();
+    let mut msg = MessageBuilder::fifo_message_builder(
+        ev.topic.clone(),
+        ev.payload.clone().into_bytes(),
+        message_group(ev),
+    )
+    .set_keys(keys)
+    .set_properties(properties);
+    if let Some(t) = &ev.event_type {
+        msg = msg.set_tag(t.clone());
+    }
+    msg.build()
+}
+
+/// The client's operations of a route query: its answer, and the gRPC call.
+const ROUTE_QUERY: [&str; 2] = ["client.query_route", "rpc.query_route"];
+
+/// The failure of a send's route query, and when it came.
+type RouteFailure = Option<(Instant, BrokerError)>;
+
+/// What the sink knows of a topic's route.
+enum Route {
+    /// A send of the topic succeeded: the client keeps its route.
+    Found,
+    /// Asked for by one send at a time, the one holding this lock; the last failure of its query.
+    Unknown(Arc<tokio::sync::Mutex<RouteFailure>>),
+}
+
+/// The client shares one route query among the concurrent sends of a topic, but when it fails it
+/// tells the sends that waited no cause ("query topic route failed", no code): an error the relay
+/// could only call unknown. So the sink lets one send of a topic without a route ask at a time,
+/// and the sends that waited for it fail with its error, classified.
+#[derive(Default)]
+struct Routes(Mutex<HashMap<String, Route>>);
+
+impl Routes {
+    /// Runs `send`, one send at a time while the topic's route is not found; a send that waited
+    /// while another one's route query failed fails with that error.
+    async fn send<F, Fut>(&self, topic: &str, send: F) -> Result<(), BrokerError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<(), ClientError>>,
+    {
+        let Some(asking) = self.unknown(topic) else {
+            return send().await.map_err(|e| broker_error(&e));
+        };
+        let waiting_since = Instant::now();
+        let mut failure = asking.lock().await;
+        match &*failure {
+            Some((at, e)) if *at >= waiting_since => return Err(e.clone()),
+            _ if self.unknown(topic).is_none() => {
+                drop(failure);
+                return send().await.map_err(|e| broker_error(&e));
+            }
+            _ => {}
+        }
+        let sent = send().await;
+        match &sent {
+            Ok(()) => {
+                let mut routes = self.0.lock().expect("routes");
+                routes.insert(topic.to_string(), Route::Found);
+            }
+            Err(e) if ROUTE_QUERY.contains(&e.operation()) => {
+                *failure = Some((Instant::now(), broker_error(e)));
+            }
+            Err(_) => {}
+        }
+        sent.map_err(|e| broker_error(&e))
+    }
+
+    /// The lock of a topic whose route is not found yet.
+    fn unknown(&self, topic: &str) -> Option<Arc<tokio::sync::Mutex<RouteFailure>>> {
+        let mut routes = self.0.lock().expect("routes");
+        let route = routes
+            .entry(topic.to_string())
+            .or_insert_with(|| Route::Unknown(Arc::default()));
+        match route {
+            Route::Found => None,
+            Route::Unknown(asking) => Some(asking.clone()),
         }
     }
 }

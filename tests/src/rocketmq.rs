@@ -31,6 +31,8 @@ pub const QUEUES: i32 = 8;
 const UPDATE_AND_CREATE_TOPIC: i32 = 17;
 const PULL_MESSAGE: i32 = 11;
 const GET_BROKER_RUNTIME_INFO: i32 = 28;
+const GET_ROUTEINFO_BY_TOPIC: i32 = 105;
+const GET_BROKER_CLUSTER_INFO: i32 = 106;
 /// Response codes of a pull that found nothing (more).
 const PULL_NOT_FOUND: i32 = 19;
 const PULL_OFFSET_MOVED: i32 = 21;
@@ -63,6 +65,8 @@ pub struct RocketMq {
     dir: PathBuf,
     namesrv: Option<Child>,
     proxy: Option<Child>,
+    /// `ROCKETMQ_DIR` of a RocketMQ that `scripts/rocketmq` started (and stops when dropped).
+    script_dir: Option<PathBuf>,
 }
 
 /// A broker port P whose neighbours P-2 (its fast remoting port) and P+1 (its replication port)
@@ -101,6 +105,7 @@ impl RocketMq {
             dir,
             namesrv: None,
             proxy: None,
+            script_dir: None,
         };
         let proxy_remoting = free_port();
         for (name, template) in [
@@ -127,6 +132,76 @@ impl RocketMq {
         ));
         r.start_again();
         r
+    }
+
+    /// Started as a user starts it, by `scripts/rocketmq start PORT` (its `ROCKETMQ_DIR` a fresh
+    /// directory): topics can then be created with [`RocketMq::topic_script`]. Only the script
+    /// stops it (`wipe`, when dropped): `stop` and `start_again` are for [`RocketMq::start`]'s.
+    pub fn start_with_script() -> RocketMq {
+        let port = free_port();
+        let script_dir = std::env::temp_dir().join(format!(
+            "outbox-test-rocketmq-script-{port}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&script_dir);
+        std::fs::create_dir_all(&script_dir).expect("rocketmq dir");
+        let dir = script_dir.join(format!("rocketmq-{port}"));
+        let out = script(&script_dir, &["start", &port.to_string()])
+            .output()
+            .expect("run scripts/rocketmq");
+        assert!(
+            out.status.success(),
+            "scripts/rocketmq start {port}: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            log_tail(&dir.join("proxy.log"), 30)
+        );
+        let ports = std::fs::read_to_string(dir.join("ports")).expect("the script's ports file");
+        let port_of = |name: &str| -> u16 {
+            ports
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|p| p.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in {ports}"))
+        };
+        let r = RocketMq {
+            port,
+            broker_port: port_of("BROKER_PORT"),
+            namesrv_port: port_of("NAMESRV_PORT"),
+            dir,
+            namesrv: None,
+            proxy: None,
+            script_dir: Some(script_dir),
+        };
+        // Until the name server lists the broker: a topic created before fails (the script
+        // retries it), which would take the test's timing from the start-up, not the topic.
+        let deadline = Instant::now() + START_TIMEOUT;
+        let registered = || {
+            request(r.namesrv_port, GET_BROKER_CLUSTER_INFO, json!({}))
+                .is_ok_and(|c| String::from_utf8_lossy(&c.body).contains("outbox-broker"))
+        };
+        while !registered() {
+            assert!(
+                Instant::now() < deadline,
+                "the broker did not register within {START_TIMEOUT:?}: {}",
+                log_tail(&r.dir.join("proxy.log"), 30)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        r
+    }
+
+    /// `scripts/rocketmq topic NAME --port PORT` started (a FIFO topic, created through the
+    /// admin tool): the caller waits for it.
+    pub fn topic_script(&self, topic: &str) -> Child {
+        let dir = self
+            .script_dir
+            .as_ref()
+            .expect("a RocketMQ of RocketMq::start_with_script");
+        script(dir, &["topic", topic, "--port", &self.port.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run scripts/rocketmq topic")
     }
 
     fn java(&self, name: &str, args: &[&str]) -> Child {
@@ -226,6 +301,22 @@ impl RocketMq {
             )
             .expect("create topic");
         assert_eq!(r.code, 0, "create topic {topic}: {:?}", r.remark);
+        // The broker answers before the name server has the new topic's route (it can take until
+        // the broker's next registration): a test starts once the topic can be published to.
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let route = json!({ "topic": topic });
+            let r = request(self.namesrv_port, GET_ROUTEINFO_BY_TOPIC, route).expect("route");
+            if r.code == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the name server has no route of {topic} after {START_TIMEOUT:?}: {:?}",
+                r.remark
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     /// Every message stored for `topic`: `partition` the queue, `offset` the queue offset, `key`
@@ -271,37 +362,42 @@ impl RocketMq {
 
     /// One remoting request to the broker and its response.
     fn request(&self, code: i32, ext: Value) -> std::io::Result<Response> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.broker_port))?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let header = json!({
-            "code": code,
-            "language": "JAVA",
-            "version": 0,
-            "opaque": 1,
-            "flag": 0,
-            "extFields": ext,
-            "serializeTypeCurrentRPC": "JSON",
-        })
-        .to_string();
-        let mut frame = Vec::new();
-        frame.extend(((4 + header.len()) as u32).to_be_bytes());
-        frame.extend((header.len() as u32).to_be_bytes()); // serialize type 0: JSON
-        frame.extend(header.as_bytes());
-        s.write_all(&frame)?;
-        let mut len = [0u8; 4];
-        s.read_exact(&mut len)?;
-        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
-        s.read_exact(&mut buf)?;
-        let header_len =
-            (u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) & 0xFF_FFFF) as usize;
-        let header: Value = serde_json::from_slice(&buf[4..4 + header_len])
-            .map_err(|e| std::io::Error::other(format!("response header: {e}")))?;
-        Ok(Response {
-            code: header["code"].as_i64().unwrap_or(-1) as i32,
-            remark: header["remark"].as_str().map(str::to_string),
-            body: buf[4 + header_len..].to_vec(),
-        })
+        request(self.broker_port, code, ext)
     }
+}
+
+/// One remoting request to the broker or name server on `port` and its response.
+fn request(port: u16, code: i32, ext: Value) -> std::io::Result<Response> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let header = json!({
+        "code": code,
+        "language": "JAVA",
+        "version": 0,
+        "opaque": 1,
+        "flag": 0,
+        "extFields": ext,
+        "serializeTypeCurrentRPC": "JSON",
+    })
+    .to_string();
+    let mut frame = Vec::new();
+    frame.extend(((4 + header.len()) as u32).to_be_bytes());
+    frame.extend((header.len() as u32).to_be_bytes()); // serialize type 0: JSON
+    frame.extend(header.as_bytes());
+    s.write_all(&frame)?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut buf)?;
+    let header_len =
+        (u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) & 0xFF_FFFF) as usize;
+    let header: Value = serde_json::from_slice(&buf[4..4 + header_len])
+        .map_err(|e| std::io::Error::other(format!("response header: {e}")))?;
+    Ok(Response {
+        code: header["code"].as_i64().unwrap_or(-1) as i32,
+        remark: header["remark"].as_str().map(str::to_string),
+        body: buf[4 + header_len..].to_vec(),
+    })
 }
 
 struct Response {
@@ -392,10 +488,23 @@ impl Drop for RocketMq {
             let _ = c.kill();
             let _ = c.wait();
         }
+        if let Some(dir) = &self.script_dir {
+            let _ = script(dir, &["stop", &self.port.to_string()]).output();
+        }
         if std::thread::panicking() {
             eprintln!("RocketMQ of the failed test kept in {}", self.dir.display());
         } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
+            let _ = std::fs::remove_dir_all(self.script_dir.as_ref().unwrap_or(&self.dir));
         }
     }
+}
+
+/// `scripts/rocketmq ARGS` with `ROCKETMQ_DIR` set to `dir`.
+fn script(dir: &std::path::Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(crate::build::repo_root().join("scripts/rocketmq"));
+    cmd.args(args)
+        .env("ROCKETMQ_DIR", dir)
+        .env("ROCKETMQ_HOME", home())
+        .stdin(Stdio::null());
+    cmd
 }

@@ -11,6 +11,7 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, ids_in, status_counts, wait_counts};
 use outbox_tests::relay::{run_cmd, Relay};
+use outbox_tests::rocketmq::RocketMq;
 use outbox_tests::sinks::TestSink;
 use serde_json::json;
 
@@ -34,6 +35,100 @@ async fn a_nats_outage_dead_letters_nothing_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rocketmq_outage_dead_letters_nothing_and_loses_nothing() {
     broker_outage(TestSink::rocketmq(), Duration::from_secs(30)).await;
+}
+
+/// A RocketMQ topic created with `scripts/rocketmq topic` as the relay starts, with events
+/// committed before and right after: the relay asks for the topic's route before the topic exists,
+/// and the proxy keeps answering TOPIC_NOT_FOUND from its route cache for a while after it does.
+/// A route not known yet is the broker's state, not the events' fault: every event arrives, none
+/// has an attempt counted, none is a dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rocketmq_topic_created_as_the_relay_starts_counts_no_attempt() {
+    let rocketmq = tokio::task::block_in_place(RocketMq::start_with_script);
+    let db = TestDb::create();
+    let client = db.connect().await;
+    // One key per event: the first rounds send many events of the topic at once.
+    let enqueue_keys = |keys: std::ops::Range<i32>| {
+        let client = &client;
+        async move {
+            let mut ids = BTreeSet::new();
+            for k in keys {
+                let e = enqueue(
+                    client,
+                    "orders",
+                    &format!("order-{k}"),
+                    "OrderCreated",
+                    &json!({"k": k}),
+                    &BTreeMap::new(),
+                )
+                .await;
+                ids.insert(e.id);
+            }
+            ids
+        }
+    };
+    let mut committed = enqueue_keys(0..40).await;
+
+    let topic = rocketmq.topic_script("orders");
+    let relay = Relay::spawn_args(&[
+        "run",
+        "--database-url",
+        &db.url(),
+        "--sink",
+        "rocketmq",
+        "--rocketmq-proxy",
+        &rocketmq.proxy_addr(),
+    ]);
+    committed.extend(enqueue_keys(40..80).await);
+    let created = tokio::task::block_in_place(|| topic.wait_with_output()).expect("topic script");
+    assert!(
+        created.status.success(),
+        "scripts/rocketmq topic orders: {}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    // The route error before the topic existed, and after: how many so far.
+    let route_missing = |logs: &str| {
+        logs.lines()
+            .filter(|l| l.contains("released without counting an attempt"))
+            .filter(|l| l.contains("TOPIC_NOT_FOUND"))
+            .count()
+    };
+    let before_created = route_missing(&relay.logs());
+
+    let n = committed.len() as i64;
+    let c = wait_counts(&client, Duration::from_secs(90), |c| c["SUCCESS"] == n).await;
+    let logs = relay.logs();
+    assert_eq!(
+        (c["SUCCESS"], c["FAIL"], c["WAIT"], c["SENDING"]),
+        (n, 0, 0, 0),
+        "every event delivered, none a dead letter\n{logs}"
+    );
+    assert_eq!(
+        attempts_counted(&client).await,
+        0,
+        "events had attempts counted while their topic's route was not known\n{logs}"
+    );
+    let after_created = route_missing(&logs) - before_created;
+    assert!(
+        before_created > 0 && after_created > 0,
+        "the relay did not meet the topic without a route both before ({before_created} rounds) \
+         and after ({after_created} rounds) the topic was created: this run did not reproduce \
+         the window\n{logs}"
+    );
+    assert_eq!(
+        relay.metric_where("outbox_publish_errors_total", "class=\"unknown\""),
+        None,
+        "a route not known yet is transient, not unknown"
+    );
+    let got: BTreeSet<i64> = tokio::task::block_in_place(|| rocketmq.consume_all("orders"))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(got, committed, "every committed event arrives");
+    eprintln!(
+        "the relay released the topic's events {before_created} times before it was created and \
+         {after_created} times after, without counting an attempt"
+    );
 }
 
 async fn broker_outage(mut broker: TestSink, outage: Duration) {
