@@ -1,39 +1,5 @@
 -- Settling a claim: ack, nack, renew, release; each touches only what (owner, token) still holds.
 
-CREATE FUNCTION @extschema@.outbox_ack(owner text, claim_token bigint, ids bigint[])
-RETURNS int
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
--- Only the primary key's index scan takes row locks in id order (see the body).
-SET enable_seqscan = off
-SET enable_bitmapscan = off
-AS $$
-#variable_conflict use_variable
-DECLARE
-    stamp timestamptz := clock_timestamp();
-    done int;
-    topics text[];
-    event_keys text[];
-BEGIN
-    PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
-    -- Row locks in id order (docs/design.md, "Lock order"), taken by the UPDATE itself through the
-    -- primary key: the SET clauses rule out other scans and status::text the lease index
-    -- (sql_claim_plan checks it). A SELECT ... FOR UPDATE first would cost a WAL record per row.
-    WITH settled AS (
-        UPDATE @extschema@.outbox_tracked e
-           SET status = 'SUCCESS', updated_at = stamp
-         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
-           AND e.claim_owner = owner AND e.claim_token = claim_token
-        RETURNING e.topic, e.event_key, e.ordered
-    )
-    SELECT count(*), array_agg(d.topic) FILTER (WHERE d.ordered), array_agg(d.event_key) FILTER (WHERE d.ordered)
-      INTO done, topics, event_keys FROM settled d;
-    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
-    -- Stream events of this claim: out of its batch, nothing else to write (they are SUCCESS).
-    RETURN done + cardinality(@extschema@.outbox_stream_settle(owner, claim_token, ids));
-END
-$$;
-
 -- The retry rule, written once (nack and reclaim): after its n-th failed attempt an event is a
 -- dead letter (FAIL) when n exceeds outbox.max_retry, else it waits for its next attempt.
 CREATE FUNCTION @extschema@.outbox_status_after_failure(attempts int, max_retry int)
@@ -75,7 +41,7 @@ DECLARE
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_nack', owner, claim_token, ids);
     SELECT * INTO cfg FROM @extschema@.outbox_config();
-    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack_returning).
     WITH settled AS (
         UPDATE @extschema@.outbox_tracked e
            SET retry_count = e.retry_count + 1,
@@ -129,7 +95,7 @@ DECLARE
     done int;
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
-    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack_returning).
     UPDATE @extschema@.outbox_tracked e
        SET claimed_at = stamp, updated_at = stamp
      WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
@@ -172,7 +138,7 @@ BEGIN
             MESSAGE = 'outbox_release: delay must be an interval from zero to 100 years',
             DETAIL = format('delay = %s', coalesce(delay::text, 'NULL'));
     END IF;
-    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack).
+    -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack_returning).
     WITH settled AS (
         UPDATE @extschema@.outbox_tracked e
            SET status = 'WAIT', next_retry_time = stamp + delay,
@@ -225,5 +191,55 @@ BEGIN
                                                  'orphaned: the reply to its claim never reached its owner');
     END LOOP;
     RETURN done;
+END
+$$;
+
+-- SENDING -> SUCCESS for the rows the caller still holds; returns the ids it settled, so the caller
+-- counts what the outbox confirmed (a retry after a lost reply, or after a reclaim, returns fewer).
+CREATE FUNCTION @extschema@.outbox_ack_returning(owner text, claim_token bigint, ids bigint[])
+RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- Only the primary key's index scan takes row locks in id order (see the body).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+#variable_conflict use_variable
+DECLARE
+    stamp timestamptz := clock_timestamp();
+    settled_ids bigint[];
+    topics text[];
+    event_keys text[];
+BEGIN
+    PERFORM @extschema@.outbox_check_claim_args('outbox_ack', owner, claim_token, ids);
+    -- Row locks in id order (docs/design.md, "Lock order"), taken by the UPDATE itself through the
+    -- primary key: the SET clauses rule out other scans and status::text the lease index
+    -- (sql_claim_plan checks it). A SELECT ... FOR UPDATE first would cost a WAL record per row.
+    WITH settled AS (
+        UPDATE @extschema@.outbox_tracked e
+           SET status = 'SUCCESS', updated_at = stamp
+         WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
+           AND e.claim_owner = owner AND e.claim_token = claim_token
+        RETURNING e.id, e.topic, e.event_key, e.ordered
+    )
+    SELECT array_agg(d.id ORDER BY d.id), array_agg(d.topic) FILTER (WHERE d.ordered),
+           array_agg(d.event_key) FILTER (WHERE d.ordered)
+      INTO settled_ids, topics, event_keys FROM settled d;
+    PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
+    RETURN QUERY SELECT unnest(settled_ids);
+    -- Stream events of this claim: out of its batch, nothing else to write (they are SUCCESS).
+    RETURN QUERY SELECT unnest(@extschema@.outbox_stream_settle(owner, claim_token, ids));
+END
+$$;
+
+-- outbox_ack_returning, counted: how many of the ids were still held and settled. PL/pgSQL, not
+-- SQL: a SQL function with SET clauses is planned again at every call (claim-and-ack loops).
+CREATE FUNCTION @extschema@.outbox_ack(owner text, claim_token bigint, ids bigint[])
+RETURNS int
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    RETURN (SELECT count(*)::int FROM @extschema@.outbox_ack_returning(owner, claim_token, ids));
 END
 $$;

@@ -326,7 +326,8 @@ impl Relay {
 
     /// Acks the delivered events (index, handed to the broker's client, acknowledged by the
     /// broker) of the claim that ran from `claim.0` to `claim.1`, and records where each one's
-    /// time in the relay went.
+    /// time in the relay went. Only the events the ack settled count as published: one it found
+    /// no longer held (reclaimed) is counted by whoever settles it.
     async fn ack(
         &self,
         events: &[Event],
@@ -336,11 +337,13 @@ impl Relay {
     ) -> Result<(), DbError> {
         let ids: Vec<i64> = delivered.iter().map(|d| events[d.0].id).collect();
         self.unknown.forget(ids.iter().copied());
-        let n = self
+        let settled: BTreeSet<i64> = self
             .settle("ack delivered", ids.len(), claimed_at + self.lease, || {
                 self.store.ack(&self.owner, token, &ids)
             })
-            .await?;
+            .await?
+            .into_iter()
+            .collect();
         let acked_at = Instant::now();
         let now = claimed_at.elapsed().as_secs_f64();
         let stage = |name: &str, from: Instant, to: Instant| {
@@ -351,6 +354,9 @@ impl Relay {
         };
         for &(i, handed, broker_ack) in delivered {
             let ev = &events[i];
+            if !settled.contains(&ev.id) {
+                continue;
+            }
             self.metrics
                 .published
                 .with_label_values(&[&self.metrics.topic_label(&ev.topic)])
@@ -363,11 +369,13 @@ impl Relay {
             stage("delivery", handed, broker_ack);
             stage("ack", broker_ack, acked_at);
         }
-        if n < ids.len() as u64 {
+        let stale = ids.len() - settled.len();
+        if stale > 0 {
+            self.metrics.stale_acks.inc_by(stale as u64);
             tracing::warn!(
-                acked = n,
+                acked = settled.len(),
                 delivered = ids.len(),
-                "some delivered events were no longer held by this relay (lease expired and reclaimed): they will be published again"
+                "some delivered events were no longer held when the ack landed: reclaimed (to be published again), or acked by a try whose reply was lost"
             );
         }
         Ok(())

@@ -20,8 +20,10 @@ use crate::Fatal;
 
 pub struct Metrics {
     pub registry: Registry,
-    /// By `topic`.
+    /// By `topic`: the events an ack settled (the ids `outbox_ack_returning` returned).
     pub published: IntCounterVec,
+    /// Delivered events an ack found no longer held (reclaimed, or acked by a lost try).
+    pub stale_acks: IntCounter,
     /// By `topic` and `class` (permanent: counted as an attempt; transient: released; unknown:
     /// released within the grace, then counted).
     pub failed: IntCounterVec,
@@ -110,8 +112,15 @@ impl Metrics {
             published: counter_vec(
                 &r,
                 "outbox_published_total",
-                "Events the broker acknowledged (and that were then acked in the outbox)",
+                "Events the broker acknowledged and this relay's ack settled in the outbox",
                 &["topic"],
+            ),
+            stale_acks: counter(
+                &r,
+                "outbox_stale_acks_total",
+                "Events the broker acknowledged that this relay's ack found no longer held: \
+                 reclaimed (its lease expired or its heartbeat ran out; published again), or \
+                 acked by an earlier try whose reply was lost",
             ),
             failed: counter_vec(
                 &r,

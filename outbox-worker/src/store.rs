@@ -201,7 +201,7 @@ impl Sql {
                  FROM {}($1, $2)",
                 f("claim")
             ),
-            ack: format!("SELECT {}($1, $2, $3) AS settled", f("ack")),
+            ack: format!("SELECT id FROM {}($1, $2, $3) AS id", f("ack_returning")),
             nack: format!(
                 "SELECT id, status::text AS status, retry_count FROM {}($1, $2, $3, $4)",
                 f("nack_returning")
@@ -368,19 +368,25 @@ impl Store {
             })
     }
 
-    /// `outbox_ack`: SENDING → SUCCESS for the ids still held; returns how many were.
-    pub async fn ack(&self, owner: &str, token: i64, ids: &[i64]) -> Result<u64, DbError> {
-        self.count(
-            &self.sql.ack,
-            "settled",
-            "outbox_ack",
-            &[
-                (&owner, Type::TEXT),
-                (&token, Type::INT8),
-                (&ids, Type::INT8_ARRAY),
-            ],
-        )
-        .await
+    /// `outbox_ack_returning`: SENDING → SUCCESS for the ids still held; returns those it settled.
+    pub async fn ack(&self, owner: &str, token: i64, ids: &[i64]) -> Result<Vec<i64>, DbError> {
+        let rows = self
+            .rows(
+                &self.sql.ack,
+                &[
+                    (&owner, Type::TEXT),
+                    (&token, Type::INT8),
+                    (&ids, Type::INT8_ARRAY),
+                ],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| r.try_get("id"))
+            .collect::<Result<_, _>>()
+            .map_err(|source| DbError::Row {
+                call: "outbox_ack_returning",
+                source,
+            })
     }
 
     /// `outbox_nack_returning`: one failed attempt (with `error` as last_error) for the ids still

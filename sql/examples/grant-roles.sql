@@ -21,6 +21,7 @@ TO :"producer";
 GRANT EXECUTE ON FUNCTION
     public.outbox_claim(text, int),
     public.outbox_ack(text, bigint, bigint[]),
+    public.outbox_ack_returning(text, bigint, bigint[]),
     public.outbox_nack(text, bigint, bigint[], text),
     public.outbox_nack_returning(text, bigint, bigint[], text),
     public.outbox_renew(text, bigint, bigint[]),

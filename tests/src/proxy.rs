@@ -1,7 +1,8 @@
 //! A TCP proxy on a free loopback port to an upstream address, whose connections can be made to
 //! stop forwarding while they stay open: a black hole, as a dead NAT entry or a partition leaves
 //! established connections, in both directions or for the upstream's replies only (a request
-//! arrives and runs, its answer never does). Connections opened after that forward as usual.
+//! arrives and runs, its answer never does). Connections opened after that forward as usual,
+//! unless the proxy is partitioned: then no connection forwards until it heals.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -54,6 +55,18 @@ impl Proxy {
             .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
     }
 
+    /// Every connection, open now or opened until [`Proxy::heal`], forwards nothing: a
+    /// partition (connecting still succeeds, as through a NAT that drops what follows).
+    pub fn partition(&self) {
+        self.cutoff.store(u64::MAX, Ordering::SeqCst);
+    }
+
+    /// Ends a partition: connections opened from now on forward; those opened before stay silent.
+    pub fn heal(&self) {
+        self.cutoff
+            .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
     /// Every connection open now stops forwarding the upstream's replies, and stays open.
     pub fn drop_replies(&self) {
         self.replies_cutoff
@@ -64,6 +77,26 @@ impl Proxy {
     pub fn accepted(&self) -> u64 {
         self.accepted.load(Ordering::SeqCst)
     }
+}
+
+/// A proxy to the PostgreSQL server (on 127.0.0.1) that `client` is connected to, and `url` (libpq
+/// key=value parameters) with its port replaced by the proxy's.
+pub async fn to_database(client: &tokio_postgres::Client, url: &str) -> (Proxy, String) {
+    let port: i32 = client
+        .query_one("SELECT current_setting('port')::int", &[])
+        .await
+        .expect("port")
+        .get(0);
+    let proxy = Proxy::start(([127, 0, 0, 1], port as u16).into());
+    let url = url
+        .split(' ')
+        .map(|kv| match kv.strip_prefix("port=") {
+            Some(_) => format!("port={}", proxy.port),
+            None => kv.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    (proxy, url)
 }
 
 /// Copies `from` to `to` until `from` ends, dropping what it reads while `dropping()`; then ends

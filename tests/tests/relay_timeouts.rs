@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use outbox_tests::broker::{free_port, Broker};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, enqueue_burst, wait_counts};
-use outbox_tests::proxy::Proxy;
+use outbox_tests::proxy::{self, Proxy};
 use outbox_tests::relay::{run_cmd, Relay};
 use serde_json::json;
 use tokio_postgres::Client;
@@ -137,29 +137,13 @@ async fn sigterm_ends_the_relay_within_the_shutdown_timeout() {
     );
 }
 
-/// `url` with its `port=` replaced by `port`.
-fn with_port(url: &str, port: u16) -> String {
-    url.split(' ')
-        .map(|kv| match kv.strip_prefix("port=") {
-            Some(_) => format!("port={port}"),
-            None => kv.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 /// A relay on `db` that reaches the database through a [`Proxy`], once it has delivered a first
 /// few events; returns the relay, the proxy and a direct session.
 async fn relay_through_a_proxy(db: &TestDb, broker: &Broker) -> (Relay, Proxy, Client) {
     let client = db.connect().await;
-    let port: u16 = client
-        .query_one("SELECT current_setting('port')::int", &[])
-        .await
-        .expect("port")
-        .get::<_, i32>(0) as u16;
-    let proxy = Proxy::start(([127, 0, 0, 1], port).into());
+    let (proxy, url) = proxy::to_database(&client, &db.url()).await;
     let relay = Relay::spawn(
-        &with_port(&db.url(), proxy.port),
+        &url,
         &broker.addr(),
         &["--poll-interval", "500ms", "--statement-timeout", "2s"],
     );

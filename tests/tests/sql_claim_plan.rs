@@ -310,7 +310,7 @@ fn collect_scans(node: &Value, out: &mut Vec<String>) {
     children(node).for_each(|c| collect_scans(c, out));
 }
 
-/// Ack, nack, renew and release take their row locks in the UPDATE itself (no SELECT ... FOR
+/// Ack (both forms), nack, renew and release take their row locks in the UPDATE itself (no SELECT ... FOR
 /// UPDATE first, which cost a WAL record per row), so the one lock order (id order) rests on the
 /// UPDATE walking the primary key with the sorted ids: never the lease index (claimed_at, then
 /// block order), a bitmap (block order) or a sequential scan. Checked with statistics that say no
@@ -339,6 +339,7 @@ async fn settles_lock_rows_through_the_primary_key() {
         "SELECT outbox_nack('relay', $1, $2, 'x')",
         "SELECT outbox_renew('relay', $1, $2)",
         "SELECT outbox_release('relay', $1, $2)",
+        "SELECT count(*) FROM outbox_ack_returning('relay', $1, $2)",
     ];
     let check = |what: String, scans: Vec<String>| {
         assert!(!scans.is_empty(), "{what}: no scan of outbox_tracked");

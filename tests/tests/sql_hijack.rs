@@ -622,12 +622,20 @@ async fn lifecycle(
         &format!("released {orphans:?} orphans of an owner holding nothing"),
     );
     let (token, ids) = api.claim(owner).await;
-    let acked = api
-        .count("outbox_ack", "$1, $2, $3", &[&owner, &token, &ids])
-        .await;
+    // The relay's form: the ids it settled.
+    let acked: Vec<i64> = api
+        .call(
+            "outbox_ack_returning",
+            "$1, $2, $3",
+            &[&owner, &token, &ids],
+        )
+        .await
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     api.expect(
-        acked == Some(2),
-        &format!("acked {acked:?} requeued events"),
+        acked == ids,
+        &format!("acked {acked:?} of the requeued events {ids:?}"),
     );
     api.set_role(admin).await;
     let purged = api.count("outbox_purge", "'0 seconds'", &[]).await;

@@ -222,6 +222,75 @@ async fn ack_settles_only_rows_held_with_the_same_owner_and_token() {
     assert_eq!(n, 0);
 }
 
+/// The ids `outbox_ack_returning(owner, token, ids)` settled, in ascending order.
+async fn ack_returning(c: &Client, owner: &str, token: i64, ids: &[i64]) -> Vec<i64> {
+    let mut got: Vec<i64> = c
+        .query(
+            "SELECT id FROM outbox_ack_returning($1, $2, $3) AS id",
+            &[&owner, &token, &ids],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    got.sort_unstable();
+    got
+}
+
+/// `outbox_ack_returning` returns exactly the ids it settled (what the relay counts as
+/// published): none under another owner or an old token, none reclaimed from under its holder,
+/// none already acked; tracked rows and stream events alike. `outbox_ack` is its count.
+#[tokio::test]
+async fn ack_returning_returns_only_the_ids_it_settled_under_its_owner_and_token() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let tracked = enqueue_tracked(&c, "orders").await;
+    let reclaimed = enqueue_tracked(&c, "orders").await;
+    let stream = enqueue(&c, "orders").await;
+    let (token, ids) = claim(&c, "relay-a", 10).await;
+    let token = token.unwrap();
+    assert_eq!(ids.len(), 3);
+    let all = [tracked, reclaimed, stream, 999_999];
+
+    assert_eq!(
+        ack_returning(&c, "relay-b", token, &all).await,
+        Vec::<i64>::new()
+    );
+    assert_eq!(
+        ack_returning(&c, "relay-a", token - 1, &all).await,
+        Vec::<i64>::new()
+    );
+    for id in [tracked, reclaimed, stream] {
+        assert_eq!(status_of(&c, id).await.0, "SENDING", "event {id}");
+    }
+
+    // Its lease ends and another relay takes it: relay-a's late ack must not report it.
+    age_lease(&c, reclaimed, "1 hour").await;
+    let n: i32 = scalar(&c, "SELECT outbox_reclaim('1 minute')", &[]).await;
+    assert_eq!(n, 1);
+    let (token_b, got) = claim(&c, "relay-b", 10).await;
+    assert_eq!(got, vec![reclaimed]);
+
+    assert_eq!(
+        ack_returning(&c, "relay-a", token, &all).await,
+        vec![tracked, stream]
+    );
+    assert_eq!(
+        ack_returning(&c, "relay-a", token, &all).await,
+        Vec::<i64>::new()
+    );
+    assert_eq!(status_of(&c, reclaimed).await.0, "SENDING");
+    let n: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('relay-b', $1, $2)",
+        &[&token_b.unwrap(), &all.to_vec()],
+    )
+    .await;
+    assert_eq!(n, 1, "the count form settles relay-b's row");
+    assert_eq!(status_of(&c, reclaimed).await.0, "SUCCESS");
+}
+
 #[tokio::test]
 async fn nack_backs_off_5_20_45_seconds_then_dead_letters_after_the_4th_failure() {
     let db = TestDb::create();

@@ -14,8 +14,10 @@ pub(super) const REPLACE_REASONS: [&str; 3] = ["fenced", "fatal", "timeouts"];
 /// One relay's counters as of its last scrape.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub(super) struct Counters {
-    /// `outbox_published_total`, every topic.
+    /// `outbox_published_total`, every topic: delivered, and settled by this relay's ack.
     pub(super) published: u64,
+    /// `outbox_stale_acks_total`: delivered, but no longer held when the ack landed.
+    pub(super) stale_acks: u64,
     /// `outbox_failed_total` by `class` (absent until the first failure of that class).
     pub(super) failed_transient: u64,
     pub(super) failed_permanent: u64,
@@ -26,9 +28,10 @@ pub(super) struct Counters {
 }
 
 impl Counters {
-    /// Publishes settled: delivered (then acked) or failed (then released or nacked).
+    /// Publishes settled: delivered (then acked, or found no longer held) or failed (then
+    /// released or nacked).
     pub(super) fn settled(&self) -> u64 {
-        self.published + self.failed_transient + self.failed_permanent
+        self.published + self.stale_acks + self.failed_transient + self.failed_permanent
     }
 
     pub(super) fn replaced_total(&self) -> u64 {
@@ -49,6 +52,7 @@ pub(super) fn scrape(relay: &Relay) -> Result<Option<Counters>, String> {
 pub(super) fn parse(body: &str) -> Result<Counters, String> {
     let mut c = Counters::default();
     let mut producer_failures = None;
+    let mut stale_acks = None;
     for line in body.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
             continue;
@@ -67,6 +71,7 @@ pub(super) fn parse(body: &str) -> Result<Counters, String> {
                 c.failed_permanent += v
             }
             "outbox_producer_failures_total" => producer_failures = Some(v),
+            "outbox_stale_acks_total" => stale_acks = Some(v),
             "outbox_producer_replaced_total" => {
                 if let Some(reason) = label(labels, "reason") {
                     *c.replaced.entry(reason.to_string()).or_default() += v;
@@ -77,6 +82,7 @@ pub(super) fn parse(body: &str) -> Result<Counters, String> {
     }
     c.producer_failures =
         producer_failures.ok_or("the relay's /metrics has no outbox_producer_failures_total")?;
+    c.stale_acks = stale_acks.ok_or("the relay's /metrics has no outbox_stale_acks_total")?;
     for reason in REPLACE_REASONS {
         if !c.replaced.contains_key(reason) {
             return Err(format!(
@@ -106,17 +112,19 @@ mod tests {
             outbox_failed_total{class=\"transient\",topic=\"payments\"} 2\n\
             outbox_failed_total{class=\"permanent\",topic=\"poison\"} 7\n\
             outbox_producer_failures_total 4\n\
+            outbox_stale_acks_total 6\n\
             outbox_producer_replaced_total{reason=\"fatal\"} 0\n\
             outbox_producer_replaced_total{reason=\"fenced\"} 1\n\
             outbox_producer_replaced_total{reason=\"timeouts\"} 2\n";
         let c = parse(body).expect("parses");
         assert_eq!((c.failed_transient, c.failed_permanent), (5, 7));
         assert_eq!(c.producer_failures, 4);
-        assert_eq!(c.settled(), 22);
+        assert_eq!(c.settled(), 28);
         assert_eq!(c.replaced_total(), 3);
         assert_eq!(c.replaced["fenced"], 1);
         let renamed = body.replace("outbox_producer_failures_total", "outbox_x_total");
         assert!(parse(&renamed).is_err());
+        assert!(parse(&body.replace("outbox_stale_acks_total", "outbox_y_total")).is_err());
         let no_reason = body.replace("reason=\"timeouts\"", "why=\"timeouts\"");
         assert!(parse(&no_reason).is_err());
     }
