@@ -106,10 +106,22 @@ impl Broker {
         Broker::start_with(free_port(), Some(kafka::Listeners::Tls(tls)))
     }
 
+    /// A free port can be taken by a test running beside this one before the JVM binds it: such a
+    /// start is tried again (a fresh controller port each time), up to three times.
     fn start_with(port: u16, extra: Option<kafka::Listeners<'_>>) -> Broker {
-        let dir =
-            std::env::temp_dir().join(format!("outbox-test-kafka-{port}-{}", std::process::id()));
-        Broker::try_start_in(&dir, port, extra).unwrap_or_else(|e| panic!("{e}"))
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let dir = std::env::temp_dir().join(format!(
+                "outbox-test-kafka-{port}-{}-{attempt}",
+                std::process::id()
+            ));
+            match Broker::try_start_in(&dir, port, extra) {
+                Ok(broker) => return broker,
+                Err(e) if attempt < 3 && e.contains("Address already in use") => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
 
     /// Starts a new, empty broker on 127.0.0.1:`port` with its data in `dir`; an error (with the
