@@ -13,7 +13,7 @@ use rocketmq::conf::{ClientOption, LoggingFormat, ProducerOption};
 use rocketmq::error::{ClientError, ErrorKind};
 use rocketmq::model::message::{Message, MessageBuilder};
 use rocketmq::Producer;
-use tokio::sync::OnceCell;
+use tokio::sync::{OnceCell, OwnedMutexGuard};
 
 use crate::cli::{RocketMqArgs, SinkKind};
 use crate::message::headers;
@@ -76,7 +76,7 @@ fn broker_error(e: &ClientError) -> BrokerError {
 
 pub struct RocketMqSink {
     /// Started by the first round or health request that reaches the proxy.
-    producer: OnceCell<Producer>,
+    producer: OnceCell<Arc<Producer>>,
     routes: Routes,
     client: ClientOption,
     proxy: String,
@@ -106,7 +106,7 @@ impl RocketMqSink {
         })
     }
 
-    async fn producer(&self) -> Result<&Producer, BrokerError> {
+    async fn producer(&self) -> Result<&Arc<Producer>, BrokerError> {
         self.producer
             .get_or_try_init(|| async {
                 let mut option = ProducerOption::default();
@@ -114,7 +114,7 @@ impl RocketMqSink {
                 let mut p =
                     Producer::new(option, self.client.clone()).map_err(|e| broker_error(&e))?;
                 match tokio::time::timeout(self.send_timeout, p.start()).await {
-                    Ok(Ok(())) => Ok(p),
+                    Ok(Ok(())) => Ok(Arc::new(p)),
                     Ok(Err(e)) => Err(broker_error(&e)),
                     Err(_) => Err(BrokerError::new(
                         FailureKind::TimedOut,
@@ -131,7 +131,10 @@ impl RocketMqSink {
     /// Sends one event and waits for its receipt.
     async fn send(&self, ev: &Event) -> Result<(), BrokerError> {
         let producer = self.producer().await?;
-        let send = || async { producer.send(message(ev)?).await.map(drop) };
+        let send = || {
+            let (producer, message) = (Arc::clone(producer), message(ev));
+            async move { producer.send(message?).await.map(drop) }
+        };
         match tokio::time::timeout(self.send_timeout, self.routes.send(&ev.topic, send)).await {
             Ok(sent) => sent,
             Err(_) => Err(BrokerError::new(
@@ -178,8 +181,8 @@ enum Route {
 /// tells the sends that waited no cause ("query topic route failed", no code): an error the relay
 /// could only call unknown. So the sink lets one send of a topic without a route ask at a time,
 /// and the sends that waited for it fail with its error, classified.
-#[derive(Default)]
-struct Routes(Mutex<HashMap<String, Route>>);
+#[derive(Clone, Default)]
+struct Routes(Arc<Mutex<HashMap<String, Route>>>);
 
 impl Routes {
     /// Runs `send`, one send at a time while the topic's route is not found; a send that waited
@@ -187,13 +190,13 @@ impl Routes {
     async fn send<F, Fut>(&self, topic: &str, send: F) -> Result<(), BrokerError>
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = Result<(), ClientError>>,
+        Fut: Future<Output = Result<(), ClientError>> + Send + 'static,
     {
         let Some(asking) = self.unknown(topic) else {
             return send().await.map_err(|e| broker_error(&e));
         };
         let waiting_since = Instant::now();
-        let mut failure = asking.lock().await;
+        let failure = asking.lock_owned().await;
         match &*failure {
             Some((at, e)) if *at >= waiting_since => return Err(e.clone()),
             _ if self.unknown(topic).is_none() => {
@@ -202,11 +205,28 @@ impl Routes {
             }
             _ => {}
         }
-        let sent = send().await;
+        // A task of its own, which a caller's timeout abandons but never cancels: the client
+        // marks the topic's route query in flight until the query returns, so a query dropped
+        // half-way would leave every later send of the topic waiting for it for good.
+        let asked = tokio::spawn(self.clone().ask(topic.to_string(), failure, send()));
+        asked
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// Awaits a send of a topic whose route is not found, holding the topic's lock until it
+    /// returns, and keeps what it learnt of the route.
+    async fn ask(
+        self,
+        topic: String,
+        mut failure: OwnedMutexGuard<RouteFailure>,
+        send: impl Future<Output = Result<(), ClientError>>,
+    ) -> Result<(), BrokerError> {
+        let sent = send.await;
         match &sent {
             Ok(()) => {
                 let mut routes = self.0.lock().expect("routes");
-                routes.insert(topic.to_string(), Route::Found);
+                routes.insert(topic, Route::Found);
             }
             Err(e) if ROUTE_QUERY.contains(&e.operation()) => {
                 *failure = Some((Instant::now(), broker_error(e)));

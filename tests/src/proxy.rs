@@ -2,13 +2,15 @@
 //! stop forwarding while they stay open: a black hole, as a dead NAT entry or a partition leaves
 //! established connections, in both directions or for the upstream's replies only (a request
 //! arrives and runs, its answer never does). Connections opened after that forward as usual,
-//! unless the proxy is partitioned: then no connection forwards until it heals.
+//! unless the proxy is partitioned: then no connection forwards until it heals. A stalled proxy
+//! holds what its connections carry instead, and delivers it late: a pause that TCP outlasts.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
+use std::time::Duration;
 
 pub struct Proxy {
     pub port: u16,
@@ -17,6 +19,8 @@ pub struct Proxy {
     /// Connections numbered below this forward no reply any more.
     replies_cutoff: Arc<AtomicU64>,
     accepted: Arc<AtomicU64>,
+    /// Every connection holds what it reads until this is false again.
+    stalled: Arc<AtomicBool>,
 }
 
 impl Proxy {
@@ -27,7 +31,9 @@ impl Proxy {
         let cutoff = Arc::new(AtomicU64::new(0));
         let replies_cutoff = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
+        let stalled = Arc::new(AtomicBool::new(false));
         let (cut, replies_cut, count) = (cutoff.clone(), replies_cutoff.clone(), accepted.clone());
+        let stall = stalled.clone();
         thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = TcpStream::connect(upstream) else {
@@ -35,8 +41,10 @@ impl Proxy {
                 };
                 let n = count.fetch_add(1, Ordering::SeqCst);
                 let (up, down) = (cut.clone(), [cut.clone(), replies_cut.clone()]);
-                pump(&client, &server, move || n < up.load(Ordering::SeqCst));
-                pump(&server, &client, move || {
+                pump(&client, &server, stall.clone(), move || {
+                    n < up.load(Ordering::SeqCst)
+                });
+                pump(&server, &client, stall.clone(), move || {
                     down.iter().any(|c| n < c.load(Ordering::SeqCst))
                 });
             }
@@ -46,6 +54,7 @@ impl Proxy {
             cutoff,
             replies_cutoff,
             accepted,
+            stalled,
         }
     }
 
@@ -71,6 +80,18 @@ impl Proxy {
     pub fn drop_replies(&self) {
         self.replies_cutoff
             .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
+    /// Every connection, open now or opened until [`Proxy::resume`], holds what it reads instead
+    /// of forwarding it (nothing is lost): requests and replies arrive late, as after a pause of
+    /// the network that TCP's retransmissions outlast.
+    pub fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends a stall: what the connections held is forwarded, and all they carry from now on.
+    pub fn resume(&self) {
+        self.stalled.store(false, Ordering::SeqCst);
     }
 
     /// Connections accepted so far.
@@ -99,9 +120,14 @@ pub async fn to_database(client: &tokio_postgres::Client, url: &str) -> (Proxy, 
     (proxy, url)
 }
 
-/// Copies `from` to `to` until `from` ends, dropping what it reads while `dropping()`; then ends
-/// the other side too.
-fn pump(from: &TcpStream, to: &TcpStream, dropping: impl Fn() -> bool + Send + 'static) {
+/// Copies `from` to `to` until `from` ends, holding what it read while `stalled` and dropping it
+/// while `dropping()`; then ends the other side too.
+fn pump(
+    from: &TcpStream,
+    to: &TcpStream,
+    stalled: Arc<AtomicBool>,
+    dropping: impl Fn() -> bool + Send + 'static,
+) {
     let (mut from, mut to) = (
         from.try_clone().expect("clone"),
         to.try_clone().expect("clone"),
@@ -109,7 +135,11 @@ fn pump(from: &TcpStream, to: &TcpStream, dropping: impl Fn() -> bool + Send + '
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
-            match from.read(&mut buf) {
+            let read = from.read(&mut buf);
+            while stalled.load(Ordering::SeqCst) {
+                thread::sleep(Duration::from_millis(10));
+            }
+            match read {
                 Ok(0) | Err(_) => break,
                 Ok(_) if dropping() => {}
                 Ok(len) => {

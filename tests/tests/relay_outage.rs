@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, ids_in, status_counts, wait_counts};
+use outbox_tests::proxy::Proxy;
 use outbox_tests::relay::{run_cmd, Relay};
 use outbox_tests::rocketmq::RocketMq;
 use outbox_tests::sinks::TestSink;
@@ -129,6 +130,121 @@ async fn a_rocketmq_topic_created_as_the_relay_starts_counts_no_attempt() {
         "the relay released the topic's events {before_created} times before it was created and \
          {after_created} times after, without counting an attempt"
     );
+}
+
+/// New RocketMQ topics whose first sends meet a stalled network: the relay's `--rocketmq-proxy` is
+/// a TCP proxy that holds what it carries (route queries go there; sends go to the address a route
+/// names), so their route queries outlast the relay's send timeout, which gives up on them. Once
+/// the network is back every event of those topics arrives, with the same relay process, and none
+/// has an attempt counted or is a dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rocketmq_route_query_outlasting_the_send_timeout_leaves_its_topic_working() {
+    // Several topics: each first send of a topic asks for its route.
+    const TOPICS: usize = 8;
+    const STALL: Duration = Duration::from_secs(12);
+    let rocketmq = tokio::task::block_in_place(RocketMq::start_with_script);
+    let topics: Vec<String> = (0..TOPICS).map(|i| format!("orders-{i}")).collect();
+    for t in topics.iter().map(String::as_str).chain(["warm-up"]) {
+        tokio::task::block_in_place(|| rocketmq.create_topic(t));
+    }
+    let proxy = Proxy::start(([127, 0, 0, 1], rocketmq.port).into());
+    let db = TestDb::create();
+    let client = db.connect().await;
+    let mut relay = Relay::spawn_args(&[
+        "run",
+        "--database-url",
+        &db.url(),
+        "--sink",
+        "rocketmq",
+        "--rocketmq-proxy",
+        &format!("127.0.0.1:{}", proxy.port),
+        "--send-timeout",
+        "1s",
+    ]);
+    let enqueue_one = |topic: &str, k: usize| {
+        let (client, topic) = (&client, topic.to_string());
+        async move {
+            let key = format!("order-{}", k % 3);
+            let payload = json!({ "k": k });
+            enqueue(
+                client,
+                &topic,
+                &key,
+                "OrderCreated",
+                &payload,
+                &BTreeMap::new(),
+            )
+            .await
+            .id
+        }
+    };
+    // The producer started and its connection open before the stall.
+    enqueue_one("warm-up", 0).await;
+    let c = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 1).await;
+    assert_eq!(c["SUCCESS"], 1, "the warm-up event\n{}", relay.logs());
+
+    proxy.stall();
+    let mut committed: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+    for k in 0..6 {
+        for t in &topics {
+            let id = enqueue_one(t, k).await;
+            committed.entry(t.clone()).or_default().insert(id);
+        }
+    }
+    tokio::time::sleep(STALL).await;
+    let stalled_logs = relay.logs();
+    proxy.resume();
+    let timed_out = stalled_logs
+        .lines()
+        .filter(|l| l.contains("no send receipt within"))
+        .count();
+    assert!(
+        timed_out > 0,
+        "no send of the new topics timed out during the stall: this run did not reproduce a \
+         route query outlasting --send-timeout\n{stalled_logs}"
+    );
+
+    // For contrast, a topic whose route the client knew before the stall.
+    enqueue_one("warm-up", 1).await;
+    let n = 2 + committed.values().map(BTreeSet::len).sum::<usize>() as i64;
+    let c = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == n).await;
+    let logs = relay.logs();
+    let undelivered: Vec<(String, i64)> = client
+        .query(
+            "SELECT topic, count(*) FROM outbox_event WHERE status::text <> 'SUCCESS' \
+             GROUP BY topic ORDER BY topic",
+            &[],
+        )
+        .await
+        .expect("query")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        (c["SUCCESS"], c["FAIL"], c["WAIT"], c["SENDING"]),
+        (n, 0, 0, 0),
+        "60 s after the network came back, events of topics whose route query the send timeout \
+         gave up on are still not delivered (topic, events): {undelivered:?}\n{logs}"
+    );
+    assert_eq!(
+        attempts_counted(&client).await,
+        0,
+        "a stalled route query counted attempts\n{logs}"
+    );
+    assert_eq!(
+        relay.metric_where("outbox_publish_errors_total", "class=\"unknown\""),
+        None,
+        "a route query that outlasted the send timeout is transient, not unknown\n{logs}"
+    );
+    assert!(relay.is_running(), "the relay exited\n{logs}");
+    for (topic, ids) in &committed {
+        let got: BTreeSet<i64> = tokio::task::block_in_place(|| rocketmq.consume_all(topic))
+            .iter()
+            .map(|m| m.outbox_id())
+            .collect();
+        assert_eq!(&got, ids, "every committed event of {topic} arrives");
+    }
+    eprintln!("{timed_out} sends of the new topics timed out during the {STALL:?} stall");
 }
 
 async fn broker_outage(mut broker: TestSink, outage: Duration) {
