@@ -230,7 +230,7 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = defaults::CONCURRENCY)]
     pub concurrency: usize,
 
-    /// Wait after a round that claimed less than a full batch (a NOTIFY outbox ends it early).
+    /// Wait after a round that claimed nothing (the wake-up session's `outbox_wait` ends it early).
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     pub poll_interval: Duration,
 

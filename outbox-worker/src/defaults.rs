@@ -22,7 +22,7 @@ pub const CONCURRENCY: usize = 1;
 /// Upper bound of `--concurrency`.
 pub const MAX_CONCURRENCY: usize = 256;
 
-/// `--poll-interval`: the wait after a round that claimed less than a full batch.
+/// `--poll-interval`: the wait after a round that claimed nothing.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
 
 /// `--lease`: claims older than this are reclaimed.
