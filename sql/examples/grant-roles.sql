@@ -5,7 +5,8 @@
 --        -f sql/examples/grant-roles.sql
 --
 -- producer: may only enqueue (no reading payloads, no claiming).
--- relay:    claims, acks, nacks, renews, releases, beats, reclaims and reads stats.
+-- relay:    claims, acks, nacks, renews, releases, beats, reclaims, waits for commits and reads
+--           stats.
 -- admin:    everything the relay may, plus dead letters, blocked keys, relays, requeue, skip and
 --           purge, and the inbox's stats and purge.
 -- consumer: optional (-v consumer=loyalty): a role named like the consumer, which may accept into
