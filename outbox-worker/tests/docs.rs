@@ -1,6 +1,9 @@
-//! The lists in docs/relay.md and README.md that mirror the relay's code: the flags of `run` with
-//! their variables and defaults, the config file's fields and the operator commands. Each test
-//! fails when the code and the page differ, naming what is missing on which side.
+//! The lists in docs/relay.md, docs/reference.md and README.md that mirror the code and need no
+//! running server: the flags of `run` with their variables and defaults, the config file's fields,
+//! the operator commands, the SQL functions' arguments and defaults and the view's columns. Each
+//! test fails when the code and the page differ, naming what is missing on which side. (The
+//! metrics, the settings and the privileges are checked against a running relay and server:
+//! relay_kafka, sql_errors, sql_security.)
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -38,6 +41,19 @@ fn rows<'a>(lines: &[&'a str]) -> Vec<Vec<&'a str>> {
         .filter(|l| l.starts_with('|') && !l.starts_with("|---"))
         .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
         .skip(1)
+        .collect()
+}
+
+/// The lines of the table of `lines` whose header row starts with `header`.
+fn table<'a>(lines: &[&'a str], header: &str) -> Vec<&'a str> {
+    let start = lines
+        .iter()
+        .position(|l| l.starts_with(header))
+        .unwrap_or_else(|| panic!("no table {header}"));
+    lines[start..]
+        .iter()
+        .take_while(|l| l.starts_with('|'))
+        .copied()
         .collect()
 }
 
@@ -127,16 +143,7 @@ fn the_config_file_table_lists_every_field() {
         .collect();
     let page = read("docs/relay.md");
     let lines = section(&page, "## Many databases");
-    let table_start = lines
-        .iter()
-        .position(|l| l.starts_with("| field |"))
-        .expect("the field table");
-    let table: Vec<&str> = lines[table_start..]
-        .iter()
-        .take_while(|l| l.starts_with('|'))
-        .copied()
-        .collect();
-    let in_docs: BTreeSet<String> = rows(&table)
+    let in_docs: BTreeSet<String> = rows(&table(&lines, "| field |"))
         .iter()
         .filter_map(|r| first_code(r[0]).map(str::to_string))
         .collect();
@@ -343,4 +350,95 @@ fn every_relative_link_of_the_docs_resolves() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// `outbox_X` → its arguments as the install SQL declares them (`name type [DEFAULT value]`),
+/// output arguments left out; the functions written in Rust as the SQL-only build declares them.
+fn sql_signatures() -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out = std::collections::BTreeMap::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sql");
+    let files = std::fs::read_dir(&root)
+        .expect("sql/")
+        .chain(std::fs::read_dir(root.join("sql-only")).expect("sql/sql-only/"));
+    for e in files.flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "sql") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p).expect("an SQL file");
+        for part in text.split("CREATE FUNCTION @extschema@.").skip(1) {
+            let (name, rest) = part.split_once('(').expect("a signature");
+            let args = &rest[..rest.find(')').expect("the end of the signature")];
+            let args = args
+                .split(',')
+                .map(|a| a.split_whitespace().collect::<Vec<_>>().join(" "))
+                .filter(|a| !a.is_empty() && !a.starts_with("OUT "))
+                .collect();
+            out.insert(name.to_string(), args);
+        }
+    }
+    out
+}
+
+#[test]
+fn the_sql_api_table_gives_each_function_its_arguments_and_defaults() {
+    let sql = sql_signatures();
+    let page = read("docs/reference.md");
+    let lines = section(&page, "## SQL API");
+    for row in rows(&table(&lines, "| function |")) {
+        let call = first_code(row[0]).expect("a function in code");
+        let (name, args) = call.split_once('(').expect("name(args)");
+        let declared = sql
+            .get(name)
+            .unwrap_or_else(|| panic!("docs/reference.md, SQL API: {name} is not in sql/"));
+        let args = args.trim_end_matches(')');
+        let shown: Vec<&str> = args.split(", ").filter(|a| !a.is_empty()).collect();
+        assert_eq!(
+            shown.len(),
+            declared.len(),
+            "docs/reference.md, SQL API: the arguments of {name}: {shown:?} vs {declared:?}"
+        );
+        for (doc, decl) in shown.iter().zip(declared) {
+            let arg = decl.split(' ').next().expect("a name");
+            let default = decl.split_once(" DEFAULT ").map(|(_, d)| d);
+            match doc.split_once(" => ") {
+                Some((n, d)) => assert_eq!(
+                    (n, Some(d)),
+                    (arg, default),
+                    "docs/reference.md, SQL API: {name}'s argument {doc:?} vs `{decl}`"
+                ),
+                None => assert_eq!(
+                    (doc.split(' ').next(), None),
+                    (Some(arg), default),
+                    "docs/reference.md, SQL API: {name}'s argument {doc:?} vs `{decl}`"
+                ),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_data_model_table_lists_the_columns_of_outbox_event() {
+    let schema = read("sql/schema.sql");
+    let view = schema
+        .split("CREATE VIEW @extschema@.outbox_event AS")
+        .nth(1)
+        .expect("the view in sql/schema.sql");
+    // The first branch reads outbox_tracked as `t`, column by column.
+    let select = view.split("FROM").next().expect("SELECT ... FROM");
+    let in_code: BTreeSet<String> = select
+        .split(',')
+        .map(|c| c.trim().trim_start_matches("SELECT").trim())
+        .map(|c| c.trim_start_matches("t.").to_string())
+        .collect();
+    let page = read("docs/reference.md");
+    let lines = section(&page, "## Data model");
+    let in_docs: BTreeSet<String> = rows(&table(&lines, "| column |"))
+        .iter()
+        .flat_map(|r| r[0].split('`').skip(1).step_by(2).map(str::to_string))
+        .collect();
+    assert_eq!(
+        in_docs, in_code,
+        "docs/reference.md, Data model: columns vs the view"
+    );
 }
