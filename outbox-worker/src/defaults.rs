@@ -100,7 +100,7 @@ pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
 pub const LOG_LEVEL: &str = "info";
 
 /// The producer's `linger.ms`: a round hands its whole batch to librdkafka at once and waits for
-/// every delivery report, so lingering only delays the round (docs/relay.md has the measurement).
+/// every delivery report, so lingering only delays the round (docs/relay.md, "Flags").
 pub const LINGER_MS: u32 = 0;
 
 /// The producer's `acks`.
