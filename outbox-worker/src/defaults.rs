@@ -99,8 +99,8 @@ pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
 /// Log filter when neither `--log-level` nor `RUST_LOG` is set.
 pub const LOG_LEVEL: &str = "info";
 
-/// The producer's `linger.ms`: a round hands its whole batch to librdkafka at once and waits for
-/// every delivery report, so lingering only delays the round (docs/relay.md, "Flags").
+/// The producer's `linger.ms`: a round waits for every delivery report of its events before it
+/// settles them, so lingering only delays the round (docs/relay.md, "Flags").
 pub const LINGER_MS: u32 = 0;
 
 /// The producer's `acks`.
