@@ -1,5 +1,5 @@
 //! The relay's typed database boundary: one method per extension function it calls (claim, ack,
-//! nack, release, renew, reclaim, stats), each owning its SQL and mapping its rows by column name. Every
+//! nack, release, reclaim, stats), each owning its SQL and mapping its rows by column name. Every
 //! statement is schema-qualified with the extension's schema, so the relay works whatever its
 //! role's search_path is. Failures are [`DbError`]s that keep the SQLSTATE; retrying is the
 //! caller's decision. Statements are unnamed, sent with their parameters' types: each call is
@@ -181,7 +181,6 @@ struct Sql {
     ack: String,
     nack: String,
     release: String,
-    renew: String,
     reclaim: String,
     heartbeat: String,
     release_orphans: String,
@@ -210,7 +209,6 @@ impl Sql {
                 "SELECT {}($1, $2, $3, $4::text::interval, $5) AS released",
                 f("release")
             ),
-            renew: format!("SELECT {}($1, $2, $3) AS renewed", f("renew")),
             reclaim: format!(
                 "SELECT id, topic, status::text AS status, retry_count, expired_owner \
                  FROM {}($1::text::interval)",
@@ -452,21 +450,6 @@ impl Store {
             "released",
             "outbox_release_orphans",
             &[(&owner, Type::TEXT), (&keep, Type::INT8_ARRAY)],
-        )
-        .await
-    }
-
-    /// `outbox_renew`: restarts the lease of the ids still held; returns how many were.
-    pub async fn renew(&self, owner: &str, token: i64, ids: &[i64]) -> Result<u64, DbError> {
-        self.count(
-            &self.sql.renew,
-            "renewed",
-            "outbox_renew",
-            &[
-                (&owner, Type::TEXT),
-                (&token, Type::INT8),
-                (&ids, Type::INT8_ARRAY),
-            ],
         )
         .await
     }
