@@ -81,10 +81,53 @@ fn broker_port() -> u16 {
     }
 }
 
+/// Whether process `pid` holds a socket listening on loopback or any address at `port`, read from
+/// /proc/net/tcp and tcp6 and the process's descriptors.
+fn listens(pid: u32, port: u16) -> bool {
+    let sockets: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .into_iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    let local = u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()?;
+                    let (state, inode) = (f.get(3)?, f.get(9)?);
+                    (local == port && *state == "0A").then(|| format!("socket:[{inode}]"))
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .any(|target| sockets.iter().any(|s| target.as_os_str() == s.as_str()))
+}
+
 impl RocketMq {
     /// Starts a name server and a broker with its proxy on free ports, their store in a fresh
-    /// directory; returns once the broker answers and the proxy listens.
+    /// directory; returns once the broker answers and the proxy listens. A free port can be taken
+    /// by a test running beside this one before the JVM binds it: such a start is tried again on
+    /// fresh ports, up to three times.
     pub fn start() -> RocketMq {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match RocketMq::try_start() {
+                Ok(r) => return r,
+                Err(e) if attempt < 3 && e.contains("Address already in use") => {
+                    eprintln!("RocketMQ start {attempt}: a port was taken, trying fresh ones");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    fn try_start() -> Result<RocketMq, String> {
         let libs = home().join("libs");
         assert!(
             libs.is_dir(),
@@ -130,8 +173,9 @@ impl RocketMq {
                 &conf.display().to_string(),
             ],
         ));
-        r.start_again();
-        r
+        r.spawn_proxy();
+        r.wait_started()?;
+        Ok(r)
     }
 
     /// Started as a user starts it, by `scripts/rocketmq start PORT` (its `ROCKETMQ_DIR` a fresh
@@ -238,6 +282,11 @@ impl RocketMq {
     /// Starts the stopped broker and proxy again with the same store; returns once the broker
     /// answers and the proxy listens.
     pub fn start_again(&mut self) {
+        self.spawn_proxy();
+        self.wait_started().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    fn spawn_proxy(&mut self) {
         let (bc, pc) = (self.dir.join("broker.conf"), self.dir.join("proxy.json"));
         let ns = format!("127.0.0.1:{}", self.namesrv_port);
         self.proxy = Some(self.java(
@@ -254,19 +303,36 @@ impl RocketMq {
                 &ns,
             ],
         ));
+    }
+
+    /// Until the broker answers and the proxy's own JVM listens on the gRPC port (one that only
+    /// accepts may be another process's); an error with the log if the JVM exits or is too slow.
+    fn wait_started(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + START_TIMEOUT;
-        while !(TcpStream::connect(self.proxy_addr()).is_ok()
-            && self.request(GET_BROKER_RUNTIME_INFO, json!({})).is_ok())
-        {
-            let exited = self
-                .proxy
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten());
-            assert!(
-                exited.is_none() && Instant::now() < deadline,
-                "RocketMQ did not start within {START_TIMEOUT:?} ({exited:?}): {}",
-                log_tail(&self.dir.join("proxy.log"), 30)
-            );
+        let proxy = self.proxy.as_mut().expect("the proxy was spawned");
+        let pid = proxy.id();
+        loop {
+            let exited = proxy.try_wait().ok().flatten();
+            let log = self.dir.join("proxy.log");
+            let taken =
+                std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Address already in use"));
+            if exited.is_some() || taken || Instant::now() >= deadline {
+                return Err(format!(
+                    "RocketMQ did not start within {START_TIMEOUT:?} ({exited:?}{}): {}",
+                    if taken {
+                        ", Address already in use"
+                    } else {
+                        ""
+                    },
+                    log_tail(&log, 30)
+                ));
+            }
+            if listens(pid, self.port)
+                && listens(pid, self.broker_port)
+                && request(self.broker_port, GET_BROKER_RUNTIME_INFO, json!({})).is_ok()
+            {
+                return Ok(());
+            }
             std::thread::sleep(Duration::from_millis(200));
         }
     }
