@@ -71,15 +71,7 @@ async fn a_rocketmq_topic_created_as_the_relay_starts_counts_no_attempt() {
     let mut committed = enqueue_keys(0..40).await;
 
     let topic = rocketmq.topic_script("orders");
-    let relay = Relay::spawn_args(&[
-        "run",
-        "--database-url",
-        &db.url(),
-        "--sink",
-        "rocketmq",
-        "--rocketmq-proxy",
-        &rocketmq.proxy_addr(),
-    ]);
+    let relay = rocketmq_relay(&db, &rocketmq.proxy_addr(), &[]);
     committed.extend(enqueue_keys(40..80).await);
     let created = tokio::task::block_in_place(|| topic.wait_with_output()).expect("topic script");
     assert!(
@@ -150,17 +142,8 @@ async fn a_rocketmq_route_query_outlasting_the_send_timeout_leaves_its_topic_wor
     let proxy = Proxy::start(([127, 0, 0, 1], rocketmq.port).into());
     let db = TestDb::create();
     let client = db.connect().await;
-    let mut relay = Relay::spawn_args(&[
-        "run",
-        "--database-url",
-        &db.url(),
-        "--sink",
-        "rocketmq",
-        "--rocketmq-proxy",
-        &format!("127.0.0.1:{}", proxy.port),
-        "--send-timeout",
-        "1s",
-    ]);
+    let proxy_addr = format!("127.0.0.1:{}", proxy.port);
+    let mut relay = rocketmq_relay(&db, &proxy_addr, &["--send-timeout", "1s"]);
     let enqueue_one = |topic: &str, k: usize| {
         let (client, topic) = (&client, topic.to_string());
         async move {
@@ -245,6 +228,15 @@ async fn a_rocketmq_route_query_outlasting_the_send_timeout_leaves_its_topic_wor
         assert_eq!(&got, ids, "every committed event of {topic} arrives");
     }
     eprintln!("{timed_out} sends of the new topics timed out during the {STALL:?} stall");
+}
+
+/// A relay publishing through the RocketMQ proxy at `proxy` (HOST:PORT), with `extra` flags.
+fn rocketmq_relay(db: &TestDb, proxy: &str, extra: &[&str]) -> Relay {
+    let url = db.url();
+    let mut args = vec!["run", "--database-url", &url, "--sink", "rocketmq"];
+    args.extend(["--rocketmq-proxy", proxy]);
+    args.extend_from_slice(extra);
+    Relay::spawn_args(&args)
 }
 
 async fn broker_outage(mut broker: TestSink, outage: Duration) {
