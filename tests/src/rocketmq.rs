@@ -173,6 +173,18 @@ impl RocketMq {
                 &conf.display().to_string(),
             ],
         ));
+        // The broker registers with the name server as it starts, and again only every 30 s: a
+        // name server not answering yet would leave its topics without a route for that long.
+        let deadline = Instant::now() + START_TIMEOUT;
+        while request(r.namesrv_port, GET_BROKER_CLUSTER_INFO, json!({})).is_err() {
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "the name server did not answer within {START_TIMEOUT:?}: {}",
+                    log_tail(&r.dir.join("namesrv.log"), 30)
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         r.spawn_proxy();
         r.wait_started()?;
         Ok(r)
@@ -219,11 +231,7 @@ impl RocketMq {
         // Until the name server lists the broker: a topic created before fails (the script
         // retries it), which would take the test's timing from the start-up, not the topic.
         let deadline = Instant::now() + START_TIMEOUT;
-        let registered = || {
-            request(r.namesrv_port, GET_BROKER_CLUSTER_INFO, json!({}))
-                .is_ok_and(|c| String::from_utf8_lossy(&c.body).contains("outbox-broker"))
-        };
-        while !registered() {
+        while !r.registered() {
             assert!(
                 Instant::now() < deadline,
                 "the broker did not register within {START_TIMEOUT:?}: {}",
@@ -305,14 +313,17 @@ impl RocketMq {
         ));
     }
 
-    /// Until the broker answers and the proxy's own JVM listens on the gRPC port (one that only
-    /// accepts may be another process's); an error with the log if the JVM exits or is too slow.
+    /// Until the broker answers and is registered with the name server, and the proxy's own JVM
+    /// listens on the gRPC port (one that only accepts may be another process's); an error with
+    /// the log if the JVM exits or is too slow.
     fn wait_started(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + START_TIMEOUT;
-        let proxy = self.proxy.as_mut().expect("the proxy was spawned");
-        let pid = proxy.id();
+        let pid = self.proxy.as_ref().expect("the proxy was spawned").id();
         loop {
-            let exited = proxy.try_wait().ok().flatten();
+            let exited = self
+                .proxy
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
             let log = self.dir.join("proxy.log");
             let taken =
                 std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Address already in use"));
@@ -330,11 +341,18 @@ impl RocketMq {
             if listens(pid, self.port)
                 && listens(pid, self.broker_port)
                 && request(self.broker_port, GET_BROKER_RUNTIME_INFO, json!({})).is_ok()
+                && self.registered()
             {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// Whether the name server lists the broker (topics get a route only then).
+    fn registered(&self) -> bool {
+        request(self.namesrv_port, GET_BROKER_CLUSTER_INFO, json!({}))
+            .is_ok_and(|c| String::from_utf8_lossy(&c.body).contains("outbox-broker"))
     }
 
     /// Stops the broker and its proxy (SIGTERM), keeping the store and the name server.
