@@ -379,13 +379,9 @@ impl Publisher {
         }
     }
 
-    /// Counts rounds that timed out entirely; names the reason once there were too many in a row.
+    /// Counts rounds that only timed out; names the reason once there were too many in a row.
     fn note_timeouts(&self, results: &[(Outcome, Option<Replaced>)]) -> Option<Replaced> {
-        let all_timed_out = !results.is_empty()
-            && results
-                .iter()
-                .all(|(o, _)| matches!(o, Outcome::Failed(e) if e.timed_out()));
-        if !all_timed_out {
+        if !only_timed_out(results.iter().map(|(o, _)| o)) {
             self.timed_out_rounds.store(0, Ordering::Relaxed);
             return None;
         }
@@ -395,7 +391,7 @@ impl Publisher {
             Replaced {
                 reason: ReplaceReason::Timeouts,
                 detail: format!(
-                    "{rounds} rounds in a row without a delivery, every publish timed out"
+                    "{rounds} rounds in a row without a delivery, every failure a timeout"
                 ),
             }
         })
@@ -461,9 +457,43 @@ impl Sink for Publisher {
     }
 }
 
+/// A round that delivered nothing and failed only by timeouts. Events held back behind a failure
+/// of their key (`NotSent`) say nothing of the producer, so they neither count nor end a streak.
+fn only_timed_out<'a>(outcomes: impl IntoIterator<Item = &'a Outcome>) -> bool {
+    let mut timed_out = false;
+    for o in outcomes {
+        match o {
+            Outcome::Failed(e) if e.timed_out() => timed_out = true,
+            Outcome::NotSent => {}
+            _ => return false,
+        }
+    }
+    timed_out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_round_of_timeouts_counts_though_its_keys_held_events_back() {
+        let timed_out = || {
+            Outcome::Failed(PublishError {
+                topic: "orders".into(),
+                source: KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut).into(),
+            })
+        };
+        let delivered = Outcome::Delivered {
+            handed: Duration::ZERO,
+            delivered: Duration::ZERO,
+        };
+        // Two keys, each failed by a timeout, each with a later event held back.
+        let keyed = [timed_out(), Outcome::NotSent, timed_out(), Outcome::NotSent];
+        assert!(only_timed_out(&keyed));
+        assert!(!only_timed_out(&[timed_out(), delivered]));
+        assert!(!only_timed_out(&[Outcome::NotSent]));
+        assert!(!only_timed_out(&[]));
+    }
 
     #[test]
     fn a_refused_property_value_is_not_repeated() {
