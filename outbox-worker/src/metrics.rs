@@ -164,7 +164,8 @@ impl Metrics {
                     "outbox_producer_replaced_total",
                     "Kafka producers replaced because they became unusable; reason=fenced: a \
                      delivery report rejected its id, epoch or sequence; fatal: librdkafka raised a \
-                     fatal error; timeouts: rounds in a row in which every publish timed out",
+                     fatal error; timeouts: rounds in a row that delivered nothing and only \
+                     timed out",
                     &["reason"],
                 );
                 // Exported at 0 from the start: a scraper tells "never" from "not exported".

@@ -77,7 +77,7 @@ pub struct Publisher {
     metrics: Arc<KafkaMetrics>,
     producer: RwLock<Arc<KafkaProducer>>,
     send_timeout: Duration,
-    /// Rounds in a row in which every publish timed out.
+    /// Rounds in a row that delivered nothing and only timed out.
     timed_out_rounds: AtomicU32,
     /// Topics a publish found missing. librdkafka remembers a missing topic until its metadata
     /// expires (`metadata.max.age.ms`, 15 min), so events requeued after an operator created the

@@ -57,7 +57,7 @@ pub enum ReplaceReason {
     Fenced,
     /// The client raised a fatal error: it refuses every later message.
     Fatal,
-    /// Several rounds in a row in which every publish timed out.
+    /// Several rounds in a row that delivered nothing and only timed out.
     Timeouts,
 }
 
