@@ -305,7 +305,13 @@ impl Kafka {
         }
         let data = dir.join("data");
         std::fs::create_dir_all(&data).map_err(|e| err("creating the broker dir", e))?;
-        let controller_port = free_port().map_err(|e| err("controller port", e))?;
+        // Never the listener's own port, which free_port can hand out again once released.
+        let controller_port = loop {
+            let p = free_port().map_err(|e| err("controller port", e))?;
+            if p != port {
+                break p;
+            }
+        };
         let mut props = SERVER_PROPERTIES
             .replace("@PORT@", &port.to_string())
             .replace("@CONTROLLER_PORT@", &controller_port.to_string())
