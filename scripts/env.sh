@@ -29,9 +29,13 @@ export PATH=$HOME/.cargo/bin:$OUTBOX_TOOLS/bin:$PATH
 OUTBOX_PG_CLUSTER=${OUTBOX_PG_CLUSTER:-outbox}
 PGPORT=$(pg_conftool -s "$PG_MAJOR" "$OUTBOX_PG_CLUSTER" show port 2>/dev/null || true)
 export PGHOST=127.0.0.1 PGPORT PGUSER=postgres
+# The cargo profile the relay and outbox-bench are built with: `release` (thin LTO, what the package
+# ships); scripts/test uses `integration`, the test binaries' profile, so that a relay change is
+# compiled once instead of twice.
+export OUTBOX_PROFILE=${OUTBOX_PROFILE:-release}
 # The relay binary, found the same way by the tests and outbox-bench (tests/src/relay.rs). Not
 # exported: a caller that changes CARGO_TARGET_DIR after sourcing this file still gets its own.
-OUTBOX_RELAY_BIN=${OUTBOX_RELAY_BIN:-$CARGO_TARGET_DIR/release/outbox-worker}
+OUTBOX_RELAY_BIN=${OUTBOX_RELAY_BIN:-$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-worker}
 
 # Seconds since the outermost script started, in every step's line: where a cold run spends its time.
 export OUTBOX_STARTED_AT=${OUTBOX_STARTED_AT:-$(date +%s)}

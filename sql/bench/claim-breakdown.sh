@@ -60,7 +60,7 @@ for n in "${counts[@]}"; do
   measure "$n"
 done
 
-machine=$("$CARGO_TARGET_DIR/release/outbox-bench" --provenance --load-start "$load_start")
+machine=$("$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-bench" --provenance --load-start "$load_start")
 python3 - "$work" "$machine" "${counts[@]}" <<'EOF' | tee "$out"
 import re, sys
 work, machine, counts = sys.argv[1], sys.argv[2], sys.argv[3:]

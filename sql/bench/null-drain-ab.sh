@@ -65,7 +65,7 @@ for ((r = 1; r <= rounds; r++)); do
   done
 done
 
-machine=$("$CARGO_TARGET_DIR/release/outbox-bench" --provenance --load-start "$load_start")
+machine=$("$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-bench" --provenance --load-start "$load_start")
 python3 - "$events" "$old_version ($rev)" "$new_version (this checkout)" "$machine" "${results[@]}" <<'EOF' | tee "$out"
 import statistics, sys, os
 events = int(sys.argv[1]); names = {"old": sys.argv[2], "new": sys.argv[3]}; machine = sys.argv[4]

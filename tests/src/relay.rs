@@ -1,4 +1,4 @@
-//! The relay (the release `outbox-worker` binary) run as a real process: logs captured, metrics
+//! The relay (the `outbox-worker` binary) run as a real process: logs captured, metrics
 //! scraped, signals sent, killed on drop. Used by the tests and by outbox-bench.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use crate::broker::free_port;
 
 /// The relay binary, found as `scripts/env.sh` finds it: `OUTBOX_RELAY_BIN`, else
-/// `$CARGO_TARGET_DIR/release/outbox-worker`, else the workspace's `target/release/outbox-worker`.
+/// `$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-worker` (the workspace's `target/`, `release`
+/// when unset).
 pub fn find_relay_bin() -> Result<PathBuf, String> {
     if let Ok(p) = std::env::var("OUTBOX_RELAY_BIN") {
         return Ok(p.into());
@@ -19,10 +20,11 @@ pub fn find_relay_bin() -> Result<PathBuf, String> {
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let p = target.join("release/outbox-worker");
+    let profile = std::env::var("OUTBOX_PROFILE").unwrap_or_else(|_| "release".into());
+    let p = target.join(&profile).join("outbox-worker");
     if !p.exists() {
         return Err(format!(
-            "{} not found: build it with cargo build --release -p outbox-worker (or set OUTBOX_RELAY_BIN)",
+            "{} not found: build it with cargo build --profile {profile} -p outbox-worker (or set OUTBOX_RELAY_BIN)",
             p.display()
         ));
     }
