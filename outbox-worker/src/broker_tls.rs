@@ -127,12 +127,7 @@ fn failure(brokers: &str, reason: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn props(list: &[(&str, &str)]) -> Vec<(String, String)> {
-        list.iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::guarantees::props;
 
     #[test]
     fn a_verification_failure_names_both_causes_on_one_line() {

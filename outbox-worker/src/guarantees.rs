@@ -91,15 +91,17 @@ fn reason(key: &str) -> &'static str {
     }
 }
 
+/// `--kafka-property` pairs as the relay holds them, from literals: the tests' input.
+#[cfg(test)]
+pub(crate) fn props(list: &[(&str, &str)]) -> Vec<(String, String)> {
+    list.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn props(list: &[(&str, &str)]) -> Vec<(String, String)> {
-        list.iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
 
     #[test]
     fn settings_that_keep_the_guarantees_pass() {
