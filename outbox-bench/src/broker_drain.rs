@@ -223,12 +223,13 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         s += &not_run(r);
     } else {
         s += &format!(
-            "`outbox-worker run` (release build) against a fresh backlog of {} events, topic with {} \
+            "`outbox-worker run` ({}) against a fresh backlog of {} events, topic with {} \
              partitions on a single-node Apache Kafka (KRaft, log on local disk) on the same machine. Events/s from the rows' own \
              timestamps (first `claimed_at` to last ack; stream events by a trigger log of their batches), so relay start-up is excluded; the end is \
              detected by polling until nothing is due or in flight and confirmed with `outbox_stats()`. \
              CPU from /proc for the database backends, the relay process and the broker process. \
              Best of {} run(s) per row (configurations under {} events/s run once).\n\n",
+            outbox_tests::relay::relay_build(),
             num(p.broker_backlog as f64),
             outbox_tests::broker::PARTITIONS,
             p.repeats,

@@ -114,7 +114,7 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
 
 fn render(p: &Profile, sinks: &[SinkRuns]) -> String {
     let mut s = format!(
-        "`outbox-worker run` (release build, default flags: {CONCURRENCY} claim loop) against a fresh \
+        "`outbox-worker run` ({}, default flags: {CONCURRENCY} claim loop) against a fresh \
          backlog of {} unordered events per round, as the drain to the broker of \
          [BENCHMARKS.md](../BENCHMARKS.md) measures Kafka: events/s from the rows' own timestamps \
          (first claim to last ack), so relay start-up is excluded. Each broker runs on this \
@@ -123,6 +123,7 @@ fn render(p: &Profile, sinks: &[SinkRuns]) -> String {
          broker with its gRPC proxy in one JVM (`scripts/rocketmq`, a FIFO topic of {} queues; \
          not in the smoke profile). The sinks alternate over {} round(s) (every other round \
          backwards); a sink's figure is its median round, whose CPU is shown.\n\n",
+        outbox_tests::relay::relay_build(),
         num(p.broker_backlog as f64),
         outbox_tests::broker::PARTITIONS,
         rocketmq::version(),

@@ -31,6 +31,18 @@ pub fn find_relay_bin() -> Result<PathBuf, String> {
     Ok(p)
 }
 
+/// Which relay [`find_relay_bin`] picks, for reports: "release build", or the binary's path when
+/// `OUTBOX_RELAY_BIN` names it.
+pub fn relay_build() -> String {
+    match std::env::var("OUTBOX_RELAY_BIN") {
+        Ok(p) => format!("binary {p}"),
+        Err(_) => format!(
+            "{} build",
+            std::env::var("OUTBOX_PROFILE").unwrap_or_else(|_| "release".into())
+        ),
+    }
+}
+
 /// [`find_relay_bin`], panicking (failing the test) when the binary is missing.
 pub fn relay_bin() -> PathBuf {
     find_relay_bin().unwrap_or_else(|e| panic!("{e}"))

@@ -588,7 +588,18 @@ async fn exactly_once_through_faults(lang: &str, consumer: &dyn Fn() -> Command)
     }
 
     // The relay dies mid-batch; relay-b republishes what relay-a published but had not acked.
-    wait_counts(&c, Duration::from_secs(30), |m| m["SENDING"] > 0).await;
+    // Its database is cut once it holds a batch, not once a claim committed: a claim whose reply
+    // is cut off is never published, and then nothing is republished.
+    let held = w.relay.wait_metric(
+        "outbox_claim_batch_size_sum",
+        Duration::from_secs(30),
+        |v| v > 0.0,
+    );
+    assert!(
+        held.is_some_and(|v| v > 0.0),
+        "relay-a never received a batch: {}",
+        w.relay.log_tail(30)
+    );
     w.proxy.as_ref().expect("proxied").black_hole();
     tokio::time::sleep(Duration::from_secs(3)).await;
     w.relay.signal(libc::SIGKILL);
