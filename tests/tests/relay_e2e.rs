@@ -150,7 +150,25 @@ async fn committed_events_arrive(broker: TestSink) {
         v >= n as f64
     });
     assert_eq!(published, Some(n as f64));
-    assert_eq!(worker.metric("outbox_failed_total").unwrap_or(0.0), 0.0);
+    // No publish failed for the event's sake or for a reason the relay cannot classify. A
+    // transient failure (a broker slow to answer on a loaded machine) is released and retried
+    // without an attempt counted: the arrivals above, exactly once each, cover it.
+    for class in ["permanent", "unknown"] {
+        let label = format!("class=\"{class}\"");
+        let failed = worker.metric_where("outbox_failed_total", &label);
+        assert_eq!(
+            failed.unwrap_or(0.0),
+            0.0,
+            "{class} failures: {}",
+            worker.log_tail(40)
+        );
+    }
+    if let Some(transient) = worker.metric_where("outbox_failed_total", "class=\"transient\"") {
+        eprintln!(
+            "{transient} transient failures, retried: {}",
+            worker.log_tail(20)
+        );
+    }
     assert!(
         worker
             .metric("outbox_claim_batch_size_count")
