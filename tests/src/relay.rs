@@ -20,7 +20,7 @@ pub fn find_relay_bin() -> Result<PathBuf, String> {
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let profile = std::env::var("OUTBOX_PROFILE").unwrap_or_else(|_| "release".into());
+    let profile = relay_profile();
     let p = target.join(&profile).join("outbox-worker");
     if !p.exists() {
         return Err(format!(
@@ -31,15 +31,17 @@ pub fn find_relay_bin() -> Result<PathBuf, String> {
     Ok(p)
 }
 
-/// Which relay [`find_relay_bin`] picks, for reports: "release build", or the binary's path when
+/// The cargo profile of the relay binary: `OUTBOX_PROFILE`, `release` when unset.
+fn relay_profile() -> String {
+    std::env::var("OUTBOX_PROFILE").unwrap_or_else(|_| "release".into())
+}
+
+/// Which relay [`find_relay_bin`] picks, for reports: "<profile> build", or the binary's path when
 /// `OUTBOX_RELAY_BIN` names it.
 pub fn relay_build() -> String {
     match std::env::var("OUTBOX_RELAY_BIN") {
         Ok(p) => format!("binary {p}"),
-        Err(_) => format!(
-            "{} build",
-            std::env::var("OUTBOX_PROFILE").unwrap_or_else(|_| "release".into())
-        ),
+        Err(_) => format!("{} build", relay_profile()),
     }
 }
 
