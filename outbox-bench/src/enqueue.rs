@@ -110,10 +110,9 @@ const TRUNCATE: &str =
     "TRUNCATE bench_order, bench_event, outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key";
 
 /// A relay's wake-up session: `outbox_wait('1 s')` in a loop, in a database of its own on the
-/// same server whose outbox stays empty. Every commit that enqueued in the bench database sets
-/// its latch (the whole of a commit's work for its waiters) and it waits again at once, never
-/// finding work; a waiter in the bench database would find the undrained events due and return
-/// at once without waiting.
+/// same server whose outbox stays empty. Every commit that enqueued in the bench database looks
+/// for its own database's waiters (the whole of a commit's work for them) and leaves this one
+/// asleep; a waiter in the bench database would find the undrained events due and return at once.
 struct Waiter {
     stop: Arc<AtomicBool>,
     wakes: Arc<AtomicU64>,
@@ -281,9 +280,9 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
          variant writes the same event row (with its key's hash) into `bench_event`, created `LIKE \
          outbox_stream INCLUDING ALL` (the table every event due now goes to). Throughout, one session loops on `outbox_wait('1 second')` \
          as a relay's wake-up session does, in a second database of the server whose outbox stays \
-         empty: every commit that enqueued sets its latch (server wake-up mode `{wake_mode}`; it \
-         was woken {} times during the default variant, {:.2} per outbox transaction) and it waits \
-         again at once. No relay drains meanwhile (its claims are the relay's cost, not the \
+         empty: every commit that enqueued looks for waiters of its own database (server wake-up \
+         mode `{wake_mode}`; this waiter, of another database, was woken {} times during the \
+         default variant, {:.2} per outbox transaction). No relay drains meanwhile (its claims are the relay's cost, not the \
          producer's). The notify-on contrast row sets `outbox.notify = on` in the producers while \
          a session LISTENs on `outbox`.\n\n{}",
         p.enqueue_clients,

@@ -2,16 +2,16 @@
 //! NOTIFY takes a cluster-wide lock from pre-commit through the commit's WAL flush, so every
 //! notifying transaction commits alone and loses group commit.
 //!
-//! With `shared_preload_libraries = 'outbox'` a small shared-memory block holds a commit counter
-//! and one "waiting" flag per backend slot. A transaction that enqueued bumps the counter once it
-//! has committed (its rows are visible by then) and sets the latch of every waiting backend:
-//! atomics and `SetLatch`, nothing that can fail at commit. Without the preload (managed
+//! With `shared_preload_libraries = 'outbox'` a small shared-memory block holds, per backend slot,
+//! the database that backend waits for and a "woken" flag. A transaction that enqueued, once it
+//! has committed (its rows are visible by then), wakes the waiters of its own database: atomics
+//! and `SetLatch`, nothing that can fail at commit. Without the preload (managed
 //! PostgreSQL) `outbox_wait` looks at the queue every `outbox.wait_poll_interval` instead. Either
 //! way it also looks at the queue on a timer, which catches what no commit of this server
 //! announces: `COMMIT PREPARED`, `deliver_at` and backoffs coming due.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
@@ -27,10 +27,11 @@ const SLOTS: usize = 1024;
 const PRELOADED_POLL: Duration = Duration::from_millis(250);
 
 pub struct Shared {
-    /// Commits of transactions that enqueued, since the server started.
-    commits: AtomicU64,
-    /// `waiting[pgprocno]`: that backend is inside `outbox_wait` and wants its latch set.
-    waiting: [AtomicBool; SLOTS],
+    /// `waiting[pgprocno]`: the database whose commits that backend waits for inside
+    /// `outbox_wait`, 0 when it does not wait (a relay of another database has nothing to claim).
+    waiting: [AtomicU32; SLOTS],
+    /// `woken[pgprocno]`: a transaction of that database enqueued and committed since it registered.
+    woken: [AtomicBool; SLOTS],
 }
 
 // Plain atomics, no pointers: valid in every process that maps the segment.
@@ -39,8 +40,8 @@ unsafe impl PGRXSharedMemory for Shared {}
 impl Shared {
     fn new() -> Shared {
         Shared {
-            commits: AtomicU64::new(0),
-            waiting: [const { AtomicBool::new(false) }; SLOTS],
+            waiting: [const { AtomicU32::new(0) }; SLOTS],
+            woken: [const { AtomicBool::new(false) }; SLOTS],
         }
     }
 }
@@ -134,12 +135,13 @@ fn wake_waiters() {
         return;
     }
     let shared = SHARED.get();
-    shared.commits.fetch_add(1, Ordering::SeqCst);
     unsafe {
+        let database = pg_sys::MyDatabaseId.to_u32();
         let procs = (*pg_sys::ProcGlobal).allProcs;
         let count = ((*pg_sys::ProcGlobal).allProcCount as usize).min(SLOTS);
         for (slot, waiting) in shared.waiting[..count].iter().enumerate() {
-            if waiting.load(Ordering::SeqCst) {
+            if waiting.load(Ordering::SeqCst) == database {
+                shared.woken[slot].store(true, Ordering::SeqCst);
                 pg_sys::SetLatch(&raw mut (*procs.add(slot)).procLatch);
             }
         }
@@ -165,21 +167,24 @@ impl Registration {
         if !EXIT_HOOK.swap(true, Ordering::Relaxed) {
             unsafe { pg_sys::before_shmem_exit(Some(on_exit_clear), pg_sys::Datum::from(0)) };
         }
-        SHARED.get().waiting[slot].store(true, Ordering::SeqCst);
+        let shared = SHARED.get();
+        shared.woken[slot].store(false, Ordering::SeqCst);
+        let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+        shared.waiting[slot].store(database, Ordering::SeqCst);
         Registration(slot)
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        SHARED.get().waiting[self.0].store(false, Ordering::SeqCst);
+        SHARED.get().waiting[self.0].store(0, Ordering::SeqCst);
     }
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn on_exit_clear(_code: i32, _arg: pg_sys::Datum) {
     if let Some(slot) = my_slot() {
-        SHARED.get().waiting[slot].store(false, Ordering::SeqCst);
+        SHARED.get().waiting[slot].store(0, Ordering::SeqCst);
     }
 }
 
@@ -204,10 +209,10 @@ pub fn outbox_wait_for(timeout_ms: i64, work_due: pg_sys::Oid) -> bool {
         Some(_) => PRELOADED_POLL,
         None => Duration::from_millis(guc::WAIT_POLL_INTERVAL_MS.get().max(1) as u64),
     };
-    // Registered before the first look at the queue: a commit after that look either sees the
-    // flag and sets our latch, or we see its counter bump (both sides use SeqCst).
+    // Registered before the first look at the queue: a commit of this database after that
+    // registration finds it and sets our woken flag; one before it is seen by the first look.
     let _registration = slot.map(Registration::new);
-    let commits = || slot.map(|_| SHARED.get().commits.load(Ordering::SeqCst));
+    let woken = || slot.is_some_and(|s| SHARED.get().woken[s].load(Ordering::SeqCst));
 
     let flinfo = unsafe { PgBox::<pg_sys::FmgrInfo>::alloc0() };
     unsafe { pg_sys::fmgr_info(work_due, flinfo.as_ptr()) };
@@ -215,7 +220,6 @@ pub fn outbox_wait_for(timeout_ms: i64, work_due: pg_sys::Oid) -> bool {
     // wait costs no memory.
     let mut scratch = PgMemoryContexts::new("outbox_wait");
     loop {
-        let seen = commits();
         let due = unsafe {
             scratch.switch_to(|_| {
                 let datum = pg_sys::FunctionCall0Coll(flinfo.as_ptr(), pg_sys::InvalidOid);
@@ -228,7 +232,7 @@ pub fn outbox_wait_for(timeout_ms: i64, work_due: pg_sys::Oid) -> bool {
         }
         let next_look = (Instant::now() + poll).min(deadline);
         loop {
-            if seen.is_some() && commits() != seen {
+            if woken() {
                 return true;
             }
             let now = Instant::now();

@@ -2,9 +2,9 @@
 //! `shared_preload_libraries = 'outbox'` (commits wake waiters through shared memory) and one
 //! without (waiters look at the queue every `outbox.wait_poll_interval`), both with
 //! `max_prepared_transactions` for two-phase commit. Every scenario runs on both: a committed
-//! enqueue wakes a waiter within 1 s, a rollback (whole or to a savepoint) wakes nobody,
-//! `COMMIT PREPARED` wakes, `ROLLBACK PREPARED` does not, a producer still inside its transaction
-//! does not make waiters spin, and a waiter ends promptly when cancelled or terminated. How many
+//! enqueue wakes a waiter within 1 s, a rollback (whole or to a savepoint) or a commit in another
+//! database wakes nobody, `COMMIT PREPARED` wakes, `ROLLBACK PREPARED` does not, a producer still
+//! inside its transaction does not make waiters spin, and a waiter ends promptly when cancelled or terminated. How many
 //! milliseconds a wake-up takes is the benchmark's figure, not this test's.
 
 use std::time::{Duration, Instant};
@@ -158,6 +158,16 @@ async fn scenarios(preload: bool) {
         assert_woken(w, Instant::now(), sql).await;
         drain(&c).await;
     }
+
+    // A commit in another database of the server: its relay has work, this one has none.
+    let other = TestDb::create_on(&s.db.server, "outbox_wake_other");
+    let (_, w) = start_waiter(&url, "1500 ms").await;
+    connect(&other.url())
+        .await
+        .execute("SELECT outbox_enqueue('orders', '{}')", &[])
+        .await
+        .unwrap();
+    assert_not_woken(w, "a commit in another database").await;
 
     // Rolled back, whole or to a savepoint: nobody wakes.
     for sql in [
