@@ -29,6 +29,8 @@ SET search_path = pg_catalog, pg_temp
 -- Only the primary key's index scan takes row locks in id order (see the body).
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+-- Planned once per session, as outbox_claim (planning weighed more than the update).
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -123,6 +125,8 @@ SET search_path = pg_catalog, pg_temp
 -- Only the primary key's index scan takes row locks in id order (see the body).
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+-- Planned once per session, as outbox_claim (planning weighed more than the update).
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -203,6 +207,8 @@ SET search_path = pg_catalog, pg_temp
 -- Only the primary key's index scan takes row locks in id order (see the body).
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+-- Planned once per session, as outbox_claim (planning weighed more than the update).
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_variable
 DECLARE
