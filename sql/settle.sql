@@ -1,4 +1,5 @@
 -- Settling a claim: ack, nack, renew, release; each touches only what (owner, token) still holds.
+-- The relay's calls plan their statements once per session (force_generic_plan), as outbox_claim.
 
 -- The retry rule, written once (nack and reclaim): after its n-th failed attempt an event is a
 -- dead letter (FAIL) when n exceeds outbox.max_retry, else it waits for its next attempt.
@@ -29,7 +30,6 @@ SET search_path = pg_catalog, pg_temp
 -- Only the primary key's index scan takes row locks in id order (see the body).
 SET enable_seqscan = off
 SET enable_bitmapscan = off
--- Planned once per session, as outbox_claim (planning weighed more than the update).
 SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_variable
@@ -125,7 +125,6 @@ SET search_path = pg_catalog, pg_temp
 -- Only the primary key's index scan takes row locks in id order (see the body).
 SET enable_seqscan = off
 SET enable_bitmapscan = off
--- Planned once per session, as outbox_claim (planning weighed more than the update).
 SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_variable
@@ -207,7 +206,6 @@ SET search_path = pg_catalog, pg_temp
 -- Only the primary key's index scan takes row locks in id order (see the body).
 SET enable_seqscan = off
 SET enable_bitmapscan = off
--- Planned once per session, as outbox_claim (planning weighed more than the update).
 SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_variable

@@ -39,6 +39,32 @@ async fn answer(
 /// (rows locked by another transaction), and `outbox_wait` would answer at once, again and again.
 const EMPTY_WAKE_PAUSE_MAX: Duration = Duration::from_millis(100);
 
+/// After a wake-up: wakes the claim loops, and again after every round that claimed (an idle loop
+/// may help). A loop claims again by itself, so the database is asked again only once a round
+/// found nothing. Whether any round claimed; None once cancelled or the claim loops are gone.
+async fn follow_rounds(
+    wake: &watch::Sender<u64>,
+    rounds: &mut watch::Receiver<usize>,
+    cancel: &CancellationToken,
+) -> Option<bool> {
+    let mut claimed_any = false;
+    loop {
+        wake.send_modify(|g| *g = g.wrapping_add(1));
+        let claimed = tokio::select! {
+            _ = cancel.cancelled() => return None,
+            r = tokio::time::timeout(WAIT_TIMEOUT, rounds.changed()) => match r {
+                Ok(Ok(())) => *rounds.borrow_and_update(),
+                Ok(Err(_)) => return None,
+                Err(_) => 0,
+            },
+        };
+        if claimed == 0 {
+            return Some(claimed_any);
+        }
+        claimed_any = true;
+    }
+}
+
 /// `rounds` carries the number of events the last finished claim round took.
 pub async fn run(
     target: Target,
@@ -81,18 +107,13 @@ pub async fn run(
                                 Ok(row) if row.get::<_, bool>(0) => {
                                     tracing::trace!("woken");
                                     rounds.borrow_and_update();
-                                    wake.send_modify(|g| *g = g.wrapping_add(1));
-                                    // While events are due, outbox_wait answers at once: wait
-                                    // until a round has taken them.
-                                    let claimed = tokio::select! {
-                                        _ = cancel.cancelled() => { driver.abort(); return; }
-                                        r = tokio::time::timeout(WAIT_TIMEOUT, rounds.changed()) => match r {
-                                            Ok(Ok(())) => *rounds.borrow_and_update(),
-                                            Ok(Err(_)) => { driver.abort(); return; }
-                                            Err(_) => 0,
-                                        },
+                                    let Some(claimed_any) =
+                                        follow_rounds(&wake, &mut rounds, &cancel).await
+                                    else {
+                                        driver.abort();
+                                        return;
                                     };
-                                    if claimed > 0 {
+                                    if claimed_any {
                                         empty_streak = 0;
                                         continue;
                                     }
