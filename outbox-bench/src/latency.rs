@@ -638,7 +638,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         s += &format!(
             "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)` keyed, \
              autocommit) on a fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s \
-             (at most {MAX_PRODUCERS}), {:.0} s per run, relay with default settings (it waits in \
+             (at most {MAX_PRODUCERS}), {:.0} s per run, relay ({}) with default settings (it waits in \
              `outbox_wait`; poll interval {} s as the safety net) unless noted. Rows: the **main \
              server** (`shared_preload_libraries = 'outbox'`: a commit that enqueued wakes the \
              relay at once, mode `commit`) and a **throwaway server without the preload** started \
@@ -658,6 +658,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
              batch (a trigger on `outbox_stream_batch` logs it in the benchmark's database). Achieved = events ÷ time from the first scheduled send to \
              the last commit.\n\n",
             p.latency_time.as_secs_f64(),
+            outbox_tests::relay::relay_build(),
             defaults::POLL_INTERVAL.as_secs(),
             r.latency
                 .first()

@@ -1,6 +1,7 @@
 //! The markdown report: its frame (machine, goals, recommendations, reproduce) around each
 //! section's own markdown, and the table and number helpers.
 
+use std::path::Path;
 use std::time::Duration;
 
 use crate::goals::recommendations;
@@ -202,6 +203,7 @@ pub fn render(
     env: &str,
     took: Duration,
     flags: &str,
+    readme: &str,
 ) -> String {
     let mut s = String::new();
     s += "# Benchmarks\n\n";
@@ -262,10 +264,22 @@ pub fn render(
         s += md;
     }
     s += &failures(r);
-    s += "\n## Reproduce\n\nThe same figures, unrounded, are in `BENCHMARKS.json` next to this file (`--json PATH` \
-          writes them elsewhere; keys in `outbox-bench/src/results.rs`). The commands of every \
-          report in this directory: [README.md](README.md).\n";
+    s += &format!(
+        "\n## Reproduce\n\nThe same figures, unrounded, are in `BENCHMARKS.json` next to this file \
+         (`--json PATH` writes them elsewhere; keys in `outbox-bench/src/results.rs`). The commands \
+         of every report: [reports/README.md]({readme}).\n"
+    );
     s
+}
+
+/// The link to reports/README.md from the folder of a report written to `out` (printed only: as
+/// if it were in reports/).
+pub fn readme_link(out: Option<&Path>) -> String {
+    let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reports/README.md");
+    let folder = |o: &Path| std::path::absolute(o).ok()?.parent()?.canonicalize().ok();
+    out.and_then(folder)
+        .and_then(|dir| pathdiff::diff_paths(readme.canonicalize().ok()?, dir))
+        .map_or_else(|| "README.md".to_string(), |rel| rel.display().to_string())
 }
 
 fn failures(r: &Results) -> String {
@@ -299,4 +313,21 @@ pub fn render_own(
     s += md.unwrap_or("Not run.\n");
     s += &failures(r);
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::readme_link;
+    use std::path::Path;
+
+    #[test]
+    fn a_reports_readme_link_resolves_from_where_the_report_is_written() {
+        let reports = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reports");
+        assert_eq!(readme_link(Some(&reports.join("X.md"))), "README.md");
+        assert_eq!(
+            readme_link(Some(&reports.join("core-1.0/x.md"))),
+            "../README.md"
+        );
+        assert_eq!(readme_link(None), "README.md");
+    }
 }

@@ -121,7 +121,10 @@ pub async fn run(args: &Args, p: &Profile, db: &TestDb, workdir: &Path) -> Resul
     };
     let md = match own {
         Some(o) => report::render_own(p, &r, o, &env, took),
-        None => report::render(p, &r, &goals, &env, took, &args.flags()),
+        None => {
+            let readme = report::readme_link(args.output.as_deref());
+            report::render(p, &r, &goals, &env, took, &args.flags(), &readme)
+        }
     };
     println!("{md}");
     if let Some(out) = &args.output {
