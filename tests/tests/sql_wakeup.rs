@@ -4,8 +4,8 @@
 //! `max_prepared_transactions` for two-phase commit. Every scenario runs on both: a committed
 //! enqueue wakes a waiter within 1 s, a rollback (whole or to a savepoint) or a commit in another
 //! database wakes nobody, `COMMIT PREPARED` wakes, `ROLLBACK PREPARED` does not, a producer still
-//! inside its transaction does not make waiters spin, and a waiter ends promptly when cancelled or terminated. How many
-//! milliseconds a wake-up takes is the benchmark's figure, not this test's.
+//! inside its transaction does not make waiters spin, and a waiter ends promptly when cancelled or
+//! terminated. How many milliseconds a wake-up takes is the benchmark's figure, not this test's.
 
 use std::time::{Duration, Instant};
 
