@@ -39,6 +39,8 @@ pub const PRODUCER_RATIO_GOAL: f64 = 0.9;
 pub const ENQUEUE_CPU_RATIO_GOAL: f64 = 2.0;
 pub const BULK_SPEEDUP_GOAL: f64 = 5.0;
 pub const LATENCY_HIGH_RATE: f64 = 5_000.0;
+/// Issue 29: the commit → append p50 at this rate must be no worse than at `LATENCY_GOAL_RATE`.
+pub const LATENCY_MID_RATE: f64 = 3_000.0;
 pub const LATENCY_HIGH_P99_GOAL_MS: f64 = 50.0;
 pub const ACHIEVED_GOAL: f64 = 0.95;
 pub const IDLE_CPU_GOAL_PCT: f64 = 1.0;
@@ -137,6 +139,56 @@ fn relay_db_cpu_goal(r: &Results) -> Goal {
                     .into(),
         },
         None => Goal::not_measured(&name, target),
+    }
+}
+
+/// Issue 29's latency goal: commit seen by the producer → the broker's append at
+/// `LATENCY_GOAL_RATE` on the main server, relay defaults.
+pub const APPEND_P50_GOAL_MS: f64 = 3.0;
+pub const APPEND_P99_GOAL_MS: f64 = 15.0;
+
+fn append_latency_goal(r: &Results) -> Goal {
+    let name = format!(
+        "[29] commit → broker append at {} ev/s, {MAIN_SERVER}",
+        num(LATENCY_GOAL_RATE)
+    );
+    let target = format!("p50 ≤ {APPEND_P50_GOAL_MS} ms, p99 ≤ {APPEND_P99_GOAL_MS} ms");
+    let Some(l) = default_run(r, MAIN_SERVER, LATENCY_GOAL_RATE).filter(|l| l.to_append.0 > 0.0)
+    else {
+        return Goal::not_measured(&name, target);
+    };
+    let (p50, p99) = (l.to_append.0 / 1000.0, l.to_append.1 / 1000.0);
+    Goal {
+        name,
+        target,
+        measured: format!("p50 {} ms, p99 {} ms", ms(l.to_append.0), ms(l.to_append.1)),
+        met: Some(p50 <= APPEND_P50_GOAL_MS && p99 <= APPEND_P99_GOAL_MS && l.missing == 0),
+        note: "the broker's LogAppendTime (ms) minus the commit seen by the producer; \
+               where the time goes: section 3"
+            .into(),
+    }
+}
+
+/// Issue 29: the append p50 at `LATENCY_MID_RATE` is no worse than at `LATENCY_GOAL_RATE`.
+fn append_scaling_goal(r: &Results) -> Goal {
+    let name = format!(
+        "[29] commit → broker append p50 at {} vs {} ev/s, {MAIN_SERVER}",
+        num(LATENCY_MID_RATE),
+        num(LATENCY_GOAL_RATE)
+    );
+    let target = format!("no worse at {} ev/s", num(LATENCY_MID_RATE));
+    let p50 = |rate| default_run(r, MAIN_SERVER, rate).map(|l| l.to_append.0);
+    let (Some(mid), Some(low)) = (p50(LATENCY_MID_RATE), p50(LATENCY_GOAL_RATE)) else {
+        return Goal::not_measured(&name, target);
+    };
+    Goal {
+        name,
+        target,
+        measured: format!("{} ms vs {} ms", ms(mid), ms(low)),
+        met: Some(mid <= low),
+        note: "a round carries more events at the higher rate, and an event committed during a \
+               round waits for it to end (section 3: commit→claim)"
+            .into(),
     }
 }
 
@@ -250,6 +302,8 @@ fn issue10_goals(r: &Results) -> Vec<Goal> {
         }
     }
     g.push(relay_db_cpu_goal(r));
+    g.push(append_latency_goal(r));
+    g.push(append_scaling_goal(r));
     for server in [MAIN_SERVER, POLLING_SERVER, PRELOADED_SERVER] {
         let name = format!("[10] idle relay, {server}");
         let target = format!("≤ {IDLE_CPU_GOAL_PCT} % of one core");

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::goals::{LATENCY_GOAL_RATE, LATENCY_HIGH_RATE};
+use crate::goals::{LATENCY_GOAL_RATE, LATENCY_HIGH_RATE, LATENCY_MID_RATE};
 use crate::null_sink::{Sessions, Statements};
 
 /// Sizes and durations of one profile.
@@ -123,7 +123,12 @@ impl Profile {
             // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
             // alternatives.
             linger_ms: vec![1, 5, 20],
-            latency_rates: vec![100.0, LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
+            latency_rates: vec![
+                100.0,
+                LATENCY_GOAL_RATE,
+                LATENCY_MID_RATE,
+                LATENCY_HIGH_RATE,
+            ],
             latency_time: Duration::from_secs(5),
             polling_rates: vec![LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
             idle_time: Duration::from_secs(30),

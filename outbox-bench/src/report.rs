@@ -216,10 +216,10 @@ pub fn render(
     );
     s += "## Machine\n\n";
     s += env;
-    s += "\n## Goals (issues 5, 9 and 10)\n\n";
-    s += "Issue 10's goals (`[10]`) are judged with the settings the extension and relay ship \
-          with; issue 5's (`[5]`) as before; issue 9's (`[9]`) on the extension's default version. \
-          Figures from rounds are medians (the machine is shared).\n\n";
+    s += "\n## Goals\n\n";
+    s += "Each goal names its issue (`[10]`: issue 10). Issues 10, 28 and 29's goals are judged \
+          with the settings the extension and relay ship with; issue 9's on the extension's \
+          default version. Figures from rounds are medians (the machine is shared).\n\n";
     s += &goals_table(goals);
     if goals
         .iter()
