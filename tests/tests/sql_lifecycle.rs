@@ -178,6 +178,32 @@ async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
 }
 
 #[tokio::test]
+async fn a_claim_commits_without_waiting_for_its_wal_flush_and_the_ack_does_wait() {
+    let db = TestDb::create();
+    let mut c = db.connect().await;
+    let id = enqueue(&c, "orders").await;
+    let setting = "SELECT current_setting('synchronous_commit')";
+    let tx = c.transaction().await.unwrap();
+    let row = tx
+        .query_one("SELECT id, claim_token FROM outbox_claim('r', 10)", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), id);
+    let token: i64 = row.get(1);
+    assert_eq!(scalar::<String>(&tx, setting, &[]).await, "off");
+    tx.commit().await.unwrap();
+    // Only for the claim's transaction: the session's next one (the ack) commits durably.
+    assert_eq!(scalar::<String>(&c, setting, &[]).await, "on");
+    let tx = c.transaction().await.unwrap();
+    tx.execute("SELECT outbox_ack('r', $1, ARRAY[$2::bigint])", &[&token, &id])
+        .await
+        .unwrap();
+    assert_eq!(scalar::<String>(&tx, setting, &[]).await, "on");
+    tx.commit().await.unwrap();
+    assert_eq!(status_of(&c, id).await.0, "SUCCESS");
+}
+
+#[tokio::test]
 async fn ack_settles_only_rows_held_with_the_same_owner_and_token() {
     let db = TestDb::create();
     let c = db.connect().await;
