@@ -595,8 +595,7 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
 pub const WARM_UP: Duration = Duration::from_secs(20);
 
 /// One unreported run at the goal's rate before the first measured one: a fresh broker's JVM
-/// compiles its request path during its first minute, and the first runs measured that (commit →
-/// append p50 8.4 ms cold, 3.3 ms after the drain section had run).
+/// compiles its request path during its first minute, and the first runs measured that.
 async fn warm_up(p: &Profile, env: &RelayEnv<'_>) -> Result<()> {
     progress!(
         "  warm-up: {} ev/s for {:?} on the {MAIN_SERVER}, not reported",

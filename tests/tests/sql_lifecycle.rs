@@ -195,9 +195,12 @@ async fn a_claim_commits_without_waiting_for_its_wal_flush_and_the_ack_does_wait
     // Only for the claim's transaction: the session's next one (the ack) commits durably.
     assert_eq!(scalar::<String>(&c, setting, &[]).await, "on");
     let tx = c.transaction().await.unwrap();
-    tx.execute("SELECT outbox_ack('r', $1, ARRAY[$2::bigint])", &[&token, &id])
-        .await
-        .unwrap();
+    tx.execute(
+        "SELECT outbox_ack('r', $1, ARRAY[$2::bigint])",
+        &[&token, &id],
+    )
+    .await
+    .unwrap();
     assert_eq!(scalar::<String>(&tx, setting, &[]).await, "on");
     tx.commit().await.unwrap();
     assert_eq!(status_of(&c, id).await.0, "SUCCESS");
