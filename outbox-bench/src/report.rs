@@ -152,15 +152,11 @@ const ISSUE10_LIMITS: &str = "
   key's hash); on a server where commits \
   wait for the WAL flush rather than for CPU, the fixed cost of a transaction dominates and the \
   ratio moves towards 1.
-- **Latency at 1,000 ev/s.** On the main server (shared with builds and tests) the tail is the \
-  machine's load. On the quiet throwaway server with the library preloaded, p99 is met and p50 is \
-  within a millisecond of the goal: the two halves (commit → claim: wake-up and claim; claim → \
-  ack: publish with `acks=all`, delivery report, ack) each take about 3 ms on 2 cores that also \
-  run the broker and the load generator. Lift: the broker and the database on cores of their own.
-- **Latency at 5,000 ev/s.** The relay drains keyed single-event transactions more slowly than \
-  5,000/s on this machine, so a backlog builds and start → claim grows to seconds while claim → \
-  ack stays well under a second. Lifts: more cores (database, broker and relay compete here), \
-  `--concurrency` > 1, unordered topics for events that need no per-key order.
+- **Latency.** A round is a claim, the publish with `acks=all` until its delivery reports, and \
+  an ack, one after the other; an event committed during a round waits for it to end (section 3, \
+  \"Where the time goes\", commit → claim). On 2 cores that also run the broker, the producers and \
+  the consumer, each stage slows with the load, so the tails and the higher rates follow the \
+  machine's CPU. Lift: the broker and the database on cores of their own.
 - **Without `shared_preload_libraries`** (polling): the wait probes the queue every \
   `outbox.wait_poll_interval` (10 ms), which costs the idle server more than 1 % of a core and \
   adds up to a poll interval of latency. Lift: preload the library (the `commit` rows), or a \
