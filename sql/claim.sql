@@ -204,7 +204,7 @@ BEGIN
     END IF;
     token := nextval('@extschema@.outbox_claim_token_seq');
     -- A claim lost in a crash only hands its events out again, as its lease would: no need to
-    -- wait for its WAL flush. The caller's synchronous ack flushes it (docs/reference.md).
+    -- wait for its WAL flush. The durable ack after it flushes it too (docs/reference.md).
     PERFORM set_config('synchronous_commit', 'off', true);
     -- The stream first, while the claim holds no row lock: its waits (the stream's lock, a key
     -- row being inserted) then never close a cycle (docs/design.md, "Lock order"). Due tracked

@@ -181,6 +181,10 @@ async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
 async fn a_claim_commits_without_waiting_for_its_wal_flush_and_the_ack_does_wait() {
     let db = TestDb::create();
     let mut c = db.connect().await;
+    // The session's own setting, whatever the server's: the ack is to keep it.
+    c.batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
     let id = enqueue(&c, "orders").await;
     let setting = "SELECT current_setting('synchronous_commit')";
     let tx = c.transaction().await.unwrap();
