@@ -283,8 +283,8 @@ pub async fn run(db: &TestDb, p: &Profile) -> Result<EnqueueSummary> {
          empty: every commit that enqueued looks for waiters of its own database (server wake-up \
          mode `{wake_mode}`; this waiter, of another database, was woken {} times during the \
          default variant, {:.2} per outbox transaction). No relay drains meanwhile (its claims \
-         are the relay's cost, not the producer's). The notify-on contrast row sets `outbox.notify = on` in the producers while \
-         a session LISTENs on `outbox`.\n\n{}",
+         are the relay's cost, not the producer's). The notify-on contrast row sets \
+         `outbox.notify = on` in the producers while a session LISTENs on `outbox`.\n\n{}",
         p.enqueue_clients,
         p.enqueue_rounds,
         p.enqueue_time.as_secs_f64(),
