@@ -103,6 +103,9 @@ pub async fn probe_loop(
                 }
                 Err(why) => {
                     tracing::debug!(probes, "broker probe failed: {why}");
+                    if let Some(r) = publisher.reconnect().await {
+                        metrics.client_replaced(publisher.name(), &r);
+                    }
                     backoff = (backoff * 2).min(defaults::BREAKER_BACKOFF_MAX);
                 }
             }

@@ -16,7 +16,7 @@ use crate::breaker::Breaker;
 use crate::defaults;
 use crate::error::{DbError, FailureClass};
 use crate::metrics::Metrics;
-use crate::sink::{Outcome, Replaced, Sink};
+use crate::sink::{Outcome, Sink};
 use crate::store::{Event, Store};
 use crate::unknown::UnknownErrors;
 
@@ -170,16 +170,8 @@ impl Relay {
         self.metrics
             .producer_failures
             .inc_by(producer_failures as u64);
-        if let Some(Replaced { reason, detail }) = replaced {
-            self.metrics
-                .producer_replaced
-                .with_label_values(&[reason.label()])
-                .inc();
-            tracing::warn!(
-                reason = reason.label(),
-                "the {} producer became unusable ({detail}): replaced by a new producer; this round's failed events are retried",
-                self.publisher.name()
-            );
+        if let Some(r) = replaced {
+            self.metrics.client_replaced(self.publisher.name(), &r);
         }
         let published_at = Instant::now();
 

@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
-use crate::sink::ReplaceReason;
+use crate::sink::{ReplaceReason, Replaced};
 use crate::Fatal;
 
 pub struct Metrics {
@@ -106,6 +106,17 @@ impl Metrics {
         Metrics::in_registry(health, Registry::new())
     }
 
+    /// Counts and logs a `broker` client replaced by a new one.
+    pub fn client_replaced(&self, broker: &str, replaced: &Replaced) {
+        let reason = replaced.reason.label();
+        self.producer_replaced.with_label_values(&[reason]).inc();
+        tracing::warn!(
+            reason,
+            "the {broker} producer was replaced by a new one ({}); events not delivered are retried",
+            replaced.detail
+        );
+    }
+
     /// The metrics registered in `r` (one with a `database` label per database of a fleet).
     pub fn in_registry(health: Health, r: Registry) -> Arc<Metrics> {
         Arc::new(Metrics {
@@ -165,7 +176,7 @@ impl Metrics {
                     "Kafka producers replaced because they became unusable; reason=fenced: a \
                      delivery report rejected its id, epoch or sequence; fatal: librdkafka raised a \
                      fatal error; timeouts: rounds in a row that delivered nothing and only \
-                     timed out",
+                     timed out; unreachable: a probe of the open circuit breaker failed",
                     &["reason"],
                 );
                 // Exported at 0 from the start: a scraper tells "never" from "not exported".

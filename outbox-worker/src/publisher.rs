@@ -442,8 +442,20 @@ impl Sink for Publisher {
     }
 
     async fn health(&self, timeout: Duration) -> Result<String, String> {
-        let (brokers, topics) = self.metadata(timeout).await?;
-        Ok(format!("{brokers} brokers, {topics} topics"))
+        match self.metadata(timeout).await? {
+            (0, _) => Err("the answer lists no broker (a broker shutting down answers so)".into()),
+            (brokers, topics) => Ok(format!("{brokers} brokers, {topics} topics")),
+        }
+    }
+
+    /// librdkafka (2.10 on) forgets every broker it knows when a metadata answer lists none, as a
+    /// broker gives while it shuts down, and then never connects again (librdkafka issue 5301):
+    /// only a new producer, starting from `bootstrap.servers`, finds the broker.
+    async fn reconnect(&self) -> Option<Replaced> {
+        self.replace(&self.current()).map(|()| Replaced {
+            reason: ReplaceReason::Unreachable,
+            detail: "a probe of the open circuit breaker failed".into(),
+        })
     }
 
     async fn flush(&self) {

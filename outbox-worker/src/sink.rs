@@ -31,6 +31,12 @@ pub trait Sink: Send + Sync {
 
     /// Waits (at most the send timeout) for whatever is still on its way to the broker.
     async fn flush(&self);
+
+    /// Called after a failed probe of the open breaker: replaces a client that may not find the
+    /// broker again by itself, and says why. Clients that reconnect on their own keep theirs.
+    async fn reconnect(&self) -> Option<Replaced> {
+        None
+    }
 }
 
 /// One event's outcome in a round.
@@ -59,13 +65,16 @@ pub enum ReplaceReason {
     Fatal,
     /// Several rounds in a row that delivered nothing and only timed out.
     Timeouts,
+    /// A probe of the open breaker failed (`Sink::reconnect`).
+    Unreachable,
 }
 
 impl ReplaceReason {
-    pub const ALL: [ReplaceReason; 3] = [
+    pub const ALL: [ReplaceReason; 4] = [
         ReplaceReason::Fenced,
         ReplaceReason::Fatal,
         ReplaceReason::Timeouts,
+        ReplaceReason::Unreachable,
     ];
 
     pub fn label(self) -> &'static str {
@@ -73,6 +82,7 @@ impl ReplaceReason {
             ReplaceReason::Fenced => "fenced",
             ReplaceReason::Fatal => "fatal",
             ReplaceReason::Timeouts => "timeouts",
+            ReplaceReason::Unreachable => "unreachable",
         }
     }
 }

@@ -8,6 +8,7 @@ mod model_ordering;
 mod model_state_machine;
 mod package;
 mod relay_admin;
+mod relay_broker_shutdown;
 mod relay_e2e;
 mod relay_failover;
 mod relay_faults;

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use crate::relay::Relay;
 
 /// Reasons the relay exports for `outbox_producer_replaced_total` (each at 0 from the start).
-pub(super) const REPLACE_REASONS: [&str; 3] = ["fenced", "fatal", "timeouts"];
+pub(super) const REPLACE_REASONS: [&str; 4] = ["fenced", "fatal", "timeouts", "unreachable"];
 
 /// One relay's counters as of its last scrape.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -115,7 +115,8 @@ mod tests {
             outbox_stale_acks_total 6\n\
             outbox_producer_replaced_total{reason=\"fatal\"} 0\n\
             outbox_producer_replaced_total{reason=\"fenced\"} 1\n\
-            outbox_producer_replaced_total{reason=\"timeouts\"} 2\n";
+            outbox_producer_replaced_total{reason=\"timeouts\"} 2\n\
+            outbox_producer_replaced_total{reason=\"unreachable\"} 0\n";
         let c = parse(body).expect("parses");
         assert_eq!((c.failed_transient, c.failed_permanent), (5, 7));
         assert_eq!(c.producer_failures, 4);
