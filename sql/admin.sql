@@ -193,6 +193,57 @@ BEGIN
 END
 $$;
 
+-- Stream events past the cursor (committed ones: a plain read sees no other), read as
+-- outbox_stream_take reads them, so the cost follows the backlog.
+CREATE FUNCTION @extschema@.outbox_stream_waiting(OUT waiting bigint, OUT oldest timestamptz)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    SELECT count(*), min(w.created_at) INTO waiting, oldest
+      FROM @extschema@.outbox_cursor() c
+      CROSS JOIN LATERAL (
+          SELECT e.created_at FROM @extschema@.outbox_stream e
+           WHERE e.id IN (SELECT r.id FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id,
+                                                                          c.win_lo, c.win_hi, NULL) r)
+          UNION ALL
+          SELECT e.created_at FROM @extschema@.outbox_stream e WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
+          UNION ALL
+          SELECT e.created_at FROM pg_snapshot_xip(c.cur_snap) x
+           CROSS JOIN LATERAL (SELECT e.created_at FROM @extschema@.outbox_stream e
+                                WHERE e.txid = x OFFSET 0) e
+      ) w;
+END
+$$;
+
+-- SUCCESS rows are the history: counted exactly while the tables are small, else estimated from
+-- the planner's statistics (reltuples) less the `unfinished` rows.
+CREATE FUNCTION @extschema@.outbox_succeeded(unfinished bigint) RETURNS bigint
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    -- Below this size (both tables together, or one table) a count is cheap.
+    small constant bigint := 8 * 1024 * 1024;
+BEGIN
+    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
+       + pg_relation_size('@extschema@.outbox_stream'::regclass) < small THEN
+        RETURN (SELECT count(*) FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS');
+    END IF;
+    -- A table never vacuumed nor analyzed has no estimate (-1): count its rows while it is small,
+    -- else take it as empty until autovacuum has seen it (an exact count would read the whole
+    -- stream's history).
+    RETURN greatest((SELECT sum(CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
+                                     WHEN pg_relation_size(c.oid) >= small THEN 0
+                                     WHEN c.oid = '@extschema@.outbox_tracked'::regclass
+                                     THEN (SELECT count(*) FROM @extschema@.outbox_tracked)
+                                     ELSE (SELECT count(*) FROM @extschema@.outbox_stream) END)
+                       FROM pg_class c
+                      WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass,
+                                      '@extschema@.outbox_stream'::regclass)) - unfinished, 0);
+END
+$$;
+
 CREATE FUNCTION @extschema@.outbox_stats(
     OUT due_wait bigint,
     OUT delayed_wait bigint,
@@ -209,9 +260,6 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
-    -- Below this size (both tables together, or one table) a count is cheap.
-    small constant bigint := 8 * 1024 * 1024;
-    est bigint;
     stream_wait bigint;
     stream_oldest timestamptz;
 BEGIN
@@ -228,21 +276,7 @@ BEGIN
             UNION ALL
             SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
              WHERE e.ordered AND e.status <> 'SUCCESS' AND e.status = 'WAIT') w;
-    -- Stream events past the cursor (committed ones: a plain read sees no other), read as
-    -- outbox_stream_take reads them, so the cost follows the backlog.
-    SELECT count(*), min(w.created_at) INTO stream_wait, stream_oldest
-      FROM @extschema@.outbox_cursor() c
-      CROSS JOIN LATERAL (
-          SELECT e.created_at FROM @extschema@.outbox_stream e
-           WHERE e.id IN (SELECT r.id FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id,
-                                                                          c.win_lo, c.win_hi, NULL) r)
-          UNION ALL
-          SELECT e.created_at FROM @extschema@.outbox_stream e WHERE e.txid >= pg_snapshot_xmax(c.cur_snap)
-          UNION ALL
-          SELECT e.created_at FROM pg_snapshot_xip(c.cur_snap) x
-           CROSS JOIN LATERAL (SELECT e.created_at FROM @extschema@.outbox_stream e
-                                WHERE e.txid = x OFFSET 0) e
-      ) w;
+    SELECT w.waiting, w.oldest INTO stream_wait, stream_oldest FROM @extschema@.outbox_stream_waiting() w;
     due_wait := due_wait + stream_wait;
     oldest_due_age := CASE WHEN stream_oldest IS NULL THEN oldest_due_age
                            ELSE greatest(oldest_due_age, stamp - stream_oldest) END;
@@ -267,24 +301,6 @@ BEGIN
            LIMIT 1
       ) h
      WHERE k.state = 'blocked';
-    -- SUCCESS rows are the history: count them exactly while the tables are small, estimate
-    -- from the planner's statistics (reltuples) beyond that.
-    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
-       + pg_relation_size('@extschema@.outbox_stream'::regclass) < small THEN
-        SELECT count(*) INTO succeeded FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS';
-    ELSE
-        -- A table never vacuumed nor analyzed has no estimate (-1): count its rows while it is
-        -- small, else take it as empty until autovacuum has seen it (an exact count would read
-        -- the whole stream's history).
-        SELECT sum(CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
-                        WHEN pg_relation_size(c.oid) >= small THEN 0
-                        WHEN c.oid = '@extschema@.outbox_tracked'::regclass
-                        THEN (SELECT count(*) FROM @extschema@.outbox_tracked)
-                        ELSE (SELECT count(*) FROM @extschema@.outbox_stream) END)
-          INTO est
-          FROM pg_class c
-         WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass, '@extschema@.outbox_stream'::regclass);
-        succeeded := greatest(est - due_wait - delayed_wait - sending - failed, 0);
-    END IF;
+    succeeded := @extschema@.outbox_succeeded(due_wait + delayed_wait + sending + failed);
 END
 $$;

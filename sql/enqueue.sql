@@ -98,57 +98,17 @@ BEGIN
 END
 $$;
 
--- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks (errors name
--- the array position, from 1). The arrays are read in step (NULL or as long as payloads); ids come
--- back in array order, which is publish order within a key.
-CREATE FUNCTION @extschema@.outbox_enqueue_many(
-    topic text,
-    payloads jsonb[],
-    keys text[] DEFAULT NULL,
-    event_types text[] DEFAULT NULL,
-    headers jsonb[] DEFAULT NULL,
-    deliver_at timestamptz DEFAULT NULL
-) RETURNS SETOF bigint
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+-- outbox_enqueue_many's checks of each element, outbox_enqueue's rules: raises for the first bad
+-- one (by position, from 1), before anything is written.
+CREATE FUNCTION @extschema@.outbox_check_elements(fn text, payloads jsonb[], keys text[], headers jsonb[])
+RETURNS void
+LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    fn constant text := 'outbox_enqueue_many';
-    n int := coalesce(cardinality(payloads), 0);
-    ordered_topic boolean;
-    due_later boolean := coalesce(deliver_at > now(), false);
     bad record;
     max_bytes int;
 BEGIN
-    -- The topic's checks and the wake-up note, once for the whole batch.
-    PERFORM @extschema@.outbox_enqueue_begin(topic, NULL);
-    ordered_topic := @extschema@.outbox_topic_ordered(topic);
-    IF payloads IS NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
-            MESSAGE = format('%s: payloads must be an array of JSON values, not NULL', fn);
-    END IF;
-    IF array_ndims(payloads) > 1 OR array_ndims(keys) > 1 OR array_ndims(event_types) > 1
-       OR array_ndims(headers) > 1 THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: the arrays must be one-dimensional', fn);
-    END IF;
-    SELECT a.name, a.len INTO bad
-      FROM (VALUES ('keys', cardinality(keys)), ('event_types', cardinality(event_types)),
-                   ('headers', cardinality(headers))) a(name, len)
-     WHERE a.len IS NOT NULL AND a.len <> n
-     LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: %s has %s elements, payloads %s (give one per payload, or NULL)',
-                             fn, bad.name, bad.len, n);
-    END IF;
-    IF NOT isfinite(deliver_at) THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: deliver_at must be a finite timestamp (or NULL for now)', fn),
-            DETAIL = format('deliver_at = %s', deliver_at);
-    END IF;
-
-    -- Every element is checked before anything is written; the first bad one is reported.
     SELECT u.pos INTO bad FROM unnest(payloads) WITH ORDINALITY u(p, pos) WHERE u.p IS NULL LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
@@ -193,6 +153,59 @@ BEGIN
                              fn, bad.pos, bad.payload_bytes::bigint + bad.key_bytes + bad.header_bytes,
                              bad.payload_bytes, bad.key_bytes, bad.header_bytes, max_bytes);
     END IF;
+END
+$$;
+
+-- Many events of one topic in one call, all or nothing, with outbox_enqueue's checks (errors name
+-- the array position, from 1). The arrays are read in step (NULL or as long as payloads); ids come
+-- back in array order, which is publish order within a key.
+CREATE FUNCTION @extschema@.outbox_enqueue_many(
+    topic text,
+    payloads jsonb[],
+    keys text[] DEFAULT NULL,
+    event_types text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_at timestamptz DEFAULT NULL
+) RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    fn constant text := 'outbox_enqueue_many';
+    n int := coalesce(cardinality(payloads), 0);
+    ordered_topic boolean;
+    due_later boolean := coalesce(deliver_at > now(), false);
+    bad record;
+BEGIN
+    -- The topic's checks and the wake-up note, once for the whole batch.
+    PERFORM @extschema@.outbox_enqueue_begin(topic, NULL);
+    ordered_topic := @extschema@.outbox_topic_ordered(topic);
+    IF payloads IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
+            MESSAGE = format('%s: payloads must be an array of JSON values, not NULL', fn);
+    END IF;
+    IF array_ndims(payloads) > 1 OR array_ndims(keys) > 1 OR array_ndims(event_types) > 1
+       OR array_ndims(headers) > 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: the arrays must be one-dimensional', fn);
+    END IF;
+    SELECT a.name, a.len INTO bad
+      FROM (VALUES ('keys', cardinality(keys)), ('event_types', cardinality(event_types)),
+                   ('headers', cardinality(headers))) a(name, len)
+     WHERE a.len IS NOT NULL AND a.len <> n
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s has %s elements, payloads %s (give one per payload, or NULL)',
+                             fn, bad.name, bad.len, n);
+    END IF;
+    IF NOT isfinite(deliver_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: deliver_at must be a finite timestamp (or NULL for now)', fn),
+            DETAIL = format('deliver_at = %s', deliver_at);
+    END IF;
+
+    PERFORM @extschema@.outbox_check_elements(fn, payloads, keys, headers);
 
     -- Ids are drawn in array order; events due later go to outbox_tracked (unordered, as in
     -- outbox_enqueue), the rest to outbox_stream.

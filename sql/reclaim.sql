@@ -84,6 +84,40 @@ AS $$
       FROM (SELECT gone_at[array_position(gone_owners, owner)] AS at) g
 $$;
 
+-- outbox_reclaim_returning's stream part: batches past their lease, or whose owner is gone (the
+-- same rule); their events become tracked copies after one failed attempt. SKIP LOCKED: a batch
+-- locked right now is being settled.
+CREATE FUNCTION @extschema@.outbox_reclaim_batches(stamp timestamptz, lease interval, gone_owners text[],
+                                                   gone_at timestamptz[], max_retry int)
+RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    batch record;
+BEGIN
+    FOR batch IN
+        SELECT b.claim_token, b.claim_owner, b.pending, r.why
+          FROM @extschema@.outbox_stream_batch b
+         CROSS JOIN LATERAL (SELECT @extschema@.outbox_reclaim_reason(b.claim_owner, b.claimed_at, stamp,
+                                                                      lease, gone_owners, gone_at) AS why) r
+         WHERE r.why IS NOT NULL
+           -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
+           AND b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c)
+         ORDER BY b.claim_token
+         FOR UPDATE OF b SKIP LOCKED
+    LOOP
+        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = batch.claim_token;
+        RETURN QUERY
+        SELECT m.id, m.topic, m.status, m.retry_count, batch.claim_owner
+          FROM @extschema@.outbox_stream_track(batch.pending,
+                   @extschema@.outbox_status_after_failure(1, max_retry), 1, stamp, batch.why, stamp) m
+         ORDER BY m.id;
+        PERFORM @extschema@.outbox_keys_track(batch.pending, stamp);
+    END LOOP;
+END
+$$;
+
 -- Expired claims back to WAIT (or FAIL): claims past their lease, and claims whose owner's
 -- heartbeat ran out (outbox_heartbeat). Returns each reclaimed row with its new state and the
 -- owner that held it, so the caller can log and count the dead letters it made.
@@ -102,7 +136,7 @@ DECLARE
     owners text[];
     topics text[];
     event_keys text[];
-    batch record;
+    batch_rows int;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_reclaim');
     SELECT * INTO cfg FROM @extschema@.outbox_config();
@@ -152,35 +186,15 @@ BEGIN
       JOIN @extschema@.outbox_tracked e ON e.id = o.id
      ORDER BY e.id;
     done := coalesce(cardinality(reclaimed_ids), 0);
-    -- Stream batches past their lease, or whose owner is gone: their events become tracked copies
-    -- after one failed attempt. SKIP LOCKED: a batch locked right now is being settled.
-    FOR batch IN
-        SELECT b.claim_token, b.claim_owner, b.pending, r.why
-          FROM @extschema@.outbox_stream_batch b
-         CROSS JOIN LATERAL (SELECT @extschema@.outbox_reclaim_reason(b.claim_owner, b.claimed_at, stamp,
-                                                                      lease, gone_owners, gone_at) AS why) r
-         WHERE r.why IS NOT NULL
-           -- From the floor on (outbox_stream_cursor.batch_floor): below it every batch is settled.
-           AND b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c)
-         ORDER BY b.claim_token
-         FOR UPDATE OF b SKIP LOCKED
-    LOOP
-        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = batch.claim_token;
-        RETURN QUERY
-        SELECT m.id, m.topic, m.status, m.retry_count, batch.claim_owner
-          FROM @extschema@.outbox_stream_track(batch.pending,
-                   @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1, stamp, batch.why, stamp) m
-         ORDER BY m.id;
-        PERFORM @extschema@.outbox_keys_track(batch.pending, stamp);
-        done := done + cardinality(batch.pending);
-    END LOOP;
+    RETURN QUERY SELECT * FROM @extschema@.outbox_reclaim_batches(stamp, lease, gone_owners, gone_at, cfg.max_retry);
+    GET DIAGNOSTICS batch_rows = ROW_COUNT;
     -- Owners gone for longer than a lease hold nothing the lease has not taken back (a claim
     -- skipped above as locked included): their rows go, so the table stays as small as the
     -- set of live claimers.
     IF cardinality(gone_owners) > 0 THEN
         DELETE FROM @extschema@.outbox_owner o WHERE o.expires_at < stamp - lease;
     END IF;
-    IF done > 0 AND cfg.notify THEN
+    IF done + batch_rows > 0 AND cfg.notify THEN
         PERFORM pg_notify('outbox', '');
     END IF;
 END

@@ -750,6 +750,11 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_backoff", "2, 5000::bigint, 60000::bigint, 0.1"),
         ("outbox_check_max_rows", "'f', 10"),
         (
+            "outbox_check_elements",
+            "'f', ARRAY['{}'::jsonb], ARRAY['k-1'], ARRAY['{\"h\": \"v\"}'::jsonb]",
+        ),
+        ("outbox_succeeded", "0"),
+        (
             "outbox_reclaim_reason",
             "'relay-1', now() - interval '1 hour', now(), interval '10 minutes', '{}', '{}'",
         ),
@@ -806,6 +811,11 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             "pg_current_snapshot(), pg_current_snapshot(), 0::bigint, 1::bigint, 10::bigint, 10",
         ),
         ("outbox_stream_divert", "'{}', '{}', now(), 0::bigint"),
+        ("outbox_stream_waiting", ""),
+        (
+            "outbox_reclaim_batches",
+            "now(), interval '10 minutes', '{}', '{}', 3",
+        ),
     ] {
         api.call(func, args, &[]).await;
     }
