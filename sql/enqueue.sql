@@ -9,6 +9,34 @@ AS $$
     SELECT pg_catalog.hashtextextended(topic OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) event_key, 0)
 $$;
 
+-- Headers are a JSON object of strings, without the names the relay sets itself; `what` names
+-- the argument in the error (headers, headers[2]). Raises 22023.
+CREATE FUNCTION @extschema@.outbox_check_headers(fn text, what text, headers jsonb) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    header record;
+BEGIN
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s must be a JSON object whose values are strings', fn, what),
+            DETAIL = format('%s is a JSON %s', what, jsonb_typeof(headers));
+    END IF;
+    SELECT h.key, jsonb_typeof(h.value) AS kind INTO header FROM jsonb_each(headers) h
+     WHERE jsonb_typeof(h.value) <> 'string' OR h.key IN ('event_id', 'event_type', 'event_key', 'outbox_id')
+     LIMIT 1;
+    IF header.kind <> 'string' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s must be a JSON object whose values are strings', fn, what),
+            DETAIL = format('header %L is a JSON %s', header.key, header.kind);
+    ELSIF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('%s: %s: header %L is set by the relay and cannot be given', fn, what, header.key);
+    END IF;
+END
+$$;
+
 CREATE FUNCTION @extschema@.outbox_enqueue(
     topic text,
     payload jsonb,
@@ -21,7 +49,6 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    header record;
     payload_bytes int;
     message_bytes bigint;
     max_bytes int;
@@ -36,23 +63,8 @@ BEGIN
             MESSAGE = 'outbox_enqueue: payload must not be NULL (use ''null''::jsonb for a JSON null)';
     END IF;
     headers := coalesce(headers, '{}'::jsonb);
-    IF jsonb_typeof(headers) <> 'object' THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
-            DETAIL = format('headers is a JSON %s', jsonb_typeof(headers));
-    END IF;
     IF headers <> '{}'::jsonb THEN
-        FOR header IN SELECT h.key, jsonb_typeof(h.value) AS kind FROM jsonb_each(headers) h LOOP
-            IF header.kind <> 'string' THEN
-                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-                    MESSAGE = 'outbox_enqueue: headers must be a JSON object whose values are strings',
-                    DETAIL = format('header %L is a JSON %s', header.key, header.kind);
-            END IF;
-            IF header.key IN ('event_id', 'event_type', 'event_key', 'outbox_id') THEN
-                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-                    MESSAGE = format('outbox_enqueue: header %L is set by the relay and cannot be given in headers', header.key);
-            END IF;
-        END LOOP;
+        PERFORM @extschema@.outbox_check_headers('outbox_enqueue', 'headers', headers);
     END IF;
     -- 'infinity' would be stored and never become due.
     IF NOT isfinite(deliver_at) THEN
@@ -114,30 +126,10 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
             MESSAGE = format('%s: payloads[%s] is NULL (use ''null''::jsonb for a JSON null)', fn, bad.pos);
     END IF;
-    SELECT u.pos, jsonb_typeof(u.h) AS kind INTO bad
-      FROM unnest(headers) WITH ORDINALITY u(h, pos)
-     WHERE u.h IS NOT NULL AND jsonb_typeof(u.h) <> 'object'
-     LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
-            DETAIL = format('headers[%s] is a JSON %s', bad.pos, bad.kind);
-    END IF;
-    SELECT u.pos, e.key, jsonb_typeof(e.value) AS kind INTO bad
-      FROM unnest(headers) WITH ORDINALITY u(h, pos)
-      CROSS JOIN LATERAL jsonb_each(u.h) e
-     WHERE u.h IS NOT NULL AND u.h <> '{}'::jsonb
-       AND (jsonb_typeof(e.value) <> 'string' OR e.key IN ('event_id', 'event_type', 'event_key', 'outbox_id'))
-     ORDER BY u.pos
-     LIMIT 1;
-    IF FOUND AND bad.kind <> 'string' THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: headers[%s] must be a JSON object whose values are strings', fn, bad.pos),
-            DETAIL = format('header %L is a JSON %s', bad.key, bad.kind);
-    ELSIF FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: headers[%s]: header %L is set by the relay and cannot be given in headers', fn, bad.pos, bad.key);
-    END IF;
+    PERFORM @extschema@.outbox_check_headers(fn, format('headers[%s]', u.pos), u.h)
+       FROM unnest(headers) WITH ORDINALITY u(h, pos)
+      WHERE u.h <> '{}'::jsonb
+      ORDER BY u.pos;
     max_bytes := @extschema@.outbox_max_payload_bytes();
     SELECT m.pos, m.payload_bytes, m.key_bytes, m.header_bytes INTO bad
       FROM (SELECT u.pos, octet_length(u.p::text) AS payload_bytes,

@@ -754,6 +754,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             "'f', ARRAY['{}'::jsonb], ARRAY['k-1'], ARRAY['{\"h\": \"v\"}'::jsonb]",
         ),
         ("outbox_succeeded", "0"),
+        ("outbox_check_headers", "'f', 'headers', '{\"h\": \"v\"}'"),
         (
             "outbox_reclaim_reason",
             "'relay-1', now() - interval '1 hour', now(), interval '10 minutes', '{}', '{}'",
