@@ -91,7 +91,7 @@ pub async fn probe_loop(
                 _ = tokio::time::sleep(jittered(backoff)) => {}
             }
             probes += 1;
-            match publisher.health(probe_timeout).await {
+            match crate::sink::health_or_reconnect(&*publisher, probe_timeout, &metrics).await {
                 Ok(answer) => {
                     tracing::info!(
                         answer,
@@ -103,9 +103,6 @@ pub async fn probe_loop(
                 }
                 Err(why) => {
                     tracing::debug!(probes, "broker probe failed: {why}");
-                    if let Some(r) = publisher.reconnect().await {
-                        metrics.client_replaced(publisher.name(), &r);
-                    }
                     backoff = (backoff * 2).min(defaults::BREAKER_BACKOFF_MAX);
                 }
             }

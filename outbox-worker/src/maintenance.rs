@@ -123,7 +123,8 @@ pub async fn stats_loop(
 }
 
 /// Every `every`, one metadata request answered within `timeout` sets whether the broker is
-/// reachable (the rounds' outcomes set it too, in between).
+/// reachable (the rounds' outcomes set it too, in between); a failed one replaces the producer,
+/// so that an idle relay's producer that lost its brokers does not keep it unready.
 pub async fn broker_watch(
     relay: Arc<Relay>,
     every: Duration,
@@ -138,7 +139,7 @@ pub async fn broker_watch(
         // A frozen broker holds the request for `timeout`: not the stop.
         let ok = tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            r = relay.publisher.health(timeout) => r,
+            r = crate::sink::health_or_reconnect(&*relay.publisher, timeout, &relay.metrics) => r,
         };
         if let Err(e) = &ok {
             tracing::debug!("{} health request failed: {e}", relay.publisher.name());

@@ -176,7 +176,7 @@ impl Metrics {
                     "Kafka producers replaced because they became unusable; reason=fenced: a \
                      delivery report rejected its id, epoch or sequence; fatal: librdkafka raised a \
                      fatal error; timeouts: rounds in a row that delivered nothing and only \
-                     timed out; unreachable: a probe of the open circuit breaker failed",
+                     timed out; unreachable: a health request to the broker failed",
                     &["reason"],
                 );
                 // Exported at 0 from the start: a scraper tells "never" from "not exported".

@@ -454,7 +454,7 @@ impl Sink for Publisher {
     async fn reconnect(&self) -> Option<Replaced> {
         self.replace(&self.current()).map(|()| Replaced {
             reason: ReplaceReason::Unreachable,
-            detail: "a probe of the open circuit breaker failed".into(),
+            detail: "a health request to the broker failed".into(),
         })
     }
 

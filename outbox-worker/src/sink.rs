@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 
 use crate::error::{FailureClass, PublishError};
+use crate::metrics::Metrics;
 use crate::store::Event;
 
 /// The sink's contract, which every implementation keeps:
@@ -32,8 +33,8 @@ pub trait Sink: Send + Sync {
     /// Waits (at most the send timeout) for whatever is still on its way to the broker.
     async fn flush(&self);
 
-    /// Called after a failed probe of the open breaker: replaces a client that may not find the
-    /// broker again by itself, and says why. Clients that reconnect on their own keep theirs.
+    /// Called after a failed health request: replaces a client that may not find the broker
+    /// again by itself, and says why. Clients that reconnect on their own keep theirs.
     async fn reconnect(&self) -> Option<Replaced> {
         None
     }
@@ -65,7 +66,7 @@ pub enum ReplaceReason {
     Fatal,
     /// Several rounds in a row that delivered nothing and only timed out.
     Timeouts,
-    /// A probe of the open breaker failed (`Sink::reconnect`).
+    /// A health request failed: the breaker's probe or the periodic one (`Sink::reconnect`).
     Unreachable,
 }
 
@@ -92,6 +93,22 @@ impl ReplaceReason {
 pub struct Replaced {
     pub reason: ReplaceReason,
     pub detail: String,
+}
+
+/// One health request; when it fails, the sink's client is replaced if the sink asks for it
+/// (`Sink::reconnect`), counted and logged, so that the next request starts afresh.
+pub async fn health_or_reconnect(
+    sink: &dyn Sink,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<String, String> {
+    let answer = sink.health(timeout).await;
+    if answer.is_err() {
+        if let Some(r) = sink.reconnect().await {
+            metrics.client_replaced(sink.name(), &r);
+        }
+    }
+    answer
 }
 
 /// Asks the broker once at start-up (logged), so the first round does not pay for the connection

@@ -1,13 +1,15 @@
 //! A Kafka broker that shuts down can answer a metadata request without listing any broker;
 //! librdkafka then forgets every broker it knew and never connects again (its issue 5301). The
-//! relay's circuit breaker replaces such a producer after a failed probe, so it finds the broker
-//! once it is back: the relay's own breaker and Kafka publisher, in process, against a real broker.
+//! relay replaces the producer after a failed health request, so it finds the broker once it is
+//! back: with its own breaker and publisher in process, and as an idle relay process.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_tests::broker::Broker;
+use outbox_tests::db::TestDb;
+use outbox_tests::relay::Relay;
 use outbox_worker::breaker::{probe_loop, Breaker};
 use outbox_worker::health::Health;
 use outbox_worker::kafka_metrics::KafkaMetrics;
@@ -83,6 +85,53 @@ async fn the_breaker_reaches_a_restarted_broker_that_had_answered_without_broker
         matches!(outcomes[..], [Outcome::Delivered { .. }]),
         "{outcomes:?}"
     );
+}
+
+/// An idle relay asks the broker for its metadata every `--stats-interval`; the one answer that
+/// listed no broker must not keep it unready once the broker is back.
+#[test]
+fn an_idle_relay_is_ready_again_after_the_broker_answered_without_brokers() {
+    let db = TestDb::create();
+    let mut broker = Broker::start();
+    broker.create_topic("orders");
+    let relay = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &["--stats-interval", "20ms", "--send-timeout", "1s"],
+    );
+    wait_ready(&relay, Duration::from_secs(20));
+    let mut cycles = 0;
+    while !relay.logs().contains("the answer lists no broker") {
+        cycles += 1;
+        assert!(
+            cycles <= CYCLES,
+            "no answer without brokers in {CYCLES} shutdowns"
+        );
+        broker.stop();
+        broker.start_again();
+        wait_ready(&relay, Duration::from_secs(30));
+    }
+    let replaced = relay
+        .metric_where("outbox_producer_replaced_total", "reason=\"unreachable\"")
+        .unwrap_or(0.0);
+    assert!(replaced >= 1.0, "ready again without a new producer");
+}
+
+/// Waits until the relay's /ready says 200; fails with its log after `within`.
+fn wait_ready(relay: &Relay, within: Duration) {
+    let t = Instant::now();
+    loop {
+        let (status, body) = relay.http_get("/ready").unwrap_or_default();
+        if status.contains("200") {
+            return;
+        }
+        assert!(
+            t.elapsed() < within,
+            "not ready: {status} {body}\n{}",
+            relay.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Stops the broker while asking it for metadata in a loop; whether an answer listed no broker.
