@@ -106,15 +106,19 @@ impl Metrics {
         Metrics::in_registry(health, Registry::new())
     }
 
-    /// Counts and logs a `broker` client replaced by a new one.
+    /// Counts and logs a `broker` client replaced by a new one: `info` for a failed health
+    /// request (routine during an outage, whose breaker already warns), `warn` otherwise.
     pub fn client_replaced(&self, broker: &str, replaced: &Replaced) {
         let reason = replaced.reason.label();
         self.producer_replaced.with_label_values(&[reason]).inc();
-        tracing::warn!(
-            reason,
+        let line = format!(
             "the {broker} producer was replaced by a new one ({}); events not delivered are retried",
             replaced.detail
         );
+        match replaced.reason {
+            ReplaceReason::Unreachable => tracing::info!(reason, "{line}"),
+            _ => tracing::warn!(reason, "{line}"),
+        }
     }
 
     /// The metrics registered in `r` (one with a `database` label per database of a fleet).
@@ -173,7 +177,7 @@ impl Metrics {
                 let c = counter_vec(
                     &r,
                     "outbox_producer_replaced_total",
-                    "Kafka producers replaced because they became unusable; reason=fenced: a \
+                    "Kafka producers replaced by a new one; reason=fenced: a \
                      delivery report rejected its id, epoch or sequence; fatal: librdkafka raised a \
                      fatal error; timeouts: rounds in a row that delivered nothing and only \
                      timed out; unreachable: a health request to the broker failed",
