@@ -123,8 +123,9 @@ pub async fn stats_loop(
 }
 
 /// Every `every`, one metadata request answered within `timeout` sets whether the broker is
-/// reachable (the rounds' outcomes set it too, in between); a failed one replaces the producer,
-/// so that an idle relay's producer that lost its brokers does not keep it unready.
+/// reachable (the rounds' outcomes set it too, in between). While the breaker is closed a failed
+/// one replaces the producer, so that an idle relay's producer that lost its brokers does not
+/// keep it unready; while it is open, its prober does that.
 pub async fn broker_watch(
     relay: Arc<Relay>,
     every: Duration,
@@ -137,9 +138,16 @@ pub async fn broker_watch(
             _ = tokio::time::sleep(every) => {}
         }
         // A frozen broker holds the request for `timeout`: not the stop.
+        let request = async {
+            if relay.breaker.is_open() {
+                relay.publisher.health(timeout).await
+            } else {
+                crate::sink::health_or_reconnect(&*relay.publisher, timeout, &relay.metrics).await
+            }
+        };
         let ok = tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            r = crate::sink::health_or_reconnect(&*relay.publisher, timeout, &relay.metrics) => r,
+            r = request => r,
         };
         if let Err(e) = &ok {
             tracing::debug!("{} health request failed: {e}", relay.publisher.name());
