@@ -11,9 +11,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::breaker::Breaker;
 use crate::claim::Relay;
 use crate::defaults;
 use crate::error::DbError;
+use crate::metrics::Metrics;
+use crate::sink::Sink;
 
 pub async fn reclaim_loop(
     relay: Arc<Relay>,
@@ -127,7 +130,9 @@ pub async fn stats_loop(
 /// one replaces the producer, so that an idle relay's producer that lost its brokers does not
 /// keep it unready; while it is open, its prober does that.
 pub async fn broker_watch(
-    relay: Arc<Relay>,
+    publisher: Arc<dyn Sink>,
+    breaker: Arc<Breaker>,
+    metrics: Arc<Metrics>,
     every: Duration,
     timeout: Duration,
     cancel: CancellationToken,
@@ -139,10 +144,10 @@ pub async fn broker_watch(
         }
         // A frozen broker holds the request for `timeout`: not the stop.
         let request = async {
-            if relay.breaker.is_open() {
-                relay.publisher.health(timeout).await
+            if breaker.is_open() {
+                publisher.health(timeout).await
             } else {
-                crate::sink::health_or_reconnect(&*relay.publisher, timeout, &relay.metrics).await
+                crate::sink::health_or_reconnect(&*publisher, timeout, &metrics).await
             }
         };
         let ok = tokio::select! {
@@ -150,8 +155,8 @@ pub async fn broker_watch(
             r = request => r,
         };
         if let Err(e) = &ok {
-            tracing::debug!("{} health request failed: {e}", relay.publisher.name());
+            tracing::debug!("{} health request failed: {e}", publisher.name());
         }
-        relay.metrics.health.set_broker_reachable(ok.is_ok());
+        metrics.health.set_broker_reachable(ok.is_ok());
     }
 }

@@ -326,7 +326,9 @@ fn spawn_loops(
     tasks.spawn(
         "broker watch",
         broker_watch(
-            relay.clone(),
+            relay.publisher.clone(),
+            relay.breaker.clone(),
+            relay.metrics.clone(),
             args.stats_interval,
             args.send_timeout,
             cancel.clone(),

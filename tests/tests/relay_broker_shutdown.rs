@@ -1,18 +1,17 @@
 //! A Kafka broker that shuts down can answer a metadata request without listing any broker;
 //! librdkafka then forgets every broker it knew and never connects again (its issue 5301). The
 //! relay replaces the producer after a failed health request, so it finds the broker once it is
-//! back: with its own breaker and publisher in process, and as an idle relay process.
+//! back: its own breaker, broker watch and publisher, in process, against a real broker.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_tests::broker::Broker;
-use outbox_tests::db::TestDb;
-use outbox_tests::relay::Relay;
 use outbox_worker::breaker::{probe_loop, Breaker};
 use outbox_worker::health::Health;
 use outbox_worker::kafka_metrics::KafkaMetrics;
+use outbox_worker::maintenance::broker_watch;
 use outbox_worker::metrics::Metrics;
 use outbox_worker::publisher::Publisher;
 use outbox_worker::sink::{Outcome, Sink};
@@ -24,35 +23,7 @@ const CYCLES: usize = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_breaker_reaches_a_restarted_broker_that_had_answered_without_brokers() {
-    let mut broker = Broker::start();
-    broker.create_topic("orders");
-    let registry = prometheus::Registry::new();
-    let kafka_metrics = Arc::new(KafkaMetrics::register(&registry));
-    let publisher = Arc::new(
-        Publisher::new(&broker.addr(), Duration::from_secs(1), &[], kafka_metrics)
-            .expect("publisher"),
-    );
-    let mut cycles = 0;
-    loop {
-        cycles += 1;
-        let empty_answer = stop_asking(&mut broker, &publisher).await;
-        tokio::task::block_in_place(|| broker.start_again());
-        if empty_answer {
-            break;
-        }
-        assert!(
-            cycles < CYCLES,
-            "no answer without brokers in {CYCLES} shutdowns"
-        );
-        wait_healthy(&*publisher, Duration::from_secs(20)).await;
-    }
-    // The premise: left alone, this producer does not find the broker again.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(
-        publisher.health(Duration::from_secs(1)).await.is_err(),
-        "librdkafka reached the broker again by itself (issue 5301 fixed?)"
-    );
-
+    let (_broker, publisher) = publisher_without_brokers().await;
     let metrics = Metrics::new(Health::new(1, Duration::from_secs(60), "Kafka"));
     let breaker = Arc::new(Breaker::new());
     let cancel = CancellationToken::new();
@@ -87,51 +58,76 @@ async fn the_breaker_reaches_a_restarted_broker_that_had_answered_without_broker
     );
 }
 
-/// An idle relay asks the broker for its metadata every `--stats-interval`; the one answer that
-/// listed no broker must not keep it unready once the broker is back.
-#[test]
-fn an_idle_relay_is_ready_again_after_the_broker_answered_without_brokers() {
-    let db = TestDb::create();
-    let mut broker = Broker::start();
-    broker.create_topic("orders");
-    let relay = Relay::spawn(
-        &db.url(),
-        &broker.addr(),
-        &["--stats-interval", "20ms", "--send-timeout", "1s"],
-    );
-    wait_ready(&relay, Duration::from_secs(20));
-    let mut cycles = 0;
-    while !relay.logs().contains("the answer lists no broker") {
-        cycles += 1;
+/// An idle relay runs no rounds and never opens its breaker: its broker watch, asking every
+/// `--stats-interval`, must replace the producer so that /ready says the broker is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relays_broker_watch_reaches_a_broker_that_had_answered_without_brokers() {
+    let (_broker, publisher) = publisher_without_brokers().await;
+    let metrics = Metrics::new(Health::new(1, Duration::from_secs(60), "Kafka"));
+    metrics.health.db_result(true);
+    metrics.health.set_broker_reachable(false);
+    let cancel = CancellationToken::new();
+    let watch = tokio::spawn(broker_watch(
+        publisher.clone(),
+        Arc::new(Breaker::new()),
+        metrics.clone(),
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+        cancel.clone(),
+    ));
+    let t = Instant::now();
+    while let Err(why) = metrics.health.ready() {
         assert!(
-            cycles <= CYCLES,
-            "no answer without brokers in {CYCLES} shutdowns"
+            t.elapsed() < Duration::from_secs(30),
+            "not ready after 30 s: {why}"
         );
-        broker.stop();
-        broker.start_again();
-        wait_ready(&relay, Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let replaced = relay
-        .metric_where("outbox_producer_replaced_total", "reason=\"unreachable\"")
-        .unwrap_or(0.0);
-    assert!(replaced >= 1.0, "ready again without a new producer");
+    cancel.cancel();
+    watch.await.expect("watch").expect("watch result");
+    let replaced = metrics
+        .producer_replaced
+        .with_label_values(&["unreachable"])
+        .get();
+    assert!(
+        replaced >= 1,
+        "ready after {:?} without a new producer",
+        t.elapsed()
+    );
 }
 
-/// Waits until the relay's /ready says 200; fails with its log after `within`.
-fn wait_ready(relay: &Relay, within: Duration) {
-    let t = Instant::now();
+/// A publisher whose producer got an answer listing no broker while the broker stopped (up to
+/// `CYCLES` stop-and-start cycles), with the broker running again; checks that, left alone, the
+/// producer does not reach it.
+async fn publisher_without_brokers() -> (Broker, Arc<Publisher>) {
+    let mut broker = Broker::start();
+    broker.create_topic("orders");
+    let registry = prometheus::Registry::new();
+    let kafka_metrics = Arc::new(KafkaMetrics::register(&registry));
+    let publisher = Arc::new(
+        Publisher::new(&broker.addr(), Duration::from_secs(1), &[], kafka_metrics)
+            .expect("publisher"),
+    );
+    let mut cycles = 0;
     loop {
-        let (status, body) = relay.http_get("/ready").unwrap_or_default();
-        if status.contains("200") {
-            return;
+        cycles += 1;
+        let empty_answer = stop_asking(&mut broker, &publisher).await;
+        tokio::task::block_in_place(|| broker.start_again());
+        if empty_answer {
+            break;
         }
         assert!(
-            t.elapsed() < within,
-            "not ready: {status} {body}\n{}",
-            relay.log_tail(40)
+            cycles < CYCLES,
+            "no answer without brokers in {CYCLES} shutdowns"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        wait_healthy(&*publisher, Duration::from_secs(20)).await;
     }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        publisher.health(Duration::from_secs(1)).await.is_err(),
+        "librdkafka reached the broker again by itself (issue 5301 fixed?)"
+    );
+    (broker, publisher)
 }
 
 /// Stops the broker while asking it for metadata in a loop; whether an answer listed no broker.
