@@ -1,7 +1,7 @@
 //! The claim loops: each round claims a batch, publishes it and settles every row (ack the
 //! delivered, nack the events that failed by their own fault, release without counting an attempt
-//! those the broker failed), then claims again at once after a round that claimed anything, or
-//! waits for the poll interval or a wake-up. A round that delivered nothing because the broker
+//! those the broker failed), then claims again at once after a round that claimed anything (after
+//! `--claim-cooldown` unless it filled its batch), or waits for the poll interval or a wake-up. A round that delivered nothing because the broker
 //! failed opens the circuit breaker (`breaker.rs`): no claims until the broker answers again.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,6 +29,8 @@ pub struct Relay {
     pub owner: String,
     pub batch_size: i32,
     pub poll_interval: Duration,
+    /// Least time from a claim that did not fill its batch to the next claim (`--claim-cooldown`).
+    pub claim_cooldown: Duration,
     /// A claim's lease: past it, another relay may have taken the rows back.
     pub lease: Duration,
     /// Events taken by the last finished round (the wake-up session waits for one).
@@ -69,6 +71,7 @@ pub async fn claim_loop(
     cancel: CancellationToken,
 ) -> Result<(), DbError> {
     let mut failures: u32 = 0;
+    let mut cooldown_until: Option<Instant> = None;
     loop {
         if cancel.is_cancelled() {
             break;
@@ -85,14 +88,25 @@ pub async fn claim_loop(
         if cancel.is_cancelled() {
             break;
         }
+        if let Some(at) = cooldown_until.take() {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep_until(at.into()) => {}
+            }
+        }
         // Notifications from now on end the wait after this round.
         wake.borrow_and_update();
+        let claim_start = Instant::now();
         let result = relay.round().await;
         relay.metrics.health.round_completed(n);
         relay.rounds.send_replace(*result.as_ref().unwrap_or(&0));
+        // A full batch says more is waiting: no cooldown after it.
+        if !matches!(result, Ok(c) if c >= relay.batch_size as usize) {
+            cooldown_until = Some(claim_start + relay.claim_cooldown);
+        }
         let delay = match result {
-            // A full batch, or events committed while the round ran: claim again at once rather
-            // than after the wake-up session's next look (a database round trip later).
+            // A full batch, or events committed while the round ran: claim again at once (or
+            // after the cooldown) rather than after the wake-up session's next look.
             Ok(claimed) if claimed > 0 => {
                 failures = 0;
                 continue;

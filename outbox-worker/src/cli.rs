@@ -234,6 +234,13 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     pub poll_interval: Duration,
 
+    /// Least time between the starts of two claims of a claim loop, unless the first one filled
+    /// its batch: events committed meanwhile wait and go in one round, which costs the database
+    /// less CPU per event for that much more latency (docs/relay.md, "Claim cooldown"). At most
+    /// --poll-interval.
+    #[arg(long, env = "OUTBOX_CLAIM_COOLDOWN", default_value = "0s", value_parser = parse_duration)]
+    pub claim_cooldown: Duration,
+
     /// Claims older than this are reclaimed (by any relay) as one failed attempt.
     #[arg(long, env = "OUTBOX_LEASE", default_value = "10m", value_parser = parse_duration)]
     pub lease: Duration,
@@ -307,6 +314,13 @@ impl RunArgs {
         if self.concurrency < 1 || self.concurrency > MAX_CONCURRENCY {
             return Err(Fatal::usage(format!(
                 "--concurrency must be between 1 and {MAX_CONCURRENCY}"
+            )));
+        }
+        if self.claim_cooldown > self.poll_interval {
+            return Err(Fatal::usage(format!(
+                "--claim-cooldown ({}) must be at most --poll-interval ({})",
+                humantime::format_duration(self.claim_cooldown),
+                humantime::format_duration(self.poll_interval)
             )));
         }
         if self.live_timeout() < self.idle_round_gap() * 2 {
@@ -604,6 +618,7 @@ mod tests {
         assert_eq!(a.batch_size, defaults::BATCH_SIZE);
         assert_eq!(a.concurrency, defaults::CONCURRENCY);
         assert_eq!(a.poll_interval, defaults::POLL_INTERVAL);
+        assert_eq!(a.claim_cooldown, defaults::CLAIM_COOLDOWN);
         assert_eq!(a.lease, defaults::LEASE);
         assert_eq!(a.send_timeout, defaults::SEND_TIMEOUT);
         assert_eq!(a.reclaim_interval, defaults::RECLAIM_INTERVAL);
@@ -729,6 +744,19 @@ mod tests {
             "the server's own statement timeout: a quarter of the lease"
         );
         assert_eq!(short.pool_timeout(), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_claim_cooldown_is_at_most_the_poll_interval() {
+        assert!(run_args(&["--claim-cooldown", "15ms"]).validate().is_ok());
+        assert!(run_args(&["--claim-cooldown", "5s"]).validate().is_ok());
+        let e = run_args(&["--claim-cooldown", "6s"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(
+            e.message,
+            "--claim-cooldown (6s) must be at most --poll-interval (5s)"
+        );
     }
 
     #[test]

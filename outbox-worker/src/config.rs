@@ -35,6 +35,8 @@ pub struct DatabaseConfig {
     #[serde(default, deserialize_with = "duration")]
     pub poll_interval: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
+    pub claim_cooldown: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
     pub lease: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
     pub reclaim_interval: Option<Duration>,
@@ -132,6 +134,7 @@ impl DatabaseConfig {
         a.concurrency = self.concurrency.unwrap_or(a.concurrency);
         a.batch_size = self.batch_size.unwrap_or(a.batch_size);
         a.poll_interval = self.poll_interval.unwrap_or(a.poll_interval);
+        a.claim_cooldown = self.claim_cooldown.unwrap_or(a.claim_cooldown);
         a.lease = self.lease.unwrap_or(a.lease);
         a.reclaim_interval = self.reclaim_interval.unwrap_or(a.reclaim_interval);
         a.stats_interval = self.stats_interval.unwrap_or(a.stats_interval);
