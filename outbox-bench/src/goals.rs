@@ -450,6 +450,54 @@ pub fn goals(r: &Results) -> Vec<Goal> {
     all
 }
 
+/// The claim cooldown's trade at the goal's rate, one bullet: the database CPU of the relay's
+/// sessions per event against commit → append latency, and the first setting that meets issue 28's
+/// CPU goal.
+fn cooldown_advice(lat: &[&LatencyRun]) -> Option<String> {
+    let runs: Vec<&LatencyRun> = lat
+        .iter()
+        .copied()
+        .filter(|l| l.settings == "defaults" || l.settings.contains("--claim-cooldown"))
+        .collect();
+    if runs.len() < 2 {
+        return None;
+    }
+    let cpu = |l: &LatencyRun| {
+        l.relay_db_cpu_us
+            .map(|c| format!("{c:.0} µs/event"))
+            .unwrap_or_else(|| "n/a".into())
+    };
+    let figures = runs
+        .iter()
+        .map(|l| {
+            format!(
+                "{} → {}, p50 / p99 {} / {} ms",
+                l.settings,
+                cpu(l),
+                ms(l.to_append.0),
+                ms(l.to_append.1)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" — ");
+    let verdict = match runs
+        .iter()
+        .find(|l| l.relay_db_cpu_us.is_some_and(|c| c <= RELAY_DB_CPU_GOAL_US))
+    {
+        Some(l) => format!(
+            "{} is the first setting within {RELAY_DB_CPU_GOAL_US} µs per event; the default (0) \
+             keeps the lowest latency.",
+            l.settings
+        ),
+        None => format!("No setting measured is within {RELAY_DB_CPU_GOAL_US} µs per event."),
+    };
+    Some(format!(
+        "- **claim cooldown** (`--claim-cooldown`, default 0): the relay's database CPU per event \
+         against commit→append latency at {} events/s: {figures}. {verdict}",
+        num(LATENCY_GOAL_RATE)
+    ))
+}
+
 pub fn recommendations(r: &Results) -> String {
     let mut out = Vec::new();
     // Batch size: the smallest batch within 10 % of the best one-loop null-sink rate.
@@ -513,6 +561,13 @@ pub fn recommendations(r: &Results) -> String {
         .latency
         .iter()
         .filter(|l| !l.producer_notify && l.server == MAIN_SERVER && l.rate == LATENCY_GOAL_RATE)
+        .collect();
+    if let Some(line) = cooldown_advice(&lat) {
+        out.push(line);
+    }
+    let lat: Vec<&latency::LatencyRun> = lat
+        .into_iter()
+        .filter(|l| l.settings == "defaults" || l.settings.contains("linger.ms"))
         .collect();
     if lat.len() > 1 {
         let drain_of = |settings: &str| {

@@ -539,12 +539,15 @@ async fn one(
 }
 
 /// The main server: the rates of the profile with the relay's defaults, the same at the highest
-/// rate with `outbox.notify = on` in the producers (contrast), and the linger settings at the
-/// goal's rate.
+/// rate with `outbox.notify = on` in the producers (contrast), and the linger and claim cooldown
+/// settings at the goal's rate.
 pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
     let mut configs: Vec<Vec<String>> = vec![vec![]];
     for &l in &p.linger_ms {
         configs.push(vec!["--kafka-property".into(), format!("linger.ms={l}")]);
+    }
+    for &c in &p.claim_cooldown_ms {
+        configs.push(vec!["--claim-cooldown".into(), format!("{c}ms")]);
     }
     warm_up(p, env).await?;
     let mut n = 0;

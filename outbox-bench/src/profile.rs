@@ -40,6 +40,8 @@ pub struct Profile {
     pub broker_loops: Vec<usize>,
     pub broker_batches: Vec<i32>,
     pub linger_ms: Vec<u32>,
+    /// `--claim-cooldown` settings (ms) run at the latency goal's rate besides the default (0).
+    pub claim_cooldown_ms: Vec<u32>,
     pub latency_rates: Vec<f64>,
     pub latency_time: Duration,
     /// Rates offered to the throwaway server without `shared_preload_libraries` (polling mode).
@@ -123,6 +125,7 @@ impl Profile {
             // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
             // alternatives.
             linger_ms: vec![1, 5, 20],
+            claim_cooldown_ms: vec![5, 15],
             latency_rates: vec![
                 100.0,
                 LATENCY_GOAL_RATE,
@@ -217,6 +220,7 @@ impl Profile {
             broker_loops: vec![2],
             broker_batches: vec![],
             linger_ms: vec![],
+            claim_cooldown_ms: vec![5],
             latency_rates: vec![200.0],
             latency_time: Duration::from_secs(1),
             polling_rates: vec![200.0],
