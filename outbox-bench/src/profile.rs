@@ -125,7 +125,7 @@ impl Profile {
             // The relay's own linger.ms (defaults::LINGER_MS) is its "defaults" row; compare the
             // alternatives.
             linger_ms: vec![1, 5, 20],
-            claim_cooldown_ms: vec![5, 15],
+            claim_cooldown_ms: vec![5, 15, 25],
             latency_rates: vec![
                 100.0,
                 LATENCY_GOAL_RATE,

@@ -216,7 +216,7 @@ mod tests {
     #[test]
     fn overrides_apply_per_database_and_flags_fill_the_rest() {
         let f = load(&write(
-            "[databases.orders]\nurl = \"host=a dbname=orders\"\nconcurrency = 2\nlease = \"40s\"\nproducer = \"shared\"\n\
+            "[databases.orders]\nurl = \"host=a dbname=orders\"\nconcurrency = 2\nlease = \"40s\"\nclaim_cooldown = \"20ms\"\nproducer = \"shared\"\n\
              [databases.billing]\nurl_file = \"/run/secrets/billing\"\n",
         ))
         .expect("valid");
@@ -225,6 +225,7 @@ mod tests {
             .expect("ok");
         assert_eq!((orders.concurrency, orders.batch_size), (2, 7), "flag kept");
         assert_eq!(orders.lease, Duration::from_secs(40));
+        assert_eq!(orders.claim_cooldown, Duration::from_millis(20));
         assert_eq!(f.databases["orders"].producer, Producer::Shared);
         assert_eq!(f.databases["billing"].producer, Producer::Own);
         assert_eq!(
@@ -235,6 +236,7 @@ mod tests {
             .run_args("billing", &base())
             .expect("ok");
         assert_eq!(billing.concurrency, base().concurrency);
+        assert_eq!(billing.claim_cooldown, Duration::ZERO);
         assert!(billing.db.database_url_file.is_some());
     }
 

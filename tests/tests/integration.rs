@@ -9,6 +9,7 @@ mod model_state_machine;
 mod package;
 mod relay_admin;
 mod relay_broker_shutdown;
+mod relay_claim_cooldown;
 mod relay_e2e;
 mod relay_failover;
 mod relay_faults;
