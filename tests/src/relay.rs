@@ -162,6 +162,17 @@ impl Relay {
         }
     }
 
+    /// Waits until the relay's wake-up session is ready (it then claims and waits for commits);
+    /// panics with its logs after `timeout`.
+    pub fn wait_ready(&self, timeout: Duration) {
+        assert!(
+            self.wait_log(&[outbox_worker::WAKEUP_READY], timeout)
+                .is_some(),
+            "the relay was not ready within {timeout:?}: {}",
+            self.logs()
+        );
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill(2) on our own child's pid.
         unsafe {

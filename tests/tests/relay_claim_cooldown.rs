@@ -8,7 +8,6 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, enqueue_burst, wait_counts};
 use outbox_tests::relay::Relay;
-use outbox_worker::WAKEUP_READY;
 use serde_json::json;
 
 /// Rounds that claimed something: the relay's histogram of claim sizes counts one per round.
@@ -17,13 +16,7 @@ const ROUNDS: &str = "outbox_claim_batch_size_count";
 /// A relay with `extra`, ready and its wake-up session waiting.
 fn relay(db: &TestDb, broker: &Broker, extra: &[&str]) -> Relay {
     let relay = Relay::spawn(&db.url(), &broker.addr(), extra);
-    assert!(
-        relay
-            .wait_log(&[WAKEUP_READY], Duration::from_secs(15))
-            .is_some(),
-        "the relay never got ready: {}",
-        relay.logs()
-    );
+    relay.wait_ready(Duration::from_secs(15));
     relay
 }
 

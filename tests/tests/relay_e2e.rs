@@ -9,7 +9,7 @@ use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, wait_counts, Expected};
 use outbox_tests::relay::Relay;
 use outbox_tests::sinks::TestSink;
-use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE, WAKEUP_READY};
+use outbox_worker::{HEADER_EVENT_KEY, HEADER_EVENT_TYPE};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -217,12 +217,7 @@ async fn two_relays_share_the_work_without_duplicates() {
     let relays = [spawn("relay-a"), spawn("relay-b")];
     // Both relays wait for work before it comes, so sharing it does not race their start-up.
     for r in &relays {
-        assert!(
-            r.wait_log(&[WAKEUP_READY], Duration::from_secs(30))
-                .is_some(),
-            "relay never started waiting: {}",
-            r.logs()
-        );
+        r.wait_ready(Duration::from_secs(30));
     }
     outbox_tests::events::enqueue_burst(&client, "orders", n).await;
     let want: BTreeSet<i64> = client

@@ -11,7 +11,6 @@ use outbox_tests::db::{test_prefix, TestDb};
 use outbox_tests::events::{enqueue, enqueue_burst, wait_counts};
 use outbox_tests::pg_cluster::PgCluster;
 use outbox_tests::relay::{run_cmd, write_config, ConfigDb, Relay};
-use outbox_worker::WAKEUP_READY;
 use serde_json::json;
 use tokio_postgres::Client;
 
@@ -320,9 +319,7 @@ async fn sighup_adds_and_removes_databases_and_a_removed_one_keeps_no_claim() {
 
     // A relay without --config (reloads sent to every relay on a host) is not stopped by it.
     let mut single = Relay::spawn(&a.url(), &broker.addr(), &[]);
-    assert!(single
-        .wait_log(&[WAKEUP_READY], Duration::from_secs(30))
-        .is_some());
+    single.wait_ready(Duration::from_secs(30));
     single.signal(libc::SIGHUP);
     assert!(single
         .wait_log(&["SIGHUP ignored"], Duration::from_secs(10))

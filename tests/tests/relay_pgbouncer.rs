@@ -11,7 +11,6 @@ use outbox_tests::db::{connect, server_params, TestDb};
 use outbox_tests::events::{enqueue_burst, wait_counts};
 use outbox_tests::pgbouncer::PgBouncer;
 use outbox_tests::relay::Relay;
-use outbox_worker::WAKEUP_READY;
 
 /// Server connections per database: fewer than the relay's sessions (two claim loops, the pool's
 /// other users and the wake-up session).
@@ -55,13 +54,7 @@ async fn a_relay_through_pgbouncer_in_transaction_mode_delivers_every_event_once
             "200ms",
         ],
     );
-    assert!(
-        relay
-            .wait_log(&[WAKEUP_READY], Duration::from_secs(15))
-            .is_some(),
-        "{}",
-        relay.logs()
-    );
+    relay.wait_ready(Duration::from_secs(15));
     // Enqueued while the relay waits: the wake-up session goes through PgBouncer too.
     enqueue_burst(&client, "orders", n / 2).await;
     let counts = wait_counts(&client, Duration::from_secs(90), |c| c["SUCCESS"] == n).await;

@@ -9,7 +9,6 @@ use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
 use outbox_tests::relay::Relay;
-use outbox_worker::WAKEUP_READY;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,13 +23,7 @@ async fn wake_up_session_and_pool_reconnect_after_their_backends_are_terminated(
         &broker.addr(),
         &["--poll-interval", "60s", "--stats-interval", "200ms"],
     );
-    assert!(
-        worker
-            .wait_log(&[WAKEUP_READY], Duration::from_secs(15))
-            .is_some(),
-        "{}",
-        worker.logs()
-    );
+    worker.wait_ready(Duration::from_secs(15));
     let warm = enqueue(&client, "orders", "w", "Warm", &json!({}), &BTreeMap::new()).await;
     assert!(follower
         .wait_for(warm.id, Duration::from_secs(20))
