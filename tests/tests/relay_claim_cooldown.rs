@@ -111,3 +111,31 @@ async fn a_backlog_drains_in_full_batches_without_the_cooldown() {
         "{rounds} rounds for 2,000 events in batches of 100"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_does_not_wait_for_the_cooldown() {
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let db = TestDb::create();
+    let mut relay = relay(&db, &broker, &["--claim-cooldown", "5s"]);
+    trickle(&db, 1, Duration::ZERO).await;
+    delivered(&db, &relay, 1).await;
+
+    // The loop now waits 5 s before its next claim; SIGTERM ends the wait.
+    let stop = Instant::now();
+    relay.signal(libc::SIGTERM);
+    let status = relay
+        .wait_exit(Duration::from_secs(10))
+        .expect("the relay exits");
+    assert!(
+        status.success(),
+        "exit status {status:?}: {}",
+        relay.log_tail(20)
+    );
+    assert!(
+        stop.elapsed() < Duration::from_secs(3),
+        "the stop took {:?}: {}",
+        stop.elapsed(),
+        relay.log_tail(20)
+    );
+}
