@@ -1,8 +1,9 @@
 //! The claim loops: each round claims a batch, publishes it and settles every row (ack the
 //! delivered, nack the events that failed by their own fault, release without counting an attempt
 //! those the broker failed), then claims again at once after a round that claimed anything (after
-//! `--claim-cooldown` unless it filled its batch), or waits for the poll interval or a wake-up. A round that delivered nothing because the broker
-//! failed opens the circuit breaker (`breaker.rs`): no claims until the broker answers again.
+//! `--claim-cooldown` unless it filled its batch), or waits for the poll interval or a wake-up. A
+//! round that delivered nothing because the broker failed opens the circuit breaker
+//! (`breaker.rs`): no claims until the broker answers again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
