@@ -135,7 +135,8 @@ fn relay_db_cpu_goal(r: &Results) -> Goal {
             met: Some(us <= RELAY_DB_CPU_GOAL_US),
             note:
                 "the relay's sessions (pg_stat_activity by application_name), /proc utime + stime \
-                   over the run, divided by the events offered"
+                   over the run, divided by the events offered; `--claim-cooldown` trades it for \
+                   latency (Recommended relay defaults)"
                     .into(),
         },
         None => Goal::not_measured(&name, target),

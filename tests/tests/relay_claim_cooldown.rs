@@ -13,6 +13,13 @@ use serde_json::json;
 /// Rounds that claimed something: the relay's histogram of claim sizes counts one per round.
 const ROUNDS: &str = "outbox_claim_batch_size_count";
 
+/// A broker with the topic `orders`, and a database of the test's own.
+fn broker_and_db() -> (Broker, TestDb) {
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    (broker, TestDb::create())
+}
+
 /// A relay with `extra`, ready and its wake-up session waiting.
 fn relay(db: &TestDb, broker: &Broker, extra: &[&str]) -> Relay {
     let relay = Relay::spawn(&db.url(), &broker.addr(), extra);
@@ -58,10 +65,7 @@ async fn a_cooldown_gathers_a_trickle_into_fewer_rounds() {
     const N: usize = 60;
     let gap = Duration::from_millis(20);
     let cooldown = Duration::from_millis(300);
-    let broker = Broker::start();
-    broker.create_topic("orders");
-
-    let plain_db = TestDb::create();
+    let (broker, plain_db) = broker_and_db();
     let plain = relay(&plain_db, &broker, &[]);
     trickle(&plain_db, N, gap).await;
     let plain_rounds = delivered(&plain_db, &plain, N as i64).await;
@@ -87,9 +91,7 @@ async fn a_cooldown_gathers_a_trickle_into_fewer_rounds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_drains_in_full_batches_without_the_cooldown() {
-    let broker = Broker::start();
-    broker.create_topic("orders");
-    let db = TestDb::create();
+    let (broker, db) = broker_and_db();
     enqueue_burst(&db.connect().await, "orders", 2_000).await;
 
     // 20 full batches: waiting 2 s after each would take 40 s.
@@ -114,9 +116,7 @@ async fn a_backlog_drains_in_full_batches_without_the_cooldown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_does_not_wait_for_the_cooldown() {
-    let broker = Broker::start();
-    broker.create_topic("orders");
-    let db = TestDb::create();
+    let (broker, db) = broker_and_db();
     let mut relay = relay(&db, &broker, &["--claim-cooldown", "5s"]);
     trickle(&db, 1, Duration::ZERO).await;
     delivered(&db, &relay, 1).await;
