@@ -41,15 +41,7 @@ async fn the_breaker_reaches_a_restarted_broker_that_had_answered_without_broker
         .expect("the breaker closes once the broker is back");
     cancel.cancel();
     prober.await.expect("prober").expect("prober result");
-    let replaced = metrics
-        .producer_replaced
-        .with_label_values(&["unreachable"])
-        .get();
-    assert!(
-        replaced >= 1,
-        "closed after {:?} without a new producer",
-        t.elapsed()
-    );
+    assert_replaced(&metrics, "closed", t);
 
     let (outcomes, _) = publisher.publish(&[event()]).await;
     assert!(
@@ -85,15 +77,7 @@ async fn an_idle_relays_broker_watch_reaches_a_broker_that_had_answered_without_
     }
     cancel.cancel();
     watch.await.expect("watch").expect("watch result");
-    let replaced = metrics
-        .producer_replaced
-        .with_label_values(&["unreachable"])
-        .get();
-    assert!(
-        replaced >= 1,
-        "ready after {:?} without a new producer",
-        t.elapsed()
-    );
+    assert_replaced(&metrics, "ready", t);
 }
 
 /// A publisher whose producer got an answer listing no broker while the broker stopped (up to
@@ -161,6 +145,20 @@ async fn wait_healthy(publisher: &dyn Sink, within: Duration) {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// At least one producer was replaced after a failed health request since `t` (`what`: closed,
+/// ready).
+fn assert_replaced(metrics: &Metrics, what: &str, t: Instant) {
+    let replaced = metrics
+        .producer_replaced
+        .with_label_values(&["unreachable"])
+        .get();
+    assert!(
+        replaced >= 1,
+        "{what} after {:?} without a new producer",
+        t.elapsed()
+    );
 }
 
 fn event() -> Event {
