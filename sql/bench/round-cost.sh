@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# What one relay round costs the database: backend CPU per pgbench transaction (-c 1, prepared
+# statements), read from the postmaster's cutime + cstime once the session has exited. Cases, each
+# in a fresh database: three keyed enqueues; the same plus a claim and the ack of what it took (the
+# difference is a round of 3 events); an empty claim; an ack of ids not held. ROUNDS rounds
+# alternate the cases; medians. Usage: sql/bench/round-cost.sh [TRANSACTIONS [ROUNDS]]
+# (default 3000, 3; after scripts/setup). Writes reports/core-1.0/round-cost.md, with the
+# provenance table of outbox-bench --provenance.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/env.sh
+tx=${1:-3000}
+rounds=${2:-3}
+out=reports/core-1.0/round-cost.md
+load_start=$(cut -d' ' -f1-3 /proc/loadavg)
+db=outbox_round_cost
+work=$(mktemp -d)
+cleanup() {
+  psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+enqueue="SELECT outbox_enqueue('orders', '{\"n\": 1}'::jsonb, 'k' || (random() * 1e9)::bigint, 'OrderCreated');"
+printf '%s\n%s\n%s\n' "$enqueue" "$enqueue" "$enqueue" >"$work/enqueue3.sql"
+{
+  cat "$work/enqueue3.sql"
+  echo "SELECT claim_token AS tok, array_agg(id)::text AS ids FROM outbox_claim('r', 10) GROUP BY 1 \gset"
+  echo "SELECT outbox_ack('r', :tok, :ids::bigint[]);"
+} >"$work/round3.sql"
+echo "SELECT count(*) FROM outbox_claim('r', 10);" >"$work/empty_claim.sql"
+echo "SELECT outbox_ack('r', 1, '{1,2,3}');" >"$work/empty_ack.sql"
+
+postmaster=$(head -1 "$(psql -X -At -d postgres -c 'SHOW data_directory')/postmaster.pid")
+children_cpu() { awk '{print $16 + $17}' "/proc/$postmaster/stat"; }
+
+# case -> µs of backend CPU per transaction, in a fresh database
+measure() {
+  psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
+  psql -X -q -d "$db" -c "CREATE EXTENSION outbox" >/dev/null
+  local before after
+  before=$(children_cpu)
+  PGSSLMODE=disable PGOPTIONS='-c synchronous_commit=off' pgbench -n -M prepared -c 1 -t "$tx" -f "$work/$1.sql" "$db" >/dev/null
+  sleep 0.3
+  after=$(children_cpu)
+  echo $(((after - before) * 10000000 / tx / 1000))
+}
+
+for ((r = 1; r <= rounds; r++)); do
+  for c in enqueue3 round3 empty_claim empty_ack; do
+    echo "$c $(measure "$c")" >>"$work/figures"
+  done
+done
+
+machine=$("$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-bench" --provenance --load-start "$load_start")
+python3 - "$work/figures" "$machine" "$tx" "$rounds" <<'EOF' | tee "$out"
+import statistics, sys
+path, machine, tx, rounds = sys.argv[1:]
+runs = {}
+for line in open(path):
+    case, us = line.split()
+    runs.setdefault(case, []).append(int(us))
+med = {c: statistics.median(v) for c, v in runs.items()}
+print("# What one relay round costs the database\n")
+print(f"Written by `sql/bench/round-cost.sh {tx} {rounds}`: backend CPU per pgbench transaction "
+      "(`-c 1 -M prepared`, no TLS, `synchronous_commit = off`), from the postmaster's cutime + cstime "
+      "after the session exited; each case in a fresh database, the cases alternating, medians of "
+      f"{rounds} rounds of {tx} transactions.\n")
+print(machine + "\n")
+print("| case | µs per transaction (median) | runs |\n|---|---:|---|")
+names = {
+    "enqueue3": "three keyed `outbox_enqueue` calls",
+    "round3": "the same, then `outbox_claim('r', 10)` and `outbox_ack` of what it took",
+    "empty_claim": "`outbox_claim('r', 10)` with nothing to claim",
+    "empty_ack": "`outbox_ack('r', 1, '{1,2,3}')`, nothing held",
+}
+for c, name in names.items():
+    print(f"| {name} | {med[c]:.0f} | {', '.join(map(str, runs[c]))} |")
+print(f"\nA round of 3 events (claim + ack): {med['round3'] - med['enqueue3']:.0f} µs.")
+EOF
