@@ -491,12 +491,12 @@ fn cooldown_advice(lat: &[&LatencyRun]) -> Option<String> {
     {
         Some(l) => format!(
             "{} is the first setting within {RELAY_DB_CPU_GOAL_US} µs per event; the lowest p50 \
-             is {fastest}'s.",
+             is with {fastest}.",
             l.settings
         ),
         None => format!(
             "No setting measured is within {RELAY_DB_CPU_GOAL_US} µs per event; the lowest p50 \
-             is {fastest}'s."
+             is with {fastest}."
         ),
     };
     Some(format!(
