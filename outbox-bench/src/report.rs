@@ -269,12 +269,24 @@ pub fn render(
 }
 
 /// The link to reports/README.md from the folder of a report written to `out` (printed only: as
-/// if it were in reports/).
+/// if it were in reports/): the README of the checkout the report goes into, else of the one the
+/// bench runs in, never of the one it was built in (a shared target dir builds elsewhere).
 pub fn readme_link(out: Option<&Path>) -> String {
-    let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reports/README.md");
     let folder = |o: &Path| std::path::absolute(o).ok()?.parent()?.canonicalize().ok();
+    let link = |dir: std::path::PathBuf| {
+        let readme = dir
+            .ancestors()
+            .map(|a| a.join("reports/README.md"))
+            .chain(
+                std::env::current_dir()
+                    .ok()
+                    .map(|c| c.join("reports/README.md")),
+            )
+            .find(|r| r.is_file())?;
+        pathdiff::diff_paths(readme.canonicalize().ok()?, &dir)
+    };
     out.and_then(folder)
-        .and_then(|dir| pathdiff::diff_paths(readme.canonicalize().ok()?, dir))
+        .and_then(link)
         .map_or_else(|| "README.md".to_string(), |rel| rel.display().to_string())
 }
 
@@ -325,5 +337,15 @@ mod tests {
             "../README.md"
         );
         assert_eq!(readme_link(None), "README.md");
+    }
+
+    #[test]
+    fn the_link_goes_to_the_checkout_the_report_is_written_into() {
+        let other = std::env::temp_dir().join(format!("outbox-readme-link-{}", std::process::id()));
+        std::fs::create_dir_all(other.join("reports/core-1.0")).expect("mkdir");
+        std::fs::write(other.join("reports/README.md"), "").expect("write");
+        let link = readme_link(Some(&other.join("reports/core-1.0/x.md")));
+        std::fs::remove_dir_all(&other).expect("cleanup");
+        assert_eq!(link, "../README.md");
     }
 }
