@@ -197,7 +197,6 @@ $$;
 -- outbox_stream_take reads them, so the cost follows the backlog.
 CREATE FUNCTION @extschema@.outbox_stream_waiting(OUT waiting bigint, OUT oldest timestamptz)
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     SELECT count(*), min(w.created_at) INTO waiting, oldest
@@ -220,7 +219,6 @@ $$;
 -- the planner's statistics (reltuples) less the `unfinished` rows.
 CREATE FUNCTION @extschema@.outbox_succeeded(unfinished bigint) RETURNS bigint
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     -- Below this size (both tables together, or one table) a count is cheap.

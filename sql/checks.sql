@@ -1,11 +1,11 @@
 -- The SQL API, one file per concern in outbox-ext/src/lib.rs's order. Its functions are SECURITY
 -- DEFINER with search_path pinned to pg_catalog, pg_temp and every object named with its schema:
--- callers need only EXECUTE, and nothing planted in a schema can redirect a call.
+-- callers need only EXECUTE, and nothing planted in a schema can redirect a call. The internal
+-- helpers they call run under that pinned path: no SET clause, which would cost every call a switch.
 
 -- Argument checks shared by the relay-side calls. Raises 22023 naming the function and argument.
 CREATE FUNCTION @extschema@.outbox_check_owner(fn text, owner text) RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF owner IS NULL OR owner = '' OR length(owner) > 200 OR owner ~ '[[:cntrl:]]' THEN
@@ -18,7 +18,6 @@ $$;
 
 CREATE FUNCTION @extschema@.outbox_check_ids(fn text, ids bigint[]) RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF ids IS NULL THEN
@@ -31,7 +30,6 @@ $$;
 -- The page size of the listing functions.
 CREATE FUNCTION @extschema@.outbox_check_max_rows(fn text, max_rows int) RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
@@ -47,7 +45,6 @@ $$;
 -- with one clear error instead of failing now and then under load.
 CREATE FUNCTION @extschema@.outbox_check_isolation(fn text) RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     level text := current_setting('transaction_isolation');
@@ -64,7 +61,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_check_claim_args(fn text, owner text, claim_token bigint, ids bigint[])
 RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     PERFORM @extschema@.outbox_check_isolation(fn);

@@ -6,7 +6,6 @@
 -- session, where a SQL function with SET clauses is planned at every look.
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 -- Every look is an index probe; bounds known only at run time must not lead to a scan.
 SET enable_seqscan = off
 SET enable_bitmapscan = off
@@ -65,7 +64,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_claim_tracked(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_variable
 DECLARE

@@ -13,7 +13,6 @@ $$;
 -- the argument in the error (headers, headers[2]). Raises 22023.
 CREATE FUNCTION @extschema@.outbox_check_headers(fn text, what text, headers jsonb) RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     header record;
@@ -115,7 +114,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_check_elements(fn text, payloads jsonb[], keys text[], headers jsonb[])
 RETURNS void
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     bad record;

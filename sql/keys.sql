@@ -6,7 +6,6 @@
 CREATE FUNCTION @extschema@.outbox_keys_wake(topics text[], event_keys text[], stamp timestamptz)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF topics IS NOT NULL THEN
@@ -23,7 +22,6 @@ $$;
 -- through outbox_key.
 CREATE FUNCTION @extschema@.outbox_keys_track(ids bigint[], due timestamptz) RETURNS void
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF cardinality(ids) > 0 THEN

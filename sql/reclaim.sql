@@ -91,7 +91,6 @@ CREATE FUNCTION @extschema@.outbox_reclaim_batches(stamp timestamptz, lease inte
                                                    gone_at timestamptz[], max_retry int)
 RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int, expired_owner text)
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     batch record;

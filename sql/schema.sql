@@ -141,7 +141,6 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
 -- PL/pgSQL, not SQL: a SQL function with a SET clause is parsed and planned at every call.
 CREATE FUNCTION @extschema@.outbox_snapshot_of_others() RETURNS pg_snapshot
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     RETURN (SELECT CASE WHEN c.me IS NOT NULL AND c.me < pg_snapshot_xmax(c.snap)

@@ -13,7 +13,6 @@ $$;
 -- never stalls for long. An advisory lock writes no WAL: an idle poll writes nothing.
 CREATE FUNCTION @extschema@.outbox_stream_lock() RETURNS boolean
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '1s'
 AS $$
 BEGIN
@@ -35,7 +34,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_stream_rebase(c @extschema@.outbox_stream_cursor)
 RETURNS @extschema@.outbox_stream_cursor
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
@@ -82,7 +80,6 @@ CREATE FUNCTION @extschema@.outbox_stream_track(ids bigint[], new_status @extsch
 RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int,
                next_retry_time timestamptz)
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF cardinality(ids) > 0 THEN
@@ -106,7 +103,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_stream_window(prev_snap pg_snapshot, cur_snap pg_snapshot,
                                                  OUT lo bigint, OUT hi bigint)
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     SELECT min(w.id) FILTER (WHERE w.newer), max(w.id) INTO lo, hi
@@ -155,7 +151,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_stream_divert(ids bigint[], busy bigint[], stamp timestamptz, floor bigint)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     PERFORM FROM @extschema@.outbox_stream_track(
@@ -187,7 +182,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_stream_take(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_variable
 DECLARE
@@ -283,7 +277,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_stream_settle(owner text, claim_token bigint, ids bigint[])
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_variable
 DECLARE
