@@ -150,19 +150,34 @@ BEGIN
            array_agg(v.topic) FILTER (WHERE v.id IS NULL), array_agg(v.event_key) FILTER (WHERE v.id IS NULL)
       INTO claimed_ids, idle_topics, idle_keys
       FROM visit v;
-    -- Idle keys (locked above) are deleted, unless an event of theirs is unfinished, only by a
-    -- claim that holds the stream's lock: no claim then diverts an event to a key row half deleted.
-    IF idle_topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
-        DELETE FROM @extschema@.outbox_key k
-         USING unnest(idle_topics, idle_keys) AS t(topic, event_key)
-         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.state = 'idle'
-           AND NOT EXISTS (
-               SELECT 1 FROM @extschema@.outbox_tracked e
-                WHERE e.topic = k.topic AND e.event_key = k.event_key
-                  AND e.ordered AND e.status <> 'SUCCESS'
-                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
-    END IF;
+    PERFORM @extschema@.outbox_keys_drop_idle(idle_topics, idle_keys, skip_dead);
     RETURN claimed_ids;
+END
+$$;
+
+-- outbox_claim's arguments and transaction: READ COMMITTED, nothing written yet, a valid owner and
+-- max_events within outbox.max_claim. Raises 25001 or 22023.
+CREATE FUNCTION @extschema@.outbox_check_claim(owner text, max_events int) RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    max_claim int;
+BEGIN
+    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
+    -- A transaction that wrote may hold events of its own, which a claim would hand out
+    -- uncommitted. Checked before the token's nextval, which may assign a transaction id itself.
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'active_sql_transaction',
+            MESSAGE = 'outbox_claim: the transaction has already written; a claim must come first in its own transaction',
+            HINT = 'Claim in a transaction of its own and commit right after (one claim per transaction).';
+    END IF;
+    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
+    max_claim := (SELECT c.max_claim FROM @extschema@.outbox_config() c);
+    IF max_events IS NULL OR max_events < 1 OR max_events > max_claim THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', max_claim),
+            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
+    END IF;
 END
 $$;
 
@@ -175,7 +190,6 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    cfg record;
     token bigint;
     -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
     stamp timestamptz := clock_timestamp();
@@ -185,21 +199,7 @@ DECLARE
     lo_id bigint;
     hi_id bigint;
 BEGIN
-    PERFORM @extschema@.outbox_check_isolation('outbox_claim');
-    -- A transaction that wrote may hold events of its own, which a claim would hand out
-    -- uncommitted. Checked before the token's nextval, which may assign a transaction id itself.
-    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'active_sql_transaction',
-            MESSAGE = 'outbox_claim: the transaction has already written; a claim must come first in its own transaction',
-            HINT = 'Claim in a transaction of its own and commit right after (one claim per transaction).';
-    END IF;
-    PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
-    SELECT * INTO cfg FROM @extschema@.outbox_config();
-    IF max_events IS NULL OR max_events < 1 OR max_events > cfg.max_claim THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', cfg.max_claim),
-            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
-    END IF;
+    PERFORM @extschema@.outbox_check_claim(owner, max_events);
     token := nextval('@extschema@.outbox_claim_token_seq');
     -- A claim lost in a crash only hands its events out again, as its lease would: no need to
     -- wait for its WAL flush. The durable ack after it flushes it too (docs/reference.md).
@@ -249,17 +249,13 @@ BEGIN
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
                NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
-          FROM (SELECT r.* FROM @extschema@.outbox_stream r
-                 WHERE r.id BETWEEN lo_id AND hi_id
-                 OFFSET 0) s -- a fence: the id list filters the range, it does not drive the scan
-          JOIN unnest(stream_ids) u(id) ON u.id = s.id -- hashed, not a search of the list per row
-         WHERE lo_id IS NOT NULL
-        UNION ALL
-        SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
-               'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,
-               NULL::text, s.created_at, stamp, s.event_id, s.key_hash IS NOT NULL, NULL::timestamptz
-          FROM @extschema@.outbox_stream s
-         WHERE lo_id IS NULL AND s.id = ANY (stream_ids)
+          FROM ((SELECT r.* FROM (SELECT r.* FROM @extschema@.outbox_stream r
+                                   WHERE r.id BETWEEN lo_id AND hi_id
+                                   OFFSET 0) r -- a fence: the id list filters the range, it does not drive the scan
+                  JOIN unnest(stream_ids) u(id) ON u.id = r.id -- hashed, not a search of the list per row
+                 WHERE lo_id IS NOT NULL)
+                UNION ALL
+                (SELECT r.* FROM @extschema@.outbox_stream r WHERE lo_id IS NULL AND r.id = ANY (stream_ids))) s
     ) e
     ORDER BY e.id;
 END

@@ -36,6 +36,26 @@ BEGIN
 END
 $$;
 
+-- Idle key rows a claim visited (and locked) are deleted, unless an event of theirs is unfinished,
+-- and only under the stream's lock: no claim then diverts an event to a key row half deleted.
+CREATE FUNCTION @extschema@.outbox_keys_drop_idle(topics text[], event_keys text[], skip_dead boolean)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF topics IS NOT NULL AND pg_try_advisory_xact_lock(@extschema@.outbox_stream_lock_id()) THEN
+        DELETE FROM @extschema@.outbox_key k
+         USING unnest(topics, event_keys) AS t(topic, event_key)
+         WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.state = 'idle'
+           AND NOT EXISTS (
+               SELECT 1 FROM @extschema@.outbox_tracked e
+                WHERE e.topic = k.topic AND e.event_key = k.event_key
+                  AND e.ordered AND e.status <> 'SUCCESS'
+                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+    END IF;
+END
+$$;
+
 -- A visited key's next state and due time (outbox_claim_tracked; the states are in schema.sql). A
 -- due head left unclaimed (the batch was full) keeps the key's place in the due order.
 CREATE FUNCTION @extschema@.outbox_key_next(holding boolean, busy boolean,

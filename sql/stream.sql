@@ -145,14 +145,28 @@ AS $$
     LIMIT need
 $$;
 
--- Events of busy keys become tracked rows behind their key's head, with a key row if none (in key
--- order). Batches holding those keys are told keys wait for them, so settling wakes the keys; held
--- keys are due now. Whatever is locked is skipped: a claim never waits here.
-CREATE FUNCTION @extschema@.outbox_stream_divert(ids bigint[], busy bigint[], stamp timestamptz, floor bigint)
-RETURNS void
+-- Of a claim's stream events (ids, with their key hashes), those of busy keys (in an unsettled
+-- batch, or with a key row) become tracked rows behind their key's head, with a key row if none
+-- (in key order); returns the others. Batches holding those keys are told keys wait for them, so
+-- settling wakes the keys; held keys are due now. Whatever is locked is skipped: never waits here.
+CREATE FUNCTION @extschema@.outbox_stream_divert(INOUT ids bigint[], INOUT hashes bigint[],
+                                                 stamp timestamptz, floor bigint)
 LANGUAGE plpgsql VOLATILE
 AS $$
+DECLARE
+    busy bigint[];
 BEGIN
+    -- In another unsettled batch (few rows), or with a key row (read only if any).
+    busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
+                   WHERE b.claim_token >= floor AND k = ANY (hashes));
+    IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
+        busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
+                                JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
+                               WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
+    END IF;
+    IF cardinality(busy) = 0 THEN
+        RETURN;
+    END IF;
     PERFORM FROM @extschema@.outbox_stream_track(
         ARRAY(SELECT s.id FROM @extschema@.outbox_stream s WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)),
         'WAIT', 0, stamp, NULL, stamp);
@@ -173,6 +187,10 @@ BEGIN
      WHERE b.claim_token IN (SELECT o.claim_token FROM @extschema@.outbox_stream_batch o
                               WHERE o.claim_token >= floor AND o.keys && busy AND NOT o.waiters
                               FOR UPDATE SKIP LOCKED);
+    SELECT coalesce(array_agg(t.id ORDER BY t.id), '{}'), coalesce(array_agg(t.h ORDER BY t.id), '{}')
+      INTO ids, hashes
+      FROM unnest(ids, hashes) t(id, h)
+     WHERE (t.h = ANY (busy)) IS NOT TRUE;
 END
 $$;
 
@@ -193,7 +211,6 @@ DECLARE
     part_hashes bigint[];
     fresh pg_snapshot;
     win record;
-    busy bigint[];
 BEGIN
     IF NOT @extschema@.outbox_stream_lock() THEN
         RETURN '{}';
@@ -234,21 +251,8 @@ BEGIN
         c.id_hwm := coalesce((SELECT max(e.id) FROM @extschema@.outbox_stream e), 0);
     END LOOP;
     IF cardinality(array_remove(hashes, NULL)) > 0 THEN
-        -- Busy: in another unsettled batch (few rows), or with a key row (read only if any).
-        busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
-                       WHERE b.claim_token >= c.batch_floor AND k = ANY (hashes));
-        IF EXISTS (SELECT 1 FROM @extschema@.outbox_key) THEN
-            busy := busy || ARRAY(SELECT DISTINCT s.key_hash FROM @extschema@.outbox_stream s
-                                    JOIN @extschema@.outbox_key k ON k.topic = s.topic AND k.event_key = s.event_key
-                                   WHERE s.id = ANY (ids) AND s.key_hash IS NOT NULL);
-        END IF;
-        IF cardinality(busy) > 0 THEN
-            PERFORM @extschema@.outbox_stream_divert(ids, busy, stamp, c.batch_floor);
-            SELECT coalesce(array_agg(t.id ORDER BY t.id), '{}'), coalesce(array_agg(t.h ORDER BY t.id), '{}')
-              INTO ids, hashes
-              FROM unnest(ids, hashes) t(id, h)
-             WHERE (t.h = ANY (busy)) IS NOT TRUE;
-        END IF;
+        SELECT d.ids, d.hashes INTO ids, hashes
+          FROM @extschema@.outbox_stream_divert(ids, hashes, stamp, c.batch_floor) d;
     END IF;
     IF cardinality(ids) > 0 THEN
         INSERT INTO @extschema@.outbox_stream_batch (claim_token, claim_owner, claimed_at, pending, keys)
