@@ -289,24 +289,31 @@ DECLARE
     waiters boolean;
     held bigint[];
 BEGIN
-    SELECT b.pending, b.keys, b.waiters INTO pending, keys, waiters FROM @extschema@.outbox_stream_batch b
-     WHERE b.claim_token = claim_token AND b.claim_owner = owner
-       FOR UPDATE;
-    IF pending IS NULL OR NOT pending && ids THEN
-        RETURN '{}';
-    END IF;
-    held := ARRAY(SELECT p FROM unnest(pending) p WHERE p = ANY (ids) ORDER BY p);
-    IF cardinality(held) = cardinality(pending) THEN
-        -- The usual case, the whole claim settled at once: no new version of the row.
-        DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = claim_token;
-    ELSE
-        UPDATE @extschema@.outbox_stream_batch b
-           -- IS NOT TRUE: a NULL among the ids must not drop the others from the batch.
-           SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p),
-               -- Events settled here may continue as tracked rows (nack, release), whose key
-               -- waits for the rest of this batch.
-               waiters = b.waiters OR b.keys <> '{}'
-         WHERE b.claim_token = claim_token;
+    -- The usual case, the whole claim settled at once: one statement, no row lock of its own (a
+    -- lock is a WAL record). A batch keeps its pending ids in id order.
+    DELETE FROM @extschema@.outbox_stream_batch b
+     WHERE b.claim_token = claim_token AND b.claim_owner = owner AND b.pending <@ ids
+    RETURNING b.pending, b.keys, b.waiters INTO held, keys, waiters;
+    IF NOT FOUND THEN
+        SELECT b.pending, b.keys, b.waiters INTO pending, keys, waiters FROM @extschema@.outbox_stream_batch b
+         WHERE b.claim_token = claim_token AND b.claim_owner = owner
+           FOR UPDATE;
+        IF pending IS NULL OR NOT pending && ids THEN
+            RETURN '{}';
+        END IF;
+        held := ARRAY(SELECT p FROM unnest(pending) p WHERE p = ANY (ids) ORDER BY p);
+        IF cardinality(held) = cardinality(pending) THEN
+            -- Another settle of this claim took the rest meanwhile.
+            DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = claim_token;
+        ELSE
+            UPDATE @extschema@.outbox_stream_batch b
+               -- IS NOT TRUE: a NULL among the ids must not drop the others from the batch.
+               SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p),
+                   -- Events settled here may continue as tracked rows (nack, release), whose key
+                   -- waits for the rest of this batch.
+                   waiters = b.waiters OR b.keys <> '{}'
+             WHERE b.claim_token = claim_token;
+        END IF;
     END IF;
     -- Held keys wait for this batch: each settle of part of it makes them due again. A key row
     -- locked now is being looked at by a claim or woken by an ack: never wait for it.
