@@ -78,9 +78,8 @@ BEGIN
     -- Keys of unsettled stream batches (this claim's own included): their tracked events wait.
     busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
                    WHERE b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c));
-    -- The due keys, oldest due first, each with its unfinished events from its head as far as
-    -- they are runnable, and the head in any case; a key row is locked only when reached, so a
-    -- claim visits as few keys as fill it, and never more than max_events rows per key.
+    -- The due keys, oldest due first, each with its run; a key row is locked only when reached,
+    -- so a claim visits as few keys as fill it, and never more than max_events rows per key.
     WITH visit AS MATERIALIZED (
         SELECT k.ctid AS row_id, k.topic, k.event_key, k.due_at AS key_due, k.busy, p.*
           FROM (SELECT d.ctid, d.topic, d.event_key, d.due_at,
@@ -90,20 +89,8 @@ BEGIN
                  ORDER BY d.due_at
                  LIMIT least(max_events, 1000)
                  FOR UPDATE SKIP LOCKED) k
-          LEFT JOIN LATERAL (
-              SELECT r.* FROM (
-                  SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
-                         row_number() OVER (ORDER BY e.id) AS pos,
-                         bool_and(e.status = 'WAIT' AND e.next_retry_time <= stamp AND NOT k.busy)
-                             OVER (ORDER BY e.id) AS runnable
-                    FROM @extschema@.outbox_tracked e
-                   WHERE e.topic = k.topic AND e.event_key = k.event_key
-                     AND e.ordered AND e.status <> 'SUCCESS'
-                     AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
-                   ORDER BY e.id
-                   LIMIT max_events) r
-               WHERE r.runnable OR r.pos = 1
-          ) p ON true
+          LEFT JOIN LATERAL @extschema@.outbox_key_run(k.topic, k.event_key, k.busy, skip_dead, stamp,
+                                                       max_events) p ON true
          LIMIT max_events
     ), unordered AS MATERIALIZED (
         SELECT c.id, c.next_retry_time

@@ -36,8 +36,32 @@ BEGIN
 END
 $$;
 
--- Idle key rows a claim visited (and locked) are deleted, unless an event of theirs is unfinished,
--- and only under the stream's lock: no claim then diverts an event to a key row half deleted.
+-- A key's run: its unfinished ordered events from its head, in id order, at most max_events, as
+-- far as they are runnable (WAIT, due, the key not busy), and its head (pos 1) in any case. No
+-- SET clause, so the planner inlines it; every function and operator is named with its schema.
+CREATE FUNCTION @extschema@.outbox_key_run(key_topic text, key_name text, busy boolean, skip_dead boolean,
+                                           stamp timestamptz, max_events int)
+RETURNS TABLE (id bigint, status @extschema@.outbox_status, next_retry_time timestamptz,
+               claimed_at timestamptz, pos bigint, runnable boolean)
+LANGUAGE sql STABLE
+AS $$
+    SELECT r.* FROM (
+        SELECT e.id, e.status, e.next_retry_time, e.claimed_at,
+               pg_catalog.row_number() OVER (ORDER BY e.id) AS pos,
+               pg_catalog.bool_and(e.status OPERATOR(pg_catalog.=) 'WAIT'
+                                   AND e.next_retry_time OPERATOR(pg_catalog.<=) stamp AND NOT busy)
+                   OVER (ORDER BY e.id) AS runnable
+          FROM @extschema@.outbox_tracked e
+         WHERE e.topic OPERATOR(pg_catalog.=) key_topic AND e.event_key OPERATOR(pg_catalog.=) key_name
+           AND e.ordered AND e.status OPERATOR(pg_catalog.<>) 'SUCCESS'
+           AND NOT (e.status OPERATOR(pg_catalog.=) 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
+         ORDER BY e.id
+         LIMIT max_events) r
+     WHERE r.runnable OR r.pos OPERATOR(pg_catalog.=) 1
+$$;
+
+-- Idle key rows a claim visited (and locked) are deleted, unless the key has a head again, and
+-- only under the stream's lock: no claim then diverts an event to a key row half deleted.
 CREATE FUNCTION @extschema@.outbox_keys_drop_idle(topics text[], event_keys text[], skip_dead boolean)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
@@ -47,11 +71,8 @@ BEGIN
         DELETE FROM @extschema@.outbox_key k
          USING unnest(topics, event_keys) AS t(topic, event_key)
          WHERE k.topic = t.topic AND k.event_key = t.event_key AND k.state = 'idle'
-           AND NOT EXISTS (
-               SELECT 1 FROM @extschema@.outbox_tracked e
-                WHERE e.topic = k.topic AND e.event_key = k.event_key
-                  AND e.ordered AND e.status <> 'SUCCESS'
-                  AND NOT (e.status = 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL)));
+           AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_key_run(k.topic, k.event_key, false, skip_dead,
+                                                                     now(), 1));
     END IF;
 END
 $$;

@@ -802,6 +802,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_keys_track", "'{1}', now()"),
         ("outbox_keys_wake", "'{orders}', '{k-1}', now()"),
         ("outbox_keys_drop_idle", "'{orders}', '{k-1}', false"),
+        ("outbox_key_run", "'orders', 'k-1', false, false, now(), 10"),
         ("outbox_stream_track", "'{}', 'WAIT', 0, now(), NULL, now()"),
         ("outbox_stream_rebase", "'(1,1:1:,1:1:,0,,0,0,0)'"),
         ("outbox_stream_lock", ""),
