@@ -31,20 +31,7 @@ printf '%s\n%s\n%s\n' "$enqueue" "$enqueue" "$enqueue" >"$work/enqueue3.sql"
 echo "SELECT count(*) FROM outbox_claim('r', 10);" >"$work/empty_claim.sql"
 echo "SELECT outbox_ack('r', 1, '{1,2,3}');" >"$work/empty_ack.sql"
 
-postmaster=$(head -1 "$(psql -X -At -d postgres -c 'SHOW data_directory')/postmaster.pid")
-children_cpu() { awk '{print $16 + $17}' "/proc/$postmaster/stat"; }
-
-# case -> µs of backend CPU per transaction, in a fresh database
-measure() {
-  psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
-  psql -X -q -d "$db" -c "CREATE EXTENSION outbox" >/dev/null
-  local before after
-  before=$(children_cpu)
-  PGSSLMODE=disable PGOPTIONS='-c synchronous_commit=off' pgbench -n -M prepared -c 1 -t "$tx" -f "$work/$1.sql" "$db" >/dev/null
-  sleep 0.3
-  after=$(children_cpu)
-  echo $(((after - before) * 10000000 / tx / 1000))
-}
+source sql/bench/backend-cpu.sh
 
 for ((r = 1; r <= rounds; r++)); do
   for c in enqueue3 round3 empty_claim empty_ack; do

@@ -1,0 +1,19 @@
+# Sourced by the sql/bench scripts that measure backend CPU per pgbench transaction (-c 1,
+# prepared statements, no TLS, synchronous_commit = off), read from the postmaster's cutime +
+# cstime once the session has exited. Needs $db (a scratch database), $tx and $work.
+
+postmaster=$(head -1 "$(psql -X -At -d postgres -c 'SHOW data_directory')/postmaster.pid")
+children_cpu() { awk '{print $16 + $17}' "/proc/$postmaster/stat"; }
+
+# µs of backend CPU per transaction of $work/CASE.sql, in a fresh database with the extension and
+# then SETUP (SQL, may be empty) run in it
+measure() {
+  psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
+  psql -X -q -d "$db" -c "CREATE EXTENSION outbox" ${2:+-c "$2"} >/dev/null
+  local before after
+  before=$(children_cpu)
+  PGSSLMODE=disable PGOPTIONS='-c synchronous_commit=off' pgbench -n -M prepared -c 1 -t "$tx" -f "$work/$1.sql" "$db" >/dev/null
+  sleep 0.3
+  after=$(children_cpu)
+  echo $(((after - before) * 10000000 / tx / 1000))
+}
