@@ -50,7 +50,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM @extschema@.outbox_check_max_rows('outbox_blocked_keys', max_rows);
+    PERFORM @extschema@.outbox_check_count('outbox_blocked_keys', 'max_rows', max_rows, 100000);
     RETURN QUERY
     SELECT k.topic, k.event_key, h.id, h.updated_at, h.last_error,
            (SELECT count(*) FROM @extschema@.outbox_tracked w
@@ -181,7 +181,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM @extschema@.outbox_check_max_rows('outbox_dead_letters', max_rows);
+    PERFORM @extschema@.outbox_check_count('outbox_dead_letters', 'max_rows', max_rows, 100000);
     RETURN QUERY
     SELECT e.id, e.topic, e.event_key, e.event_type, e.payload, e.headers, e.status, e.retry_count,
            e.next_retry_time, e.claim_owner, e.claim_token, e.claimed_at, e.last_error, e.created_at,

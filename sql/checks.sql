@@ -27,15 +27,17 @@ BEGIN
 END
 $$;
 
--- The page size of the listing functions.
-CREATE FUNCTION @extschema@.outbox_check_max_rows(fn text, max_rows int) RETURNS void
+-- A count argument (a claim's max_events, a listing's max_rows): between 1 and `most`, the bound
+-- named by `setting` when a setting gives it.
+CREATE FUNCTION @extschema@.outbox_check_count(fn text, arg text, n int, most int, setting text DEFAULT NULL)
+RETURNS void
 LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+    IF n IS NULL OR n < 1 OR n > most THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: max_rows must be between 1 and 100000', fn),
-            DETAIL = format('max_rows = %s', coalesce(max_rows::text, 'NULL'));
+            MESSAGE = format('%s: %s must be between 1 and %s%s', fn, arg, most, coalesce(' (' || setting || ')', '')),
+            DETAIL = format('%s = %s', arg, coalesce(n::text, 'NULL'));
     END IF;
 END
 $$;

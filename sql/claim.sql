@@ -147,8 +147,6 @@ $$;
 CREATE FUNCTION @extschema@.outbox_check_claim(owner text, max_events int) RETURNS void
 LANGUAGE plpgsql VOLATILE
 AS $$
-DECLARE
-    max_claim int;
 BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_claim');
     -- A transaction that wrote may hold events of its own, which a claim would hand out
@@ -159,12 +157,9 @@ BEGIN
             HINT = 'Claim in a transaction of its own and commit right after (one claim per transaction).';
     END IF;
     PERFORM @extschema@.outbox_check_owner('outbox_claim', owner);
-    max_claim := (SELECT c.max_claim FROM @extschema@.outbox_config() c);
-    IF max_events IS NULL OR max_events < 1 OR max_events > max_claim THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('outbox_claim: max_events must be between 1 and %s (outbox.max_claim)', max_claim),
-            DETAIL = format('max_events = %s', coalesce(max_events::text, 'NULL'));
-    END IF;
+    PERFORM @extschema@.outbox_check_count('outbox_claim', 'max_events', max_events,
+                                           (SELECT c.max_claim FROM @extschema@.outbox_config() c),
+                                           'outbox.max_claim');
 END
 $$;
 

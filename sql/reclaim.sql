@@ -39,7 +39,7 @@ AS $$
 DECLARE
     stamp timestamptz := clock_timestamp();
 BEGIN
-    PERFORM @extschema@.outbox_check_max_rows('outbox_owners', max_rows);
+    PERFORM @extschema@.outbox_check_count('outbox_owners', 'max_rows', max_rows, 100000);
     RETURN QUERY
     WITH claims AS (
         SELECT t.claim_owner AS who, count(*) AS n, min(t.claimed_at) AS since

@@ -749,7 +749,7 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
         ("outbox_uuidv7", ""),
         ("outbox_status_after_failure", "4, 3"),
         ("outbox_backoff", "2, 5000::bigint, 60000::bigint, 0.1"),
-        ("outbox_check_max_rows", "'f', 10"),
+        ("outbox_check_count", "'f', 'max_rows', 10, 100"),
         (
             "outbox_check_elements",
             "'f', ARRAY['{}'::jsonb], ARRAY['k-1'], ARRAY['{\"h\": \"v\"}'::jsonb]",
