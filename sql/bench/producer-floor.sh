@@ -9,18 +9,9 @@
 # scripts/setup). Writes reports/core-1.0/producer-floor.md with outbox-bench --provenance.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/env.sh
 tx=${1:-5000}
 rounds=${2:-3}
-out=reports/core-1.0/producer-floor.md
-load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 db=outbox_producer_floor
-work=$(mktemp -d)
-cleanup() {
-  psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
 source sql/bench/backend-cpu.sh
 
 setup="CREATE TABLE bench_order (id bigserial PRIMARY KEY, customer text NOT NULL,
@@ -46,31 +37,16 @@ tx_of "INSERT INTO bench_event (topic, event_key, key_hash, event_type, payload,
 tx_of "SELECT bench_insert_event('orders', $payload, $key, 'OrderCreated');" floor_function
 tx_of "SELECT outbox_enqueue('orders', $payload, $key, 'OrderCreated');" enqueue
 
-cases=(order_only plain floor_function enqueue)
-for ((r = 1; r <= rounds; r++)); do
-  for c in "${cases[@]}"; do
-    echo "$c $(measure "$c" "$setup")" >>"$work/figures"
-  done
-done
-
-machine=$("$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-bench" --provenance --load-start "$load_start")
-python3 - "$work/figures" "$machine" "$tx" "$rounds" <<'EOF' | tee "$out"
-import statistics, sys
-path, machine, tx, rounds = sys.argv[1:]
-runs = {}
-for line in open(path):
-    case, us = line.split()
-    runs.setdefault(case, []).append(int(us))
-med = {c: statistics.median(v) for c, v in runs.items()}
-print("# What a producer's transaction costs the database\n")
-print(f"Written by `sql/bench/producer-floor.sh {tx} {rounds}`: backend CPU per pgbench transaction "
-      "(`-c 1 -M prepared`, no TLS, `synchronous_commit = off`; `BEGIN`, an order row, the event "
-      "(keyed), `COMMIT`), from the postmaster's cutime + cstime after the session exited; each case "
-      f"in a fresh database, the cases alternating, medians of {rounds} rounds of {tx} transactions. "
-      "When producers are CPU-bound (16 clients on this machine), their transactions per second "
+measure_all "$setup" order_only plain floor_function enqueue
+python3 - "$work" "$tx" "$rounds" <<'EOF' | tee reports/core-1.0/producer-floor.md
+import sys
+sys.path.insert(0, "sql/bench")
+from figures import report
+runs, med = report("producer-floor.sh", "What a producer's transaction costs the database",
+                   "; `BEGIN`, an order row, the event (keyed), `COMMIT`")
+print("When producers are CPU-bound (16 clients on this machine), their transactions per second "
       "follow the inverse of this cost: the last column is the plain INSERT's cost divided by the "
       "case's, the producer throughput ratio that cost allows.\n")
-print(machine + "\n")
 print("| case | µs per transaction (median) | plain ÷ case | runs |\n|---|---:|---:|---|")
 names = {
     "order_only": "the order row alone",

@@ -8,18 +8,10 @@
 # provenance table of outbox-bench --provenance.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/env.sh
 tx=${1:-3000}
 rounds=${2:-3}
-out=reports/core-1.0/round-cost.md
-load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 db=outbox_round_cost
-work=$(mktemp -d)
-cleanup() {
-  psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source sql/bench/backend-cpu.sh
 
 enqueue="SELECT outbox_enqueue('orders', '{\"n\": 1}'::jsonb, 'k' || (random() * 1e9)::bigint, 'OrderCreated');"
 printf '%s\n%s\n%s\n' "$enqueue" "$enqueue" "$enqueue" >"$work/enqueue3.sql"
@@ -31,29 +23,12 @@ printf '%s\n%s\n%s\n' "$enqueue" "$enqueue" "$enqueue" >"$work/enqueue3.sql"
 echo "SELECT count(*) FROM outbox_claim('r', 10);" >"$work/empty_claim.sql"
 echo "SELECT outbox_ack('r', 1, '{1,2,3}');" >"$work/empty_ack.sql"
 
-source sql/bench/backend-cpu.sh
-
-for ((r = 1; r <= rounds; r++)); do
-  for c in enqueue3 round3 empty_claim empty_ack; do
-    echo "$c $(measure "$c")" >>"$work/figures"
-  done
-done
-
-machine=$("$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-bench" --provenance --load-start "$load_start")
-python3 - "$work/figures" "$machine" "$tx" "$rounds" <<'EOF' | tee "$out"
-import statistics, sys
-path, machine, tx, rounds = sys.argv[1:]
-runs = {}
-for line in open(path):
-    case, us = line.split()
-    runs.setdefault(case, []).append(int(us))
-med = {c: statistics.median(v) for c, v in runs.items()}
-print("# What one relay round costs the database\n")
-print(f"Written by `sql/bench/round-cost.sh {tx} {rounds}`: backend CPU per pgbench transaction "
-      "(`-c 1 -M prepared`, no TLS, `synchronous_commit = off`), from the postmaster's cutime + cstime "
-      "after the session exited; each case in a fresh database, the cases alternating, medians of "
-      f"{rounds} rounds of {tx} transactions.\n")
-print(machine + "\n")
+measure_all "" enqueue3 round3 empty_claim empty_ack
+python3 - "$work" "$tx" "$rounds" <<'EOF' | tee reports/core-1.0/round-cost.md
+import sys
+sys.path.insert(0, "sql/bench")
+from figures import report
+runs, med = report("round-cost.sh", "What one relay round costs the database")
 print("| case | µs per transaction (median) | runs |\n|---|---:|---|")
 names = {
     "enqueue3": "three keyed `outbox_enqueue` calls",

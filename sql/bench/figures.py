@@ -1,0 +1,21 @@
+"""The report step of the backend-CPU scripts (backend-cpu.sh's measure_all): reads what it wrote
+into the work directory and prints the report's title, method and provenance."""
+import statistics
+import sys
+
+
+def report(script, title, what=""):
+    """Prints the head of the report of `script` (argv: work directory, transactions, rounds);
+    `what` adds to the method. Returns (runs, medians): per case its figures and their median."""
+    work, tx, rounds = sys.argv[1:]
+    runs = {}
+    for line in open(f"{work}/figures"):
+        case, us = line.split()
+        runs.setdefault(case, []).append(int(us))
+    print(f"# {title}\n")
+    print(f"Written by `sql/bench/{script} {tx} {rounds}`: backend CPU per pgbench transaction "
+          f"(`-c 1 -M prepared`, no TLS, `synchronous_commit = off`{what}), from the postmaster's "
+          "cutime + cstime after the session exited; each case in a fresh database, the cases "
+          f"alternating, medians of {rounds} rounds of {tx} transactions.\n")
+    print(open(f"{work}/machine").read().strip() + "\n")
+    return runs, {c: statistics.median(v) for c, v in runs.items()}
