@@ -1,7 +1,6 @@
 -- The SQL API, one file per concern in outbox-ext/src/lib.rs's order. Its functions are SECURITY
--- DEFINER with search_path pinned to pg_catalog, pg_temp and every object named with its schema:
--- callers need only EXECUTE, and nothing planted in a schema can redirect a call. The internal
--- helpers they call run under that pinned path: no SET clause, which would cost every call a switch.
+-- DEFINER with search_path pinned to pg_catalog, pg_temp, every object named with its schema, and
+-- the helpers they call run under that path: callers need only EXECUTE, and nothing can redirect.
 
 -- Argument checks shared by the relay-side calls. Raises 22023 naming the function and argument.
 CREATE FUNCTION @extschema@.outbox_check_owner(fn text, owner text) RETURNS void

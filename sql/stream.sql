@@ -145,10 +145,9 @@ AS $$
     LIMIT need
 $$;
 
--- Of a claim's stream events (ids, with their key hashes), those of busy keys (in an unsettled
--- batch, or with a key row) become tracked rows behind their key's head, with a key row if none
--- (in key order); returns the others. Batches holding those keys are told keys wait for them, so
--- settling wakes the keys; held keys are due now. Whatever is locked is skipped: never waits here.
+-- Of a claim's stream events, those of busy keys (in an unsettled batch, or with a key row) go to
+-- tracked rows behind their key's head (key rows in key order); returns the rest. Their batches
+-- learn that keys wait, and held keys are due now. Skips what is locked: never waits here.
 CREATE FUNCTION @extschema@.outbox_stream_divert(INOUT ids bigint[], INOUT hashes bigint[],
                                                  stamp timestamptz, floor bigint)
 LANGUAGE plpgsql VOLATILE
