@@ -10,7 +10,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{watch, RwLock};
+use tokio::sync::{watch, Notify, RwLock};
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
@@ -36,6 +36,8 @@ pub struct Relay {
     pub lease: Duration,
     /// Events taken by the last finished round (the wake-up session waits for one).
     pub rounds: watch::Sender<usize>,
+    /// Wakes one waiting claim loop (or the next one to wait): each wake-up is one loop's round.
+    pub wake: Arc<Notify>,
     /// Failures with an unclassified code, per event: how long they are released, not counted.
     pub unknown: UnknownErrors,
     /// The tokens of the claims the rounds hold now.
@@ -68,7 +70,6 @@ enum Settle {
 pub async fn claim_loop(
     n: usize,
     relay: Arc<Relay>,
-    mut wake: watch::Receiver<u64>,
     cancel: CancellationToken,
 ) -> Result<(), DbError> {
     let mut failures: u32 = 0;
@@ -95,8 +96,6 @@ pub async fn claim_loop(
                 _ = tokio::time::sleep_until(at.into()) => {}
             }
         }
-        // Notifications from now on end the wait after this round.
-        wake.borrow_and_update();
         let claim_start = Instant::now();
         let result = relay.round().await;
         relay.metrics.health.round_completed(n);
@@ -127,7 +126,8 @@ pub async fn claim_loop(
         tokio::select! {
             _ = cancel.cancelled() => break,
             _ = tokio::time::sleep(delay) => {}
-            r = wake.changed() => if r.is_err() { tokio::time::sleep(delay).await },
+            // A wake-up given while the round ran (no loop waiting) ends this wait at once.
+            _ = relay.wake.notified() => {}
         }
     }
     tracing::debug!(claim_loop = n, "claim loop stopped");

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
@@ -22,7 +21,6 @@ pub async fn reclaim_loop(
     relay: Arc<Relay>,
     lease: Duration,
     every: Duration,
-    wake: watch::Sender<u64>,
     cancel: CancellationToken,
 ) -> Result<(), DbError> {
     loop {
@@ -56,7 +54,7 @@ pub async fn reclaim_loop(
                         r.expired_owner.as_deref().unwrap_or("?")
                     );
                 }
-                wake.send_modify(|g| *g = g.wrapping_add(1));
+                relay.wake.notify_one();
             }
             Err(e) if !e.is_retriable() => return Err(e),
             Err(e) => tracing::warn!("reclaim failed: {e}"),

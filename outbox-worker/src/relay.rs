@@ -221,35 +221,32 @@ impl Database {
             claim_cooldown: args.claim_cooldown,
             lease: args.lease,
             rounds: rounds_tx,
+            wake: Default::default(),
             unknown: UnknownErrors::new(defaults::UNKNOWN_ERROR_GRACE),
             held: Default::default(),
             claiming: Default::default(),
         });
 
         let beats = Beats::start(&relay, args).await?;
-        let (wake_tx, wake_rx) = watch::channel(0u64);
         let mut tasks = Tasks::new(cancel.clone());
         let waiter = wakeup::run(
             self.target,
             relay.store.schema().to_string(),
-            wake_tx.clone(),
-            rounds_rx,
+            relay.wake.clone(),
+            (rounds_rx, args.batch_size as usize),
             cancel.clone(),
         );
         tasks.spawn("wake-up session", async move {
             waiter.await;
             Ok(())
         });
-        spawn_loops(&mut tasks, &relay, args, (&wake_tx, &wake_rx), &cancel);
+        spawn_loops(&mut tasks, &relay, args, &cancel);
 
         // Until a signal, or a task's failure, cancels them all; either way every claim loop
         // settles its round before it stops.
         let result = tasks.join().await;
         let beating = beats.stop().await;
         settle_leftovers(&relay, beating).await;
-        // Held until every claim loop has stopped: with no sender left, a loop's wait for a
-        // wake-up would end at once and fall back to a plain sleep that ignores the shutdown.
-        drop(wake_tx);
         result
     }
 }
@@ -292,23 +289,11 @@ impl Beats {
 }
 
 /// The reclaimer, the broker prober and watch, the stats poller and the claim loops.
-fn spawn_loops(
-    tasks: &mut Tasks,
-    relay: &Arc<Relay>,
-    args: &RunArgs,
-    (wake_tx, wake_rx): (&watch::Sender<u64>, &watch::Receiver<u64>),
-    cancel: &CancellationToken,
-) {
+fn spawn_loops(tasks: &mut Tasks, relay: &Arc<Relay>, args: &RunArgs, cancel: &CancellationToken) {
     let every = args.reclaim_interval;
     tasks.spawn(
         "reclaimer",
-        reclaim_loop(
-            relay.clone(),
-            args.lease,
-            every,
-            wake_tx.clone(),
-            cancel.clone(),
-        ),
+        reclaim_loop(relay.clone(), args.lease, every, cancel.clone()),
     );
     tasks.spawn(
         "broker prober",
@@ -338,7 +323,7 @@ fn spawn_loops(
     for n in 0..args.concurrency {
         tasks.spawn(
             format!("claim loop {n}"),
-            claim_loop(n, relay.clone(), wake_rx.clone(), cancel.clone()),
+            claim_loop(n, relay.clone(), cancel.clone()),
         );
     }
 }

@@ -1,12 +1,14 @@
 //! The wake-up session: a direct connection (not from the pool, so it holds no pool slot while it
-//! waits) that calls `outbox_wait` in a loop and bumps a counter the claim loops watch whenever
-//! events may be claimable. No LISTEN/NOTIFY: NOTIFY would make the producers' commits take turns
+//! waits) that calls `outbox_wait` in a loop and wakes a claim loop whenever events may be
+//! claimable. No LISTEN/NOTIFY: NOTIFY would make the producers' commits take turns
 //! (docs/reference.md, "Wake-up"). One unnamed statement per wait, so it also works through a
 //! transaction-mode pooler. The claim loops keep polling anyway, and it reconnects by itself.
 
 use std::time::Duration;
 
-use tokio::sync::watch;
+use std::sync::Arc;
+
+use tokio::sync::{watch, Notify};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
@@ -39,17 +41,17 @@ async fn answer(
 /// (rows locked by another transaction), and `outbox_wait` would answer at once, again and again.
 const EMPTY_WAKE_PAUSE_MAX: Duration = Duration::from_millis(100);
 
-/// After a wake-up: wakes the claim loops, and again after every round that claimed (an idle loop
-/// may help). A loop claims again by itself, so the database is asked again only once a round
-/// found nothing. Whether any round claimed; None once cancelled or the claim loops are gone.
+/// After a wake-up: wakes one claim loop, and one more after every round that filled its batch
+/// (more is waiting than a loop takes; an idle loop may help). Waking them all would make every
+/// other loop claim nothing. Whether a round claimed; None once cancelled or the loops are gone.
 async fn follow_rounds(
-    wake: &watch::Sender<u64>,
-    rounds: &mut watch::Receiver<usize>,
+    wake: &Notify,
+    (rounds, full): &mut (watch::Receiver<usize>, usize),
     cancel: &CancellationToken,
 ) -> Option<bool> {
     let mut claimed_any = false;
     loop {
-        wake.send_modify(|g| *g = g.wrapping_add(1));
+        wake.notify_one();
         let claimed = tokio::select! {
             _ = cancel.cancelled() => return None,
             r = tokio::time::timeout(WAIT_TIMEOUT, rounds.changed()) => match r {
@@ -58,19 +60,19 @@ async fn follow_rounds(
                 Err(_) => 0,
             },
         };
-        if claimed == 0 {
+        claimed_any |= claimed > 0;
+        if claimed < *full {
             return Some(claimed_any);
         }
-        claimed_any = true;
     }
 }
 
-/// `rounds` carries the number of events the last finished claim round took.
+/// `rounds` carries the number of events the last finished claim round took, and a full batch.
 pub async fn run(
     target: Target,
     schema: String,
-    wake: watch::Sender<u64>,
-    mut rounds: watch::Receiver<usize>,
+    wake: Arc<Notify>,
+    mut rounds: (watch::Receiver<usize>, usize),
     cancel: CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(500);
@@ -94,7 +96,7 @@ pub async fn run(
                         connected_before = true;
                         backoff = Duration::from_millis(500);
                         // Anything committed while we were not waiting is picked up now.
-                        wake.send_modify(|g| *g = g.wrapping_add(1));
+                        wake.notify_one();
                         let secs = WAIT_TIMEOUT.as_secs_f64();
                         let mut empty_streak: u32 = 0;
                         loop {
@@ -106,7 +108,7 @@ pub async fn run(
                             match woken {
                                 Ok(row) if row.get::<_, bool>(0) => {
                                     tracing::trace!("woken");
-                                    rounds.borrow_and_update();
+                                    rounds.0.borrow_and_update();
                                     let Some(claimed_any) =
                                         follow_rounds(&wake, &mut rounds, &cancel).await
                                     else {
