@@ -233,7 +233,11 @@ impl Database {
             self.target,
             relay.store.schema().to_string(),
             relay.wake.clone(),
-            (rounds_rx, args.batch_size as usize),
+            wakeup::Rounds {
+                done: rounds_rx,
+                full: args.batch_size as usize,
+                loops: args.concurrency,
+            },
             cancel.clone(),
         );
         tasks.spawn("wake-up session", async move {

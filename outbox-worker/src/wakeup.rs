@@ -42,37 +42,50 @@ async fn answer(
 const EMPTY_WAKE_PAUSE_MAX: Duration = Duration::from_millis(100);
 
 /// After a wake-up: wakes one claim loop, and one more after every round that filled its batch
-/// (more is waiting than a loop takes; an idle loop may help). Waking them all would make every
-/// other loop claim nothing. Whether a round claimed; None once cancelled or the loops are gone.
+/// (an idle loop may help), until a round finds nothing. Waking every loop at once would make the
+/// others claim nothing. Whether any round claimed; None once cancelled or the loops are gone.
 async fn follow_rounds(
     wake: &Notify,
-    (rounds, full): &mut (watch::Receiver<usize>, usize),
+    rounds: &mut Rounds,
     cancel: &CancellationToken,
 ) -> Option<bool> {
     let mut claimed_any = false;
+    wake.notify_one();
     loop {
-        wake.notify_one();
         let claimed = tokio::select! {
             _ = cancel.cancelled() => return None,
-            r = tokio::time::timeout(WAIT_TIMEOUT, rounds.changed()) => match r {
-                Ok(Ok(())) => *rounds.borrow_and_update(),
+            r = tokio::time::timeout(WAIT_TIMEOUT, rounds.done.changed()) => match r {
+                Ok(Ok(())) => *rounds.done.borrow_and_update(),
                 Ok(Err(_)) => return None,
                 Err(_) => 0,
             },
         };
-        claimed_any |= claimed > 0;
-        if claimed < *full {
+        if claimed == 0 {
             return Some(claimed_any);
+        }
+        claimed_any = true;
+        // With one loop the permit would only outlast the round: a claim that finds nothing.
+        if claimed >= rounds.full && rounds.loops > 1 {
+            wake.notify_one();
         }
     }
 }
 
-/// `rounds` carries the number of events the last finished claim round took, and a full batch.
+/// What the wake-up session follows of the claim loops.
+pub struct Rounds {
+    /// The number of events the last finished round took.
+    pub done: watch::Receiver<usize>,
+    /// A full batch.
+    pub full: usize,
+    /// How many claim loops there are.
+    pub loops: usize,
+}
+
 pub async fn run(
     target: Target,
     schema: String,
     wake: Arc<Notify>,
-    mut rounds: (watch::Receiver<usize>, usize),
+    mut rounds: Rounds,
     cancel: CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(500);
@@ -108,7 +121,7 @@ pub async fn run(
                             match woken {
                                 Ok(row) if row.get::<_, bool>(0) => {
                                     tracing::trace!("woken");
-                                    rounds.0.borrow_and_update();
+                                    rounds.done.borrow_and_update();
                                     let Some(claimed_any) =
                                         follow_rounds(&wake, &mut rounds, &cancel).await
                                     else {
