@@ -7,13 +7,14 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use outbox_tests::broker::Broker;
+use outbox_tests::broker::{Broker, Follower};
 use outbox_tests::db::TestDb;
 use outbox_tests::events::enqueue;
 use outbox_tests::pg_cluster::PgCluster;
 use outbox_tests::relay::Relay;
 use outbox_worker::WAKEUP_READY;
 use serde_json::json;
+use tokio_postgres::Client;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_committed_while_idle_wakes_the_relay_on_a_preloaded_server() {
@@ -70,32 +71,44 @@ async fn woken_not_polled(db: &TestDb, mode: &str) {
         // The relay is idle once the round of the last event ended: from then on only the
         // wake-up (or the poll, 60 s later) starts the next one.
         wait_rounds_done(&worker, i + 1).await;
-        let t0 = Instant::now();
-        let e = enqueue(
-            &client,
-            "orders",
-            &format!("k{i}"),
-            "OrderCreated",
-            &json!({"i": i}),
-            &BTreeMap::new(),
-        )
-        .await;
-        let (arrived, m) = follower
-            .wait_for(e.id, Duration::from_secs(5))
-            .unwrap_or_else(|| {
-                panic!(
-                    "event {} did not arrive within 5 s: {}",
-                    e.id,
-                    worker.logs()
-                )
-            });
-        assert_eq!(m.key.as_deref(), Some(format!("k{i}").as_str()));
-        latencies.push(arrived.duration_since(t0));
+        let within = Duration::from_secs(5);
+        latencies.push(commit_to_consumer(&client, &follower, &worker, i, within).await);
     }
     eprintln!("commit-to-consumer latencies while idle: {latencies:?}");
     // The 5 s limit of wait_for above is 12 times shorter than the poll interval: each event
     // arrived because outbox_wait woke the relay.
     assert_eq!(latencies.len(), 5);
+}
+
+/// Enqueues event `i` (key `k{i}`) and returns the time from the enqueue to its arrival at the
+/// consumer, which must come `within`.
+async fn commit_to_consumer(
+    client: &Client,
+    follower: &Follower,
+    worker: &Relay,
+    i: usize,
+    within: Duration,
+) -> Duration {
+    let t0 = Instant::now();
+    let key = format!("k{i}");
+    let e = enqueue(
+        client,
+        "orders",
+        &key,
+        "OrderCreated",
+        &json!({"i": i}),
+        &BTreeMap::new(),
+    )
+    .await;
+    let (arrived, m) = follower.wait_for(e.id, within).unwrap_or_else(|| {
+        panic!(
+            "event {} did not arrive within {within:?}: {}",
+            e.id,
+            worker.logs()
+        )
+    });
+    assert_eq!(m.key.as_deref(), Some(key.as_str()));
+    arrived.duration_since(t0)
 }
 
 /// Waits until the relay logged `n` rounds that relayed one event (one per event so far).
@@ -141,22 +154,11 @@ async fn several_claim_loops_do_not_slow_the_wake_up_down() {
     );
     let mut latencies = Vec::new();
     for i in 0..40 {
-        let t0 = Instant::now();
-        let e = enqueue(
-            &client,
-            "orders",
-            &format!("k{i}"),
-            "OrderCreated",
-            &json!({"i": i}),
-            &BTreeMap::new(),
-        )
-        .await;
-        let (arrived, _) = follower
-            .wait_for(e.id, Duration::from_secs(20))
-            .unwrap_or_else(|| panic!("event {} never arrived: {}", e.id, worker.logs()));
+        let latency =
+            commit_to_consumer(&client, &follower, &worker, i, Duration::from_secs(20)).await;
         // The first ones warm up the producer and the consumer.
         if i >= 10 {
-            latencies.push(arrived.duration_since(t0));
+            latencies.push(latency);
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
