@@ -4,9 +4,8 @@
 //! (docs/reference.md, "Wake-up"). One unnamed statement per wait, so it also works through a
 //! transaction-mode pooler. The claim loops keep polling anyway, and it reconnects by itself.
 
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{watch, Notify};
 use tokio_postgres::types::{ToSql, Type};
