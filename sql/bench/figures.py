@@ -1,5 +1,5 @@
 """The report step of the backend-CPU scripts (backend-cpu.sh's measure_all): reads what it wrote
-into the work directory and prints the report's title, method and provenance."""
+into the work directory and prints the report's title, method, provenance and table."""
 import statistics
 import sys
 
@@ -19,3 +19,13 @@ def report(script, title, what=""):
           f"alternating, medians of {rounds} rounds of {tx} transactions.\n")
     print(open(f"{work}/machine").read().strip() + "\n")
     return runs, {c: statistics.median(v) for c, v in runs.items()}
+
+
+def table(names, runs, medians, base=None):
+    """Prints one row per case of `names` (case: description), with its median and runs; with
+    `base` (a case), also that case's median divided by each case's."""
+    ratio = f" {base} ÷ case |" if base else ""
+    print(f"| case | µs per transaction (median) |{ratio} runs |\n|---|---:|{'---:|' if base else ''}---|")
+    for c, name in names.items():
+        r = f" {medians[base] / medians[c]:.2f} |" if base else ""
+        print(f"| {name} | {medians[c]:.0f} |{r} {', '.join(map(str, runs[c]))} |")

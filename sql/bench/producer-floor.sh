@@ -41,19 +41,17 @@ measure_all "$setup" order_only plain floor_function enqueue
 python3 - "$work" "$tx" "$rounds" <<'EOF' | tee reports/core-1.0/producer-floor.md
 import sys
 sys.path.insert(0, "sql/bench")
-from figures import report
+from figures import report, table
 runs, med = report("producer-floor.sh", "What a producer's transaction costs the database",
                    "; `BEGIN`, an order row, the event (keyed), `COMMIT`")
 print("When producers are CPU-bound (16 clients on this machine), their transactions per second "
       "follow the inverse of this cost: the last column is the plain INSERT's cost divided by the "
       "case's, the producer throughput ratio that cost allows.\n")
-print("| case | µs per transaction (median) | plain ÷ case | runs |\n|---|---:|---:|---|")
 names = {
     "order_only": "the order row alone",
     "plain": "the event as a plain INSERT into `bench_event` (`LIKE outbox_stream INCLUDING ALL`)",
     "floor_function": "the event inserted into `outbox_stream` by a `SECURITY DEFINER` PL/pgSQL function that does nothing else",
     "enqueue": "the event by `outbox_enqueue`",
 }
-for c, name in names.items():
-    print(f"| {name} | {med[c]:.0f} | {med['plain'] / med[c]:.2f} | {', '.join(map(str, runs[c]))} |")
+table(names, runs, med, base="plain")
 EOF

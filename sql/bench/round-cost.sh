@@ -27,16 +27,14 @@ measure_all "" enqueue3 round3 empty_claim empty_ack
 python3 - "$work" "$tx" "$rounds" <<'EOF' | tee reports/core-1.0/round-cost.md
 import sys
 sys.path.insert(0, "sql/bench")
-from figures import report
+from figures import report, table
 runs, med = report("round-cost.sh", "What one relay round costs the database")
-print("| case | µs per transaction (median) | runs |\n|---|---:|---|")
 names = {
     "enqueue3": "three keyed `outbox_enqueue` calls",
     "round3": "the same, then `outbox_claim('r', 10)` and `outbox_ack` of what it took",
     "empty_claim": "`outbox_claim('r', 10)` with nothing to claim",
     "empty_ack": "`outbox_ack('r', 1, '{1,2,3}')`, nothing held",
 }
-for c, name in names.items():
-    print(f"| {name} | {med[c]:.0f} | {', '.join(map(str, runs[c]))} |")
+table(names, runs, med)
 print(f"\nA round of 3 events (claim + ack): {med['round3'] - med['enqueue3']:.0f} µs.")
 EOF
