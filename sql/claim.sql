@@ -203,6 +203,9 @@ BEGIN
         tracked_ids := @extschema@.outbox_claim_tracked(owner, token, stamp, max_events - cardinality(stream_ids));
     END IF;
 
+    IF cardinality(tracked_ids) = 0 AND cardinality(stream_ids) = 0 THEN
+        RETURN;
+    END IF;
     -- The stream rows' ids are mostly consecutive: read them as one primary-key range when the
     -- range holds at most twice as many ids as the batch (id = ANY alone descends the index once
     -- per id, two buffers each), else by id.

@@ -224,14 +224,17 @@ BEGIN
         was := '';
     END IF;
     FOR w IN 1..2 LOOP
-        SELECT array_agg(s.id ORDER BY s.id), array_agg(s.key_hash ORDER BY s.id)
-          INTO part_ids, part_hashes
-          FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id, c.win_lo, c.win_hi,
-                                              max_events - cardinality(ids)) s;
-        IF part_ids IS NOT NULL THEN
-            ids := ids || part_ids;
-            hashes := hashes || part_hashes;
-            c.pos_id := part_ids[cardinality(part_ids)];
+        -- Past win_hi, the window's largest id, the window is used up.
+        IF c.pos_id < c.win_hi THEN
+            SELECT array_agg(s.id ORDER BY s.id), array_agg(s.key_hash ORDER BY s.id)
+              INTO part_ids, part_hashes
+              FROM @extschema@.outbox_stream_walk(c.prev_snap, c.cur_snap, c.pos_id, c.win_lo, c.win_hi,
+                                                  max_events - cardinality(ids)) s;
+            IF part_ids IS NOT NULL THEN
+                ids := ids || part_ids;
+                hashes := hashes || part_hashes;
+                c.pos_id := part_ids[cardinality(part_ids)];
+            END IF;
         END IF;
         EXIT WHEN cardinality(ids) >= max_events OR w = 2;
         -- The window is used up: the next one ends at a fresh snapshot, taken now that the lock
