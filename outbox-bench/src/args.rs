@@ -41,6 +41,10 @@ pub struct Args {
     /// the relay does, for PgBouncer's transaction mode), instead of prepared ones.
     #[arg(long)]
     pub unnamed_statements: bool,
+    /// Partitions of the latency section's topics (default 4): a round's events go to Kafka in
+    /// one produce request per partition they touch.
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..=1000))]
+    pub latency_partitions: Option<i32>,
     /// Print the provenance table (date, checkout, machine, server, settings, load) that every
     /// report starts with, and exit: for reports written by scripts (sql/bench/).
     #[arg(long, conflicts_with_all = ["output", "json", "only"])]
@@ -79,6 +83,9 @@ impl Args {
         }
         if self.unnamed_statements {
             s += " --unnamed-statements";
+        }
+        if let Some(n) = self.latency_partitions {
+            s += &format!(" --latency-partitions {n}");
         }
         if !self.only.is_empty() {
             let names: Vec<String> = self

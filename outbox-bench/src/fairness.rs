@@ -207,6 +207,7 @@ async fn side(
             steady,
             &relays[0],
             &topic,
+            outbox_tests::broker::PARTITIONS,
             p.fair_rate,
             p.fair_time.as_secs_f64(),
             false,

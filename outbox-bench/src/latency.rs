@@ -90,6 +90,7 @@ pub async fn latency(
     env: &RelayEnv<'_>,
     relay: &BenchRelay,
     topic: &str,
+    partitions: i32,
     rate: f64,
     secs: f64,
     producer_notify: bool,
@@ -106,7 +107,7 @@ pub async fn latency(
     outbox_tests::kafka::create_topics_with(
         &env.broker.addr(),
         &[topic],
-        outbox_tests::broker::PARTITIONS,
+        partitions,
         &[("message.timestamp.type", "LogAppendTime")],
     )
     .map_err(|e| anyhow!(e))?;
@@ -510,6 +511,7 @@ async fn one(
         env,
         relay,
         &format!("bench.lat.{}.{n}", server.replace([' ', ','], "")),
+        p.latency_partitions,
         rate,
         p.latency_time.as_secs_f64(),
         producer_notify,
@@ -610,6 +612,7 @@ async fn warm_up(p: &Profile, env: &RelayEnv<'_>) -> Result<()> {
         env,
         &relay,
         "bench.lat.warm-up",
+        p.latency_partitions,
         LATENCY_GOAL_RATE,
         WARM_UP.max(p.latency_time).as_secs_f64(),
         false,
@@ -670,7 +673,9 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
         s += &format!(
             "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)` keyed, \
              autocommit) on a fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s \
-             (at most {MAX_PRODUCERS}), {:.0} s per run, relay ({}) with default settings (it waits in \
+             (at most {MAX_PRODUCERS}), {:.0} s per run, topics of {} partitions (one broker: a round's \
+             events leave in one produce request per partition they touch, one request at a time), \
+             relay ({}) with default settings (it waits in \
              `outbox_wait`; poll interval {} s as the safety net) unless noted. Rows: the **main \
              server** (`shared_preload_libraries = 'outbox'`: a commit that enqueued wakes the \
              relay at once, mode `commit`) and a **throwaway server without the preload** started \
@@ -692,6 +697,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
              events/s warms the broker (a fresh JVM compiles its request path in its first \
              minute).\n\n",
             p.latency_time.as_secs_f64(),
+            p.latency_partitions,
             outbox_tests::relay::relay_build(),
             defaults::POLL_INTERVAL.as_secs(),
             r.latency

@@ -92,6 +92,9 @@ async fn run(args: &Args) -> Result<Vec<String>> {
     if args.unnamed_statements {
         profile.statements = Statements::Unnamed;
     }
+    if let Some(n) = args.latency_partitions {
+        profile.latency_partitions = n;
+    }
     let server = db::server(args.database_url.as_deref())?;
     if args.provenance {
         let load_start = args.load_start.clone().unwrap_or_else(provenance::loadavg);

@@ -44,6 +44,8 @@ pub struct Profile {
     pub claim_cooldown_ms: Vec<u32>,
     pub latency_rates: Vec<f64>,
     pub latency_time: Duration,
+    /// Partitions of the latency runs' topics (`--latency-partitions`).
+    pub latency_partitions: i32,
     /// Rates offered to the throwaway server without `shared_preload_libraries` (polling mode).
     pub polling_rates: Vec<f64>,
     /// How long an idle relay is watched (issue 10: at least 30 s).
@@ -133,6 +135,7 @@ impl Profile {
                 LATENCY_HIGH_RATE,
             ],
             latency_time: Duration::from_secs(5),
+            latency_partitions: outbox_tests::broker::PARTITIONS,
             polling_rates: vec![LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
             idle_time: Duration::from_secs(30),
             ordering_backlog: 20_000,
@@ -223,6 +226,7 @@ impl Profile {
             claim_cooldown_ms: vec![5],
             latency_rates: vec![200.0],
             latency_time: Duration::from_secs(1),
+            latency_partitions: outbox_tests::broker::PARTITIONS,
             polling_rates: vec![200.0],
             idle_time: Duration::from_secs(2),
             ordering_backlog: 1_000,
