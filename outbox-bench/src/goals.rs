@@ -187,8 +187,9 @@ fn append_scaling_goal(r: &Results) -> Goal {
         target,
         measured: format!("{} ms vs {} ms", ms(mid), ms(low)),
         met: Some(mid <= low),
-        note: "a round carries more events at the higher rate, and an event committed during a \
-               round waits for it to end (section 3: commit→claim)"
+        note: "a round carries more events at the higher rate, in one produce request per \
+               partition they touch, sent one after the other (section 3: delivery); an event \
+               committed during a round waits for it to end (commit→claim)"
             .into(),
     }
 }
