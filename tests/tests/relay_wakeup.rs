@@ -31,22 +31,32 @@ async fn event_committed_while_idle_wakes_the_relay_without_preload() {
     woken_not_polled(&db, "polling").await;
 }
 
-async fn woken_not_polled(db: &TestDb, mode: &str) {
+/// A broker with the topic `orders` and its follower, a client of `db`, and a relay run with
+/// `args` once it has started waiting in `outbox_wait` (its log line also carries `mark`).
+async fn waiting_relay(
+    db: &TestDb,
+    args: &[&str],
+    mark: &str,
+) -> (Broker, Client, Follower, Relay) {
     let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
     let follower = broker.follow("orders");
-    let worker = Relay::spawn(&db.url(), &broker.addr(), &["--poll-interval", "60s"]);
+    let worker = Relay::spawn(&db.url(), &broker.addr(), args);
     assert!(
         worker
-            .wait_log(
-                &[WAKEUP_READY, &format!("mode={mode}")],
-                Duration::from_secs(15)
-            )
+            .wait_log(&[WAKEUP_READY, mark], Duration::from_secs(15))
             .is_some(),
-        "the relay never started waiting in mode {mode}: {}",
+        "the relay never started waiting ({mark}): {}",
         worker.logs()
     );
+    (broker, client, follower, worker)
+}
+
+async fn woken_not_polled(db: &TestDb, mode: &str) {
+    let mode = format!("mode={mode}");
+    let (_broker, client, follower, worker) =
+        waiting_relay(db, &["--poll-interval", "60s"], &mode).await;
 
     // Warm-up: producer and consumer connected, metadata known.
     let warm = enqueue(
@@ -136,22 +146,8 @@ async fn wait_rounds_done(worker: &Relay, n: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_claim_loops_do_not_slow_the_wake_up_down() {
     let db = TestDb::create();
-    let broker = Broker::start();
-    broker.create_topic("orders");
-    let client = db.connect().await;
-    let follower = broker.follow("orders");
-    let worker = Relay::spawn(
-        &db.url(),
-        &broker.addr(),
-        &["--poll-interval", "60s", "--concurrency", "4"],
-    );
-    assert!(
-        worker
-            .wait_log(&[WAKEUP_READY], Duration::from_secs(15))
-            .is_some(),
-        "the relay never started waiting: {}",
-        worker.logs()
-    );
+    let args = ["--poll-interval", "60s", "--concurrency", "4"];
+    let (_broker, client, follower, worker) = waiting_relay(&db, &args, "mode=").await;
     let mut latencies = Vec::new();
     for i in 0..40 {
         let latency =
