@@ -45,6 +45,10 @@ pub struct Args {
     /// one produce request per partition they touch.
     #[arg(long, value_parser = clap::value_parser!(i32).range(1..=1000))]
     pub latency_partitions: Option<i32>,
+    /// `--kafka-connections N` for every relay the run starts on Kafka (the relay's default
+    /// otherwise): its producers, each with its own broker connections.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub kafka_connections: Option<u16>,
     /// Print the provenance table (date, checkout, machine, server, settings, load) that every
     /// report starts with, and exit: for reports written by scripts (sql/bench/).
     #[arg(long, conflicts_with_all = ["output", "json", "only"])]
@@ -86,6 +90,9 @@ impl Args {
         }
         if let Some(n) = self.latency_partitions {
             s += &format!(" --latency-partitions {n}");
+        }
+        if let Some(n) = self.kafka_connections {
+            s += &format!(" --kafka-connections {n}");
         }
         if !self.only.is_empty() {
             let names: Vec<String> = self

@@ -65,7 +65,11 @@ fn other_sinks(p: &Profile) -> Result<Vec<TestSink>> {
 
 pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
     let others = other_sinks(p)?;
-    let mut targets = vec![SinkTarget::kafka(env.broker)];
+    // The environment's Kafka target, with the run's relay flags.
+    let mut targets = vec![SinkTarget {
+        args: env.sink.args.clone(),
+        ..SinkTarget::kafka(env.broker)
+    }];
     targets.extend(others.iter().map(SinkTarget::of));
     let mut sinks: Vec<SinkRuns> = targets
         .iter()

@@ -166,7 +166,12 @@ async fn broker_sections(
             .try_create_topic(ordering::TOPIC)
             .map_err(anyhow::Error::msg)?;
     }
-    let kafka = SinkTarget::kafka(&broker);
+    let mut kafka = SinkTarget::kafka(&broker);
+    if let Some(n) = args.kafka_connections {
+        kafka
+            .args
+            .extend(["--kafka-connections".into(), n.to_string()]);
+    }
     let env = RelayEnv {
         db,
         monitor,
