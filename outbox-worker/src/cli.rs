@@ -226,7 +226,7 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = defaults::BATCH_SIZE)]
     pub batch_size: i32,
 
-    /// Claim loops in this process (they share one producer).
+    /// Claim loops in this process (they share the Kafka producers).
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = defaults::CONCURRENCY)]
     pub concurrency: usize,
 
@@ -248,6 +248,17 @@ pub struct RunArgs {
     /// Delivery timeout of one message (librdkafka message.timeout.ms); at most lease/4.
     #[arg(long, env = "OUTBOX_SEND_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub send_timeout: Duration,
+
+    /// Kafka producers per producer of the relay, each with its own broker connections: a round's
+    /// events go to the one of their partition, so its partitions are written side by side
+    /// (librdkafka writes one partition per request, one request at a time per connection).
+    #[arg(
+        long,
+        env = "OUTBOX_KAFKA_CONNECTIONS",
+        default_value_t = defaults::KAFKA_CONNECTIONS,
+        value_parser = clap::value_parser!(u16).range(1..=64)
+    )]
+    pub kafka_connections: u16,
 
     /// How often expired leases, and claims of relays whose heartbeat ran out, are reclaimed.
     #[arg(long, env = "OUTBOX_RECLAIM_INTERVAL", default_value = "15s", value_parser = parse_duration)]

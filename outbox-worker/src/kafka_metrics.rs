@@ -3,14 +3,16 @@
 //! gauge and librdkafka's build, which operators need when a broker feature (a compression codec,
 //! a SASL mechanism) is refused.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use prometheus::{Gauge, GaugeVec, IntGauge, IntGaugeVec, Opts, Registry};
 use rdkafka::statistics::Statistics;
 
 pub struct KafkaMetrics {
-    /// The brokers of the last report: their series are removed once a report no longer has them.
+    /// Each lane's last report, by lane: the gauges sum or combine them.
+    reports: Mutex<BTreeMap<usize, LaneReport>>,
+    /// The brokers the gauges have: their series are removed once no report has them.
     brokers: Mutex<BTreeSet<String>>,
     broker_up: IntGaugeVec,
     rtt_avg: GaugeVec,
@@ -18,6 +20,63 @@ pub struct KafkaMetrics {
     queue_messages: IntGauge,
     queue_bytes: IntGauge,
     stats_time: Gauge,
+}
+
+/// One broker as producers see it.
+#[derive(Clone, Copy, Default)]
+struct BrokerState {
+    up: bool,
+    /// Round-trip time (average, p99, seconds) of the last window that had requests.
+    rtt: Option<(f64, f64)>,
+}
+
+impl BrokerState {
+    /// Over several producers: up when one is connected, the slowest round trips.
+    fn merge(self, other: BrokerState) -> BrokerState {
+        let rtt = match (self.rtt, other.rtt) {
+            (Some(a), Some(b)) => Some((a.0.max(b.0), a.1.max(b.1))),
+            (a, b) => a.or(b),
+        };
+        BrokerState {
+            up: self.up || other.up,
+            rtt,
+        }
+    }
+}
+
+/// What one producer's statistics said.
+#[derive(Default)]
+struct LaneReport {
+    brokers: BTreeMap<String, BrokerState>,
+    messages: u64,
+    bytes: u64,
+    time: i64,
+}
+
+impl LaneReport {
+    /// A producer's report; a broker idle in this window keeps `before`'s round-trip times.
+    fn of(s: &Statistics, before: Option<&LaneReport>) -> LaneReport {
+        let mut brokers = BTreeMap::new();
+        for b in s.brokers.values() {
+            // librdkafka's internal pseudo-broker (partitions without a leader) has no connection.
+            if b.source == "internal" {
+                continue;
+            }
+            // librdkafka reports microseconds.
+            let rtt = match b.rtt.as_ref().filter(|w| w.cnt > 0) {
+                Some(w) => Some((w.avg as f64 / 1e6, w.p99 as f64 / 1e6)),
+                None => before.and_then(|r| r.brokers.get(&b.name)?.rtt),
+            };
+            let up = b.state == "UP";
+            brokers.insert(b.name.clone(), BrokerState { up, rtt });
+        }
+        LaneReport {
+            brokers,
+            messages: s.msg_cnt,
+            bytes: s.msg_size,
+            time: s.time,
+        }
+    }
 }
 
 /// librdkafka's version string and its `builtin.features` (e.g. `gzip,snappy,ssl,sasl,…`).
@@ -60,6 +119,7 @@ impl KafkaMetrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION"), rdkafka_version.as_str()])
             .set(1);
         KafkaMetrics {
+            reports: Mutex::new(BTreeMap::new()),
             brokers: Mutex::new(BTreeSet::new()),
             broker_up: register(
                 r,
@@ -108,32 +168,31 @@ impl KafkaMetrics {
         }
     }
 
-    /// One statistics report. Brokers that are gone (a replaced producer, a broker removed from
-    /// the cluster) drop out instead of keeping their last value. A round-trip time is only
-    /// updated by a window that had requests: an idle producer keeps its last measurement
-    /// rather than reporting 0, which would read as a perfect broker.
-    pub fn update(&self, s: &Statistics) {
-        let mut seen = BTreeSet::new();
-        for b in s.brokers.values() {
-            // librdkafka's internal pseudo-broker (partitions without a leader) has no connection.
-            if b.source == "internal" {
-                continue;
+    /// One statistics report of lane `lane`'s producer. Over the lanes: a broker is up when a
+    /// lane's connection to it is, its round-trip time is the slowest lane's, queues add up, and
+    /// the timestamp is the oldest lane's (stale when any producer is stuck). Brokers no lane
+    /// reports any more drop out instead of keeping their last value; an idle window keeps the
+    /// last round-trip time rather than 0, which would read as a perfect broker.
+    pub fn update(&self, lane: usize, s: &Statistics) {
+        let mut reports = self.reports.lock().expect("reports lock");
+        let report = LaneReport::of(s, reports.get(&lane));
+        reports.insert(lane, report);
+        let mut brokers: BTreeMap<&str, BrokerState> = BTreeMap::new();
+        for r in reports.values() {
+            for (name, &state) in &r.brokers {
+                let b = brokers.entry(name.as_str()).or_default();
+                *b = b.merge(state);
             }
-            let name = [b.name.as_str()];
-            self.broker_up
-                .with_label_values(&name)
-                .set(i64::from(b.state == "UP"));
-            if let Some(rtt) = b.rtt.as_ref().filter(|w| w.cnt > 0) {
-                // librdkafka reports microseconds.
-                self.rtt_avg
-                    .with_label_values(&name)
-                    .set(rtt.avg as f64 / 1e6);
-                self.rtt_p99
-                    .with_label_values(&name)
-                    .set(rtt.p99 as f64 / 1e6);
-            }
-            seen.insert(b.name.clone());
         }
+        for (name, b) in &brokers {
+            let name = [*name];
+            self.broker_up.with_label_values(&name).set(i64::from(b.up));
+            if let Some((avg, p99)) = b.rtt {
+                self.rtt_avg.with_label_values(&name).set(avg);
+                self.rtt_p99.with_label_values(&name).set(p99);
+            }
+        }
+        let seen: BTreeSet<String> = brokers.keys().map(|b| b.to_string()).collect();
         let mut known = self.brokers.lock().expect("brokers lock");
         for gone in known.difference(&seen) {
             let name = [gone.as_str()];
@@ -142,11 +201,35 @@ impl KafkaMetrics {
             let _ = self.rtt_p99.remove_label_values(&name);
         }
         *known = seen;
-        self.queue_messages
-            .set(i64::try_from(s.msg_cnt).unwrap_or(i64::MAX));
-        self.queue_bytes
-            .set(i64::try_from(s.msg_size).unwrap_or(i64::MAX));
+        let sum = |f: fn(&LaneReport) -> u64| reports.values().map(f).sum::<u64>();
+        let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.queue_messages.set(gauge(sum(|r| r.messages)));
+        self.queue_bytes.set(gauge(sum(|r| r.bytes)));
         // `time` is librdkafka's wall clock in seconds.
-        self.stats_time.set(s.time as f64);
+        let oldest = reports.values().map(|r| r.time).min().unwrap_or(s.time);
+        self.stats_time.set(oldest as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_is_up_when_one_producer_is_connected_and_as_slow_as_the_slowest() {
+        let a = BrokerState {
+            up: false,
+            rtt: Some((0.002, 0.010)),
+        };
+        let b = BrokerState {
+            up: true,
+            rtt: Some((0.004, 0.008)),
+        };
+        let m = a.merge(b);
+        assert!(m.up);
+        assert_eq!(m.rtt, Some((0.004, 0.010)));
+        let idle = BrokerState::default();
+        assert_eq!(idle.merge(a).rtt, a.rtt);
+        assert!(!idle.merge(a).up);
     }
 }

@@ -16,6 +16,7 @@ pub mod fleet;
 pub mod guarantees;
 pub mod health;
 pub mod kafka_metrics;
+pub mod lanes;
 pub mod logging;
 pub mod maintenance;
 pub mod message;

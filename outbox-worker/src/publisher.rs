@@ -1,8 +1,7 @@
-//! The Kafka side: one idempotent producer shared by every claim loop (replaced when it becomes
-//! unusable), librdkafka's log lines routed to tracing and its statistics to the metrics, and
-//! publishing of a batch (keys concurrently, each ordered key one event at a time) with one
-//! outcome per row. The message itself is built in
-//! `message.rs`.
+//! The Kafka side: idempotent producers (lanes, `lanes.rs`) shared by every claim loop, each
+//! replaced when it becomes unusable, librdkafka's log lines routed to tracing and its statistics
+//! to the metrics, and publishing of a batch (keys concurrently, each ordered key one event at a
+//! time) with one outcome per row. The message itself is built in `message.rs`.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -20,6 +19,7 @@ use rdkafka::ClientContext;
 use crate::defaults;
 use crate::error::PublishError;
 use crate::kafka_metrics::KafkaMetrics;
+use crate::lanes::{lane_of, PartitionCounts};
 use crate::message::build_headers;
 use crate::sink::{chains, Outcome, ReplaceReason, Replaced, Sink};
 use crate::store::Event;
@@ -32,6 +32,8 @@ const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(10);
 /// `outbox_kafka_*` gauges.
 pub struct LogContext {
     metrics: Arc<KafkaMetrics>,
+    partitions: Arc<PartitionCounts>,
+    lane: usize,
 }
 
 impl ClientContext for LogContext {
@@ -63,7 +65,8 @@ impl ClientContext for LogContext {
     }
 
     fn stats(&self, statistics: Statistics) {
-        self.metrics.update(&statistics);
+        self.metrics.update(self.lane, &statistics);
+        self.partitions.note(&statistics);
     }
 }
 
@@ -75,14 +78,20 @@ pub struct Publisher {
     /// such as sasl.password.
     config: ClientConfig,
     metrics: Arc<KafkaMetrics>,
-    producer: RwLock<Arc<KafkaProducer>>,
+    partitions: Arc<PartitionCounts>,
+    lanes: Vec<Lane>,
     send_timeout: Duration,
-    /// Rounds in a row that delivered nothing and only timed out.
-    timed_out_rounds: AtomicU32,
     /// Topics a publish found missing. librdkafka remembers a missing topic until its metadata
     /// expires (`metadata.max.age.ms`, 15 min), so events requeued after an operator created the
     /// topic would fail again: their topic's metadata is fetched again before they are sent.
     missing_topics: Mutex<BTreeSet<String>>,
+}
+
+/// One producer and its own streak of failed rounds.
+struct Lane {
+    producer: RwLock<Arc<KafkaProducer>>,
+    /// Rounds in a row that delivered nothing in this lane and only timed out.
+    timed_out_rounds: AtomicU32,
 }
 
 /// After this many rounds in a row without a single delivery, only timeouts, the producer is
@@ -91,10 +100,7 @@ pub struct Publisher {
 /// down, the new producer times out too and nothing is lost but a reconnect.
 const TIMED_OUT_ROUNDS_BEFORE_REPLACING: u32 = 3;
 
-fn create(cfg: &ClientConfig, metrics: &Arc<KafkaMetrics>) -> Result<KafkaProducer, Fatal> {
-    let context = LogContext {
-        metrics: metrics.clone(),
-    };
+fn create(cfg: &ClientConfig, context: LogContext) -> Result<KafkaProducer, Fatal> {
     cfg.create_with_context(context).map_err(|e| match e {
         KafkaError::ClientConfig(_, desc, key, value) => Fatal::usage(format!(
             "invalid Kafka property {key}: {}",
@@ -134,13 +140,14 @@ fn failure(ev: &Event, e: KafkaError) -> (Outcome, Option<Replaced>) {
 }
 
 impl Publisher {
-    /// Builds the producer: idempotent with the gapless guarantee, acks=all, linger.ms=0, message.timeout.ms = send
-    /// timeout, the Java client's partitioner, statistics every 15 s, then the user's properties
-    /// on top. Nothing is connected yet.
+    /// Builds `lanes` producers: idempotent with the gapless guarantee, acks=all, linger.ms=0,
+    /// message.timeout.ms = send timeout, the Java client's partitioner, statistics every 15 s,
+    /// then the user's properties on top. Nothing is connected yet.
     pub fn new(
         brokers: &str,
         send_timeout: Duration,
         properties: &[(String, String)],
+        lanes: usize,
         metrics: Arc<KafkaMetrics>,
     ) -> Result<Publisher, Fatal> {
         let mut cfg = ClientConfig::new();
@@ -184,19 +191,38 @@ impl Publisher {
             cfg.set(k, v);
         }
         cfg.set_log_level(crate::logging::librdkafka_log_level());
-        let producer = create(&cfg, &metrics)?;
-        Ok(Publisher {
+        let mut publisher = Publisher {
             config: cfg,
             metrics,
-            producer: RwLock::new(Arc::new(producer)),
+            partitions: Arc::default(),
+            lanes: Vec::with_capacity(lanes),
             send_timeout,
-            timed_out_rounds: AtomicU32::new(0),
             missing_topics: Mutex::new(BTreeSet::new()),
-        })
+        };
+        for lane in 0..lanes.max(1) {
+            let producer = create(&publisher.config, publisher.context(lane))?;
+            publisher.lanes.push(Lane {
+                producer: RwLock::new(Arc::new(producer)),
+                timed_out_rounds: AtomicU32::new(0),
+            });
+        }
+        Ok(publisher)
     }
 
-    fn current(&self) -> Arc<KafkaProducer> {
-        self.producer.read().expect("producer lock").clone()
+    fn context(&self, lane: usize) -> LogContext {
+        LogContext {
+            metrics: self.metrics.clone(),
+            partitions: self.partitions.clone(),
+            lane,
+        }
+    }
+
+    fn current(&self, lane: usize) -> Arc<KafkaProducer> {
+        self.lanes[lane]
+            .producer
+            .read()
+            .expect("producer lock")
+            .clone()
     }
 
     /// Publishes a round and waits for each delivery report; the outcome of `events[i]` is at
@@ -204,44 +230,61 @@ impl Publisher {
     /// the previous one's successful delivery report: librdkafka may fail an earlier event (its
     /// `message.timeout.ms`) and still send a later one (an epoch bump), so nothing of a key may
     /// wait in its queue behind an event that can still fail. Keys and other events run
-    /// concurrently and share librdkafka's batches. Returns within about twice the send timeout.
-    /// When the producer turned out unusable (fenced, fatal, timing out round after round), it is
-    /// replaced for the next round and the reason is returned (None when another claim loop
-    /// replaced it first).
+    /// concurrently, each in the lane of its first event, and share librdkafka's batches.
+    /// Returns within about twice the send timeout. When a lane's producer turned out unusable
+    /// (fenced, fatal, timing out round after round), it is replaced for the next round and the
+    /// reason is returned (None when another claim loop replaced it first).
     pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
-        let producer = self.current();
-        self.recheck_missing_topics(&producer, events).await;
+        let producers: Vec<_> = (0..self.lanes.len()).map(|l| self.current(l)).collect();
+        self.recheck_missing_topics(&producers[0], events).await;
         let start = Instant::now();
-        let sent = join_all(
-            chains(events)
-                .into_iter()
-                .map(|c| self.send_chain(&producer, c, start)),
-        )
+        let producers = &producers;
+        let sent = join_all(chains(events).into_iter().map(|c| {
+            let first = c[0].1;
+            let l = lane_of(first, self.partitions.get(&first.topic), producers.len());
+            async move { (l, self.send_chain(&producers[l], c, start).await) }
+        }))
         .await;
         let mut results = vec![(Outcome::NotSent, None); events.len()];
-        for (i, r) in sent.into_iter().flatten() {
-            results[i] = r;
+        let mut by_lane = vec![Vec::new(); producers.len()];
+        for (l, chain) in sent {
+            for (i, r) in chain {
+                by_lane[l].push(i);
+                results[i] = r;
+            }
         }
         self.note_missing_topics(&results);
-        let mut broken = results.iter().find_map(|(_, u)| u.clone());
-        if broken.is_none() {
-            broken = producer
-                .client()
-                .fatal_error()
-                .map(|(code, reason)| Replaced {
-                    reason: ReplaceReason::Fatal,
-                    detail: format!("fatal error {code:?}: {reason}"),
-                });
-        }
-        if broken.is_none() {
-            broken = self.note_timeouts(&results);
+        let mut replaced = None;
+        for (l, indexes) in by_lane.iter().enumerate().filter(|(_, ix)| !ix.is_empty()) {
+            let lane_results: Vec<_> = indexes.iter().map(|&i| &results[i]).collect();
+            if let Some(why) = self.broken(l, &producers[l], &lane_results) {
+                replaced = replaced.or(self.replace(l, &producers[l]).map(|()| why));
+            }
         }
         let outcomes = results.into_iter().map(|(o, _)| o).collect();
-        let replaced = match broken {
-            Some(why) => self.replace(&producer).map(|()| why),
-            None => None,
-        };
         (outcomes, replaced)
+    }
+
+    /// Why lane `l`'s producer is unusable after its share of a round, if it is.
+    fn broken(
+        &self,
+        l: usize,
+        producer: &KafkaProducer,
+        results: &[&(Outcome, Option<Replaced>)],
+    ) -> Option<Replaced> {
+        results
+            .iter()
+            .find_map(|(_, u)| u.clone())
+            .or_else(|| {
+                producer
+                    .client()
+                    .fatal_error()
+                    .map(|(code, reason)| Replaced {
+                        reason: ReplaceReason::Fatal,
+                        detail: format!("fatal error {code:?}: {reason}"),
+                    })
+            })
+            .or_else(|| self.note_timeouts(l, results))
     }
 
     /// Publishes a chain (one ordered key's events, or one other event) one event after the
@@ -379,15 +422,21 @@ impl Publisher {
         }
     }
 
-    /// Counts rounds that only timed out; names the reason once there were too many in a row.
-    fn note_timeouts(&self, results: &[(Outcome, Option<Replaced>)]) -> Option<Replaced> {
+    /// Counts a lane's rounds that only timed out; names the reason once there were too many in
+    /// a row.
+    fn note_timeouts(
+        &self,
+        l: usize,
+        results: &[&(Outcome, Option<Replaced>)],
+    ) -> Option<Replaced> {
+        let streak = &self.lanes[l].timed_out_rounds;
         if !only_timed_out(results.iter().map(|(o, _)| o)) {
-            self.timed_out_rounds.store(0, Ordering::Relaxed);
+            streak.store(0, Ordering::Relaxed);
             return None;
         }
-        let rounds = self.timed_out_rounds.fetch_add(1, Ordering::Relaxed) + 1;
+        let rounds = streak.fetch_add(1, Ordering::Relaxed) + 1;
         (rounds >= TIMED_OUT_ROUNDS_BEFORE_REPLACING).then(|| {
-            self.timed_out_rounds.store(0, Ordering::Relaxed);
+            streak.store(0, Ordering::Relaxed);
             Replaced {
                 reason: ReplaceReason::Timeouts,
                 detail: format!(
@@ -397,14 +446,14 @@ impl Publisher {
         })
     }
 
-    /// Swaps in a new producer unless another claim loop already did. Returns `Some` when this
-    /// call replaced it.
-    fn replace(&self, old: &Arc<KafkaProducer>) -> Option<()> {
-        let mut cur = self.producer.write().expect("producer lock");
+    /// Swaps in a new producer for lane `l` unless another claim loop already did. Returns
+    /// `Some` when this call replaced it.
+    fn replace(&self, l: usize, old: &Arc<KafkaProducer>) -> Option<()> {
+        let mut cur = self.lanes[l].producer.write().expect("producer lock");
         if !Arc::ptr_eq(&cur, old) {
             return None;
         }
-        match create(&self.config, &self.metrics) {
+        match create(&self.config, self.context(l)) {
             Ok(p) => {
                 *cur = Arc::new(p);
                 Some(())
@@ -418,7 +467,7 @@ impl Publisher {
 
     /// One metadata request (brokers, topics known), answered within `timeout` or an error.
     pub async fn metadata(&self, timeout: Duration) -> Result<(usize, usize), String> {
-        let producer = self.current();
+        let producer = self.current(0);
         tokio::task::spawn_blocking(move || {
             producer
                 .client()
@@ -451,20 +500,27 @@ impl Sink for Publisher {
     /// librdkafka (2.10 on) forgets every broker it knows when a metadata answer lists none, as a
     /// broker gives while it shuts down, and then never connects again (librdkafka issue 5301):
     /// only a new producer, starting from `bootstrap.servers`, finds the broker.
+    /// Every lane is replaced: each may have heard the empty answer.
     async fn reconnect(&self) -> Option<Replaced> {
-        self.replace(&self.current()).map(|()| Replaced {
+        let replaced = (0..self.lanes.len())
+            .filter(|&l| self.replace(l, &self.current(l)).is_some())
+            .count();
+        (replaced > 0).then(|| Replaced {
             reason: ReplaceReason::Unreachable,
             detail: "a health request to the broker failed".into(),
         })
     }
 
     async fn flush(&self) {
-        let producer = self.current();
         let timeout = self.send_timeout;
-        let flushed =
-            tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
-        if let Ok(Err(e)) = flushed {
-            tracing::warn!("flushing the producer: {e}");
+        let flushes = (0..self.lanes.len()).map(|l| {
+            let producer = self.current(l);
+            tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout)))
+        });
+        for flushed in join_all(flushes).await {
+            if let Ok(Err(e)) = flushed {
+                tracing::warn!("flushing the producer: {e}");
+            }
         }
     }
 }

@@ -104,7 +104,13 @@ pub async fn shared_publisher(
         SinkKind::Kafka => {}
     }
     let kafka_metrics = Arc::new(KafkaMetrics::register(registry));
-    let publisher = Publisher::new(&args.kafka.brokers, args.send_timeout, props, kafka_metrics)?;
+    let publisher = Publisher::new(
+        &args.kafka.brokers,
+        args.send_timeout,
+        props,
+        usize::from(args.kafka_connections),
+        kafka_metrics,
+    )?;
     let (rdkafka_version, rdkafka_features) = librdkafka_build();
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),

@@ -533,6 +533,39 @@ pub fn create_topics(addr: &str, names: &[&str], partitions: i32) -> Result<(), 
     create_topics_with(addr, names, partitions, &[])
 }
 
+/// The producer ids that wrote to one partition, from the broker's own producer state (Kafka's
+/// `TransactionsCommand describe-producers`, which also lists idempotent producers).
+pub fn producer_ids(addr: &str, topic: &str, partition: i32) -> Result<Vec<i64>, String> {
+    let out = Command::new("java")
+        .arg("-cp")
+        .arg(format!("{}/libs/*", home().display()))
+        .arg("org.apache.kafka.tools.TransactionsCommand")
+        .args([
+            "--bootstrap-server",
+            addr,
+            "describe-producers",
+            "--topic",
+            topic,
+        ])
+        .args(["--partition", &partition.to_string()])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("running java (TransactionsCommand): {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "describe-producers {topic}-{partition}: {stdout}{err}"
+        ));
+    }
+    // A header line, then one line per producer starting with its id.
+    Ok(stdout
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect())
+}
+
 /// [`create_topics`] with topic-level settings (e.g. `max.message.bytes`).
 pub fn create_topics_with(
     addr: &str,

@@ -89,8 +89,14 @@ async fn publisher_without_brokers() -> (Broker, Arc<Publisher>) {
     let registry = prometheus::Registry::new();
     let kafka_metrics = Arc::new(KafkaMetrics::register(&registry));
     let publisher = Arc::new(
-        Publisher::new(&broker.addr(), Duration::from_secs(1), &[], kafka_metrics)
-            .expect("publisher"),
+        Publisher::new(
+            &broker.addr(),
+            Duration::from_secs(1),
+            &[],
+            1,
+            kafka_metrics,
+        )
+        .expect("publisher"),
     );
     let mut cycles = 0;
     loop {

@@ -152,6 +152,30 @@ async fn a_key_lands_on_the_partition_the_java_client_chooses() {
     assert_eq!(used.len(), 7, "200 keys spread over every partition");
 }
 
+/// librdkafka writes one partition per request, one request at a time per connection: the relay's
+/// producers (`--kafka-connections`, 4 by default) each write whole partitions, side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_partition_is_written_by_one_of_the_relays_producers() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    kafka::create_topics(&broker.addr(), &["lanes"], 8).expect("topic");
+    let keys: Vec<String> = (0..200).map(|i| format!("order-{i}")).collect();
+    let (worker, _msgs) = relay_keys(&db, &broker, "lanes", &keys, &[], numbered).await;
+    let mut writers = BTreeMap::new();
+    for p in 0..8 {
+        let ids = kafka::producer_ids(&broker.addr(), "lanes", p).expect("describe-producers");
+        assert_eq!(
+            ids.len(),
+            1,
+            "partition {p} written by {ids:?}\n{}",
+            worker.logs()
+        );
+        writers.insert(p, ids[0]);
+    }
+    let producers: std::collections::BTreeSet<_> = writers.values().collect();
+    assert_eq!(producers.len(), 4, "producers by partition: {writers:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_carry_the_creation_time_and_a_content_type() {
     let db = TestDb::create();
