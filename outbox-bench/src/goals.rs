@@ -187,9 +187,10 @@ fn append_scaling_goal(r: &Results) -> Goal {
         target,
         measured: format!("{} ms vs {} ms", ms(mid), ms(low)),
         met: Some(mid <= low),
-        note: "a round carries more events at the higher rate, in one produce request per \
-               partition they touch, sent one after the other (section 3: delivery); an event \
-               committed during a round waits for it to end (commit→claim)"
+        note: "a round carries more events at the higher rate and every stage of it takes \
+               longer on a shared machine (section 3); an event committed during a round waits \
+               for it to end (commit→claim); the relay's producers (`--kafka-connections`) \
+               write the round's partitions side by side"
             .into(),
     }
 }
