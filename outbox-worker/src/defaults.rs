@@ -115,9 +115,9 @@ pub const ACKS: &str = "all";
 /// partition.
 pub const PARTITIONER: &str = "murmur2_random";
 
-/// Kafka producers per relay: a round's events of four partitions (or a multiple) travel on
-/// four connections side by side.
-pub const KAFKA_CONNECTIONS: u16 = 4;
+/// librdkafka producers per Kafka producer of the relay (docs/relay.md, "Partitions per broker
+/// and latency").
+pub const KAFKA_CONNECTIONS: u16 = 2;
 
 /// The producer's `statistics.interval.ms`: how often librdkafka's statistics refresh the
 /// `outbox_kafka_*` gauges (0 turns them off).

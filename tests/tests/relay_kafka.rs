@@ -16,6 +16,7 @@ use outbox_tests::db::TestDb;
 use outbox_tests::events::{enqueue, status_counts, wait_counts};
 use outbox_tests::kafka;
 use outbox_tests::relay::Relay;
+use outbox_worker::lanes::partition_of_key;
 use serde_json::json;
 
 /// Enqueues one event per key on `topic` (payload `{"n": i}`), commits, and has a relay started
@@ -153,23 +154,39 @@ async fn a_key_lands_on_the_partition_the_java_client_chooses() {
 }
 
 /// librdkafka writes one partition per request, one request at a time per connection: the relay's
-/// producers (`--kafka-connections`, 4 by default) each write whole partitions, side by side.
+/// producers (`--kafka-connections`) each write whole partitions, side by side. 6 partitions over
+/// 4 producers: a key's hash modulo 4 (the rule before librdkafka's statistics name the partition
+/// count) would split partitions between producers, so this checks the count is used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_partition_is_written_by_one_of_the_relays_producers() {
     let db = TestDb::create();
     let broker = Broker::start();
-    kafka::create_topics(&broker.addr(), &["lanes"], 8).expect("topic");
-    let keys: Vec<String> = (0..200).map(|i| format!("order-{i}")).collect();
-    let (worker, _msgs) = relay_keys(&db, &broker, "lanes", &keys, &[], numbered).await;
+    kafka::create_topics(&broker.addr(), &["lanes"], 6).expect("topic");
+    // A first event whose producer is the same by either rule, so librdkafka learns the topic.
+    let first = (0..)
+        .map(|i| format!("first-{i}"))
+        .find(|k| partition_of_key(k, 6) % 4 == partition_of_key(k, 4))
+        .expect("a key");
+    let args = [
+        "--kafka-connections",
+        "4",
+        "--kafka-property",
+        "statistics.interval.ms=100",
+    ];
+    let (worker, _) = relay_keys(&db, &broker, "lanes", &[first], &args, numbered).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let client = db.connect().await;
+    for i in 0..200 {
+        let key = format!("order-{i}");
+        enqueue(&client, "lanes", &key, "T", &numbered(i), &BTreeMap::new()).await;
+    }
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 201).await;
+    assert_eq!(counts["SUCCESS"], 201, "{counts:?}\n{}", worker.logs());
     let mut writers = BTreeMap::new();
-    for p in 0..8 {
+    for p in 0..6 {
         let ids = kafka::producer_ids(&broker.addr(), "lanes", p).expect("describe-producers");
-        assert_eq!(
-            ids.len(),
-            1,
-            "partition {p} written by {ids:?}\n{}",
-            worker.logs()
-        );
+        let logs = worker.logs();
+        assert_eq!(ids.len(), 1, "partition {p} written by {ids:?}\n{logs}");
         writers.insert(p, ids[0]);
     }
     let producers: std::collections::BTreeSet<_> = writers.values().collect();
