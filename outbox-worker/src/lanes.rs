@@ -62,20 +62,7 @@ mod tests {
     use super::*;
 
     fn event(id: i64, key: Option<&str>) -> Event {
-        Event {
-            id,
-            event_id: String::new(),
-            topic: "orders".into(),
-            key: key.map(str::to_owned),
-            event_type: None,
-            payload: "{}".into(),
-            headers: "{}".into(),
-            claim_token: 1,
-            retry_count: 0,
-            age_at_claim: 0.0,
-            created_at_ms: 0,
-            ordered: true,
-        }
+        crate::sink::tests::ev(id, "orders", key, true)
     }
 
     #[test]
