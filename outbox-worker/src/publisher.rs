@@ -258,7 +258,10 @@ impl Publisher {
         for (l, indexes) in by_lane.iter().enumerate().filter(|(_, ix)| !ix.is_empty()) {
             let lane_results: Vec<_> = indexes.iter().map(|&i| &results[i]).collect();
             if let Some(why) = self.broken(l, &producers[l], &lane_results) {
-                replaced = replaced.or(self.replace(l, &producers[l]).map(|()| why));
+                // Every broken lane is replaced; the round reports the first reason.
+                if self.replace(l, &producers[l]).is_some() {
+                    replaced.get_or_insert(why);
+                }
             }
         }
         let outcomes = results.into_iter().map(|(o, _)| o).collect();
