@@ -1,5 +1,6 @@
 //! The relay's Kafka conventions and build, against the real broker: keys land on the partition
-//! the Java client would choose, the message timestamp is the event's created_at (an event older
+//! the Java client would choose, each partition is written by one of the relay's producers, the
+//! message timestamp is the event's created_at (an event older
 //! than its topic accepts is a dead letter), every message says `content-type`, zstd and lz4
 //! compressed batches arrive intact, and librdkafka's statistics and the build reach `/metrics`.
 
