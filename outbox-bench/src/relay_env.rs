@@ -14,6 +14,7 @@ use outbox_tests::sinks::TestSink;
 
 /// The broker a relay publishes to: its name, the relay flags that reach it and its process (for
 /// its CPU time).
+#[derive(Clone)]
 pub struct SinkTarget {
     pub name: &'static str,
     pub args: Vec<String>,

@@ -65,11 +65,8 @@ fn other_sinks(p: &Profile) -> Result<Vec<TestSink>> {
 
 pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
     let others = other_sinks(p)?;
-    // The environment's Kafka target, with the run's relay flags.
-    let mut targets = vec![SinkTarget {
-        args: env.sink.args.clone(),
-        ..SinkTarget::kafka(env.broker)
-    }];
+    // The environment's target is Kafka, with the run's relay flags.
+    let mut targets = vec![env.sink.clone()];
     targets.extend(others.iter().map(SinkTarget::of));
     let mut sinks: Vec<SinkRuns> = targets
         .iter()
