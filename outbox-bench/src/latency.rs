@@ -674,7 +674,8 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
             "Open-loop load: one event per transaction (`SELECT outbox_enqueue(...)` keyed, \
              autocommit) on a fixed schedule from one connection per {EVENTS_PER_PRODUCER} events/s \
              (at most {MAX_PRODUCERS}), {:.0} s per run, topics of {} partitions (one broker: a round's \
-             events leave in one produce request per partition they touch, one request at a time), \
+             events leave in one produce request per partition they touch, one request at a time \
+             per connection of the relay's producers), \
              relay ({}) with default settings (it waits in \
              `outbox_wait`; poll interval {} s as the safety net) unless noted. Rows: the **main \
              server** (`shared_preload_libraries = 'outbox'`: a commit that enqueued wakes the \
