@@ -87,6 +87,22 @@ pub struct Publisher {
     missing_topics: Mutex<BTreeSet<String>>,
 }
 
+/// Whether `producer`'s metadata request lists `topic` with partitions (its cache learns it too).
+async fn topic_exists(producer: Arc<KafkaProducer>, topic: String, timeout: Duration) -> bool {
+    tokio::task::spawn_blocking(move || {
+        producer
+            .client()
+            .fetch_metadata(Some(&topic), timeout)
+            .is_ok_and(|md| {
+                md.topics().iter().any(|mt| {
+                    mt.name() == topic && mt.error().is_none() && !mt.partitions().is_empty()
+                })
+            })
+    })
+    .await
+    .unwrap_or(false)
+}
+
 /// One producer and its own streak of failed rounds.
 struct Lane {
     producer: RwLock<Arc<KafkaProducer>>,
@@ -236,7 +252,7 @@ impl Publisher {
     /// reason is returned (None when another claim loop replaced it first).
     pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
         let producers: Vec<_> = (0..self.lanes.len()).map(|l| self.current(l)).collect();
-        self.recheck_missing_topics(&producers[0], events).await;
+        self.recheck_missing_topics(&producers, events).await;
         let start = Instant::now();
         let producers = &producers;
         let sent = join_all(chains(events).into_iter().map(|c| {
@@ -371,9 +387,10 @@ impl Publisher {
         }
     }
 
-    /// Asks the cluster again about the batch's topics that were missing (one metadata request
-    /// per such topic, only while it is missing).
-    async fn recheck_missing_topics(&self, producer: &Arc<KafkaProducer>, events: &[Event]) {
+    /// Asks the cluster again about the batch's topics that were missing, through every producer:
+    /// each keeps its own metadata (one request per such topic and producer, only while it is
+    /// missing).
+    async fn recheck_missing_topics(&self, producers: &[Arc<KafkaProducer>], events: &[Event]) {
         let suspects: Vec<String> = {
             let missing = self.missing_topics.lock().expect("missing topics");
             let batch: BTreeSet<&str> = events.iter().map(|e| e.topic.as_str()).collect();
@@ -384,22 +401,13 @@ impl Publisher {
                 .collect()
         };
         for topic in suspects {
-            let producer = producer.clone();
-            let timeout = self.send_timeout;
-            let t = topic.clone();
-            let exists = tokio::task::spawn_blocking(move || {
-                producer
-                    .client()
-                    .fetch_metadata(Some(&t), timeout)
-                    .is_ok_and(|md| {
-                        md.topics().iter().any(|mt| {
-                            mt.name() == t && mt.error().is_none() && !mt.partitions().is_empty()
-                        })
-                    })
-            })
-            .await
-            .unwrap_or(false);
-            if exists {
+            let seen = join_all(
+                producers
+                    .iter()
+                    .map(|p| topic_exists(p.clone(), topic.clone(), self.send_timeout)),
+            )
+            .await;
+            if seen.into_iter().all(|exists| exists) {
                 tracing::info!(topic = %topic, "topic exists now");
                 self.missing_topics
                     .lock()
