@@ -185,8 +185,8 @@ impl Relay {
         self.metrics
             .producer_failures
             .inc_by(producer_failures as u64);
-        if let Some(r) = replaced {
-            self.metrics.client_replaced(self.publisher.name(), &r);
+        for r in &replaced {
+            self.metrics.client_replaced(self.publisher.name(), r);
         }
         let published_at = Instant::now();
 

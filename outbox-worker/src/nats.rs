@@ -233,9 +233,9 @@ impl Sink for NatsSink {
 
     /// Ordered keys go one event at a time (the next after the previous one's ack), so a later
     /// event never reaches the stream once an earlier one of its key failed; keys run concurrently.
-    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Vec<Replaced>) {
         let outcomes = publish_chained(events, self.send_timeout, |ev| self.send(ev)).await;
-        (outcomes, None)
+        (outcomes, Vec::new())
     }
 
     /// JetStream's account info: answers only once JetStream is up.

@@ -248,9 +248,9 @@ impl Publisher {
     /// wait in its queue behind an event that can still fail. Keys and other events run
     /// concurrently, each in the lane of its first event, and share librdkafka's batches.
     /// Returns within about twice the send timeout. When a lane's producer turned out unusable
-    /// (fenced, fatal, timing out round after round), it is replaced for the next round and the
-    /// reason is returned (None when another claim loop replaced it first).
-    pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
+    /// (fenced, fatal, timing out round after round), it is replaced for the next round and its
+    /// reason returned (not when another claim loop replaced it first).
+    pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Vec<Replaced>) {
         let producers: Vec<_> = (0..self.lanes.len()).map(|l| self.current(l)).collect();
         self.recheck_missing_topics(&producers, events).await;
         let start = Instant::now();
@@ -270,13 +270,12 @@ impl Publisher {
             }
         }
         self.note_missing_topics(&results);
-        let mut replaced = None;
+        let mut replaced = Vec::new();
         for (l, indexes) in by_lane.iter().enumerate().filter(|(_, ix)| !ix.is_empty()) {
             let lane_results: Vec<_> = indexes.iter().map(|&i| &results[i]).collect();
             if let Some(why) = self.broken(l, &producers[l], &lane_results) {
-                // Every broken lane is replaced; the round reports the first reason.
                 if self.replace(l, &producers[l]).is_some() {
-                    replaced.get_or_insert(why);
+                    replaced.push(why);
                 }
             }
         }
@@ -497,7 +496,7 @@ impl Sink for Publisher {
         crate::cli::SinkKind::Kafka.broker_name()
     }
 
-    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Vec<Replaced>) {
         Publisher::publish(self, events).await
     }
 
@@ -512,14 +511,14 @@ impl Sink for Publisher {
     /// broker gives while it shuts down, and then never connects again (librdkafka issue 5301):
     /// only a new producer, starting from `bootstrap.servers`, finds the broker.
     /// Every lane is replaced: each may have heard the empty answer.
-    async fn reconnect(&self) -> Option<Replaced> {
-        let replaced = (0..self.lanes.len())
+    async fn reconnect(&self) -> Vec<Replaced> {
+        (0..self.lanes.len())
             .filter(|&l| self.replace(l, &self.current(l)).is_some())
-            .count();
-        (replaced > 0).then(|| Replaced {
-            reason: ReplaceReason::Unreachable,
-            detail: "a health request to the broker failed".into(),
-        })
+            .map(|_| Replaced {
+                reason: ReplaceReason::Unreachable,
+                detail: "a health request to the broker failed".into(),
+            })
+            .collect()
     }
 
     async fn flush(&self) {

@@ -257,9 +257,9 @@ impl Sink for RocketMqSink {
 
     /// Ordered keys go one event at a time (the next after the previous one's receipt), so a
     /// later event never reaches the broker once an earlier one of its key failed.
-    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>) {
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Vec<Replaced>) {
         let outcomes = publish_chained(events, self.send_timeout, |ev| self.send(ev)).await;
-        (outcomes, None)
+        (outcomes, Vec::new())
     }
 
     /// The producer started (the proxy answered a route and a heartbeat), and the proxy's gRPC

@@ -25,7 +25,8 @@ pub trait Sink: Send + Sync {
     fn name(&self) -> &'static str;
 
     /// Publishes a round: the events come sorted by id (commit order per key).
-    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Option<Replaced>);
+    /// Also returns each client the round found unusable and replaced.
+    async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Vec<Replaced>);
 
     /// One request to the broker answered within `timeout`: what it said, or why not.
     async fn health(&self, timeout: Duration) -> Result<String, String>;
@@ -34,9 +35,9 @@ pub trait Sink: Send + Sync {
     async fn flush(&self);
 
     /// Called after a failed health request: replaces a client that may not find the broker
-    /// again by itself, and says why. Clients that reconnect on their own keep theirs.
-    async fn reconnect(&self) -> Option<Replaced> {
-        None
+    /// again by itself, and says why for each. Clients that reconnect on their own keep theirs.
+    async fn reconnect(&self) -> Vec<Replaced> {
+        Vec::new()
     }
 }
 
@@ -104,7 +105,7 @@ pub async fn health_or_reconnect(
 ) -> Result<String, String> {
     let answer = sink.health(timeout).await;
     if answer.is_err() {
-        if let Some(r) = sink.reconnect().await {
+        for r in sink.reconnect().await {
             metrics.client_replaced(sink.name(), &r);
         }
     }

@@ -623,6 +623,46 @@ async fn fatal_producer_error_replaces_the_producer() {
     assert_eq!(got, ids, "every healthy event arrives");
 }
 
+/// Each of the relay's Kafka producers (`--kafka-connections`) that breaks is counted: two
+/// oversized unkeyed events of one round go to the two producers (by id), each breaks fatally
+/// (`enable.gapless.guarantee`), and the counter says 2, not one per round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_producer_broken_in_a_round_is_counted() {
+    let db = TestDb::create();
+    db.psql(&format!(
+        "ALTER DATABASE {} SET outbox.max_retry = 0",
+        db.name
+    ));
+    let broker = Broker::start();
+    broker.create_topic_with("small", &[("max.message.bytes", "1024")]);
+    db.psql(
+        "SELECT outbox_enqueue_many('small', ARRAY[jsonb_build_object('blob', repeat('x', 4000)), \
+         jsonb_build_object('blob', repeat('y', 4000))])",
+    );
+    let args = [
+        "--kafka-connections",
+        "2",
+        "--kafka-property",
+        "enable.gapless.guarantee=true",
+    ];
+    let worker = Relay::spawn(&db.url(), &broker.addr(), &args);
+    let client = db.connect().await;
+    let c = wait_counts(&client, Duration::from_secs(30), |c| c["FAIL"] == 2).await;
+    assert_eq!(c["FAIL"], 2, "{c:?}\n{}", worker.logs());
+    // Claimed together: one round of two events.
+    let rounds = (
+        worker.metric("outbox_claim_batch_size_count"),
+        worker.metric("outbox_claim_batch_size_sum"),
+    );
+    let fatal = worker.metric_where("outbox_producer_replaced_total", r#"reason="fatal""#);
+    assert_eq!(
+        (rounds, fatal),
+        ((Some(1.0), Some(2.0)), Some(2.0)),
+        "one round broke both producers\n{}",
+        worker.logs()
+    );
+}
+
 /// A broker restart (clean stop, same data) while the relay runs: the messages delivered before
 /// are still there at the same offsets, and events committed while the broker is down arrive once
 /// it is back, without dead letters.
