@@ -49,6 +49,10 @@ pub struct Args {
     /// otherwise): its producers, each with its own broker connections.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub kafka_connections: Option<u16>,
+    /// Runs the latency section's default rates on the main server this many times, the rates
+    /// taking turns; goals read the run of median commit → append p50 (default 1).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=20))]
+    pub latency_repeat: Option<u16>,
     /// Print the provenance table (date, checkout, machine, server, settings, load) that every
     /// report starts with, and exit: for reports written by scripts (sql/bench/).
     #[arg(long, conflicts_with_all = ["output", "json", "only"])]
@@ -93,6 +97,9 @@ impl Args {
         }
         if let Some(n) = self.kafka_connections {
             s += &format!(" --kafka-connections {n}");
+        }
+        if let Some(n) = self.latency_repeat {
+            s += &format!(" --latency-repeat {n}");
         }
         if !self.only.is_empty() {
             let names: Vec<String> = self

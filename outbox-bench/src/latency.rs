@@ -16,7 +16,7 @@ use crate::relay_env::{BenchRelay, RelayEnv};
 use crate::report::{ms, not_run, num, Table};
 use crate::results::Results;
 use crate::stages::StageHists;
-use crate::sys::ProcSnapshot;
+use crate::sys::{HostMeter, ProcSnapshot};
 use crate::Profile;
 
 /// One producer connection per this many offered events/s, at most `MAX_PRODUCERS`.
@@ -53,6 +53,8 @@ pub struct LatencyRun {
     /// Server CPU of the relay's database sessions per event offered, µs (None: the server's
     /// processes are not visible here).
     pub relay_db_cpu_us: Option<f64>,
+    /// The whole machine's CPU busy over the run (producers start to last arrival), % of all cores.
+    pub machine_busy_pct: f64,
     /// Per event, when the database runs on this machine: (commit as Unix µs, commit to ack µs).
     pub acks: Vec<(f64, f64)>,
     /// Commit seen by the client to the broker's append (the topic stamps messages with
@@ -140,6 +142,7 @@ pub async fn latency(
     let stages_before = StageHists::parse(&relay.metrics().unwrap_or_default());
     let relay_sessions = crate::idle::relay_pids(env.monitor, &env.db.name).await?;
     let relay_cpu = ProcSnapshot::take(&relay_sessions);
+    let machine = HostMeter::start();
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
     let mut tasks = Vec::new();
     for (k, c) in clients.into_iter().enumerate() {
@@ -188,6 +191,7 @@ pub async fn latency(
     let relay_db_cpu_us = (!relay_cpu.0.is_empty()).then(|| {
         ProcSnapshot::take(&relay_sessions).cpu_secs_since(&relay_cpu) * 1e6 / total as f64
     });
+    let machine_busy_pct = machine.stop(0.0).0;
     // A little longer to catch duplicates.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got = arrivals.finish()?;
@@ -317,6 +321,7 @@ pub async fn latency(
         commit_to_ack,
         ack_source,
         relay_db_cpu_us,
+        machine_busy_pct,
         acks: samples,
         to_append,
         commit_to_claim,
@@ -467,6 +472,7 @@ pub fn stages_table(runs: &[LatencyRun]) -> String {
             .iter()
             .map(|s| format!("{s} p50 / p99 ms")),
     );
+    head.push("machine CPU busy".into());
     let head: Vec<&str> = head.iter().map(String::as_str).collect();
     let mut t = Table::new(&head);
     for r in runs.iter().filter(|r| !r.producer_notify) {
@@ -482,6 +488,7 @@ pub fn stages_table(runs: &[LatencyRun]) -> String {
                 .iter()
                 .map(|(_, p50, p99)| format!("{} / {}", ms(*p50), ms(*p99))),
         );
+        row.push(format!("{:.0} %", r.machine_busy_pct));
         t.row(row);
     }
     t.render()
@@ -540,7 +547,8 @@ async fn one(
     Ok(())
 }
 
-/// The main server: the rates of the profile with the relay's defaults, the same at the highest
+/// The main server: the rates of the profile with the relay's defaults (`latency_repeat` times,
+/// the rates taking turns), the same at the highest
 /// rate with `outbox.notify = on` in the producers (contrast), and the linger and claim cooldown
 /// settings at the goal's rate.
 pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()> {
@@ -561,7 +569,8 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
             format!("`{}`", extra.join(" "))
         };
         if extra.is_empty() {
-            for &rate in &p.latency_rates {
+            let repeated = p.latency_rates.iter().cycle();
+            for &rate in repeated.take(p.latency_rates.len() * p.latency_repeat) {
                 one(
                     p,
                     env,
@@ -719,8 +728,11 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
               their buckets): **claim** the claim call, **handoff** claim returned → handed to \
               librdkafka (waiting behind earlier events of its key included), **delivery** → \
               the delivery report, **ack** → `outbox_ack` returned (waiting for the round's \
-              other reports included).\n\n";
+              other reports included); **machine CPU busy**: all cores, producers' start to the \
+              last arrival (/proc/stat; database, broker, relay, producers and consumer share \
+              them).\n\n";
         s += &stages_table(&r.latency);
+        s += &repeat_note(p, r).unwrap_or_default();
         let top = p.latency_rates.iter().copied().fold(0.0, f64::max);
         if let Some(note) = notify_cap_note(r, top) {
             s += &format!(
@@ -734,9 +746,41 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
     s
 }
 
-/// The default runs at the goal's rates (for goals.rs): the main server's and the polling one's.
+/// The default run at a rate on a server (for goals.rs); of repeated runs, the one of median
+/// commit → append p50 (the lower middle one of an even count).
 pub fn default_run<'a>(r: &'a Results, server: &str, rate: f64) -> Option<&'a LatencyRun> {
+    let mut runs = default_runs(r, server, rate);
+    runs.sort_by(|a, b| a.to_append.0.total_cmp(&b.to_append.0));
+    runs.get(runs.len().saturating_sub(1) / 2).copied()
+}
+
+fn default_runs<'a>(r: &'a Results, server: &str, rate: f64) -> Vec<&'a LatencyRun> {
     r.latency
         .iter()
-        .find(|l| l.is_default() && l.server == server && l.rate == rate)
+        .filter(|l| l.is_default() && l.server == server && l.rate == rate)
+        .collect()
+}
+
+/// With repeated runs: each default rate's commit → append p50 over its runs, in run order.
+pub fn repeat_note(p: &Profile, r: &Results) -> Option<String> {
+    let lines: Vec<String> = p
+        .latency_rates
+        .iter()
+        .map(|&rate| {
+            let runs = default_runs(r, MAIN_SERVER, rate);
+            let all: Vec<String> = runs.iter().map(|l| ms(l.to_append.0)).collect();
+            let median =
+                default_run(r, MAIN_SERVER, rate).map_or("n/a".into(), |l| ms(l.to_append.0));
+            format!("{} ev/s: {} (median {median})", num(rate), all.join(", "))
+        })
+        .collect();
+    (p.latency_repeat > 1).then(|| {
+        format!(
+            "\n**Repeated runs** ({} per rate on the {MAIN_SERVER}, relay defaults, the rates \
+             taking turns; the goals read the run of median commit→append p50): commit→append \
+             p50 ms by rate: {}.\n",
+            p.latency_repeat,
+            lines.join("; ")
+        )
+    })
 }

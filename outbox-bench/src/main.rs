@@ -95,6 +95,9 @@ async fn run(args: &Args) -> Result<Vec<String>> {
     if let Some(n) = args.latency_partitions {
         profile.latency_partitions = n;
     }
+    if let Some(n) = args.latency_repeat {
+        profile.latency_repeat = usize::from(n);
+    }
     let server = db::server(args.database_url.as_deref())?;
     if args.provenance {
         let load_start = args.load_start.clone().unwrap_or_else(provenance::loadavg);

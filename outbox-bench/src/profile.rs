@@ -46,6 +46,8 @@ pub struct Profile {
     pub latency_time: Duration,
     /// Partitions of the latency runs' topics (`--latency-partitions`).
     pub latency_partitions: i32,
+    /// Times the main server's default rates are run, the rates taking turns (`--latency-repeat`).
+    pub latency_repeat: usize,
     /// Rates offered to the throwaway server without `shared_preload_libraries` (polling mode).
     pub polling_rates: Vec<f64>,
     /// How long an idle relay is watched (issue 10: at least 30 s).
@@ -136,6 +138,7 @@ impl Profile {
             ],
             latency_time: Duration::from_secs(5),
             latency_partitions: outbox_tests::broker::PARTITIONS,
+            latency_repeat: 1,
             polling_rates: vec![LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
             idle_time: Duration::from_secs(30),
             ordering_backlog: 20_000,
@@ -227,6 +230,7 @@ impl Profile {
             latency_rates: vec![200.0],
             latency_time: Duration::from_secs(1),
             latency_partitions: outbox_tests::broker::PARTITIONS,
+            latency_repeat: 1,
             polling_rates: vec![200.0],
             idle_time: Duration::from_secs(2),
             ordering_backlog: 1_000,

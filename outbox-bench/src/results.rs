@@ -119,6 +119,7 @@ fn latency_run(l: &latency::LatencyRun) -> Value {
         "duplicates": l.duplicates,
         "commit_to_ack_us": {"p50": c[0], "p99": c[1], "p999": c[2], "max": c[3], "clock": l.ack_source},
         "relay_db_cpu_us_per_event": l.relay_db_cpu_us,
+        "machine_cpu_busy_pct": l.machine_busy_pct,
         "statement_to_consumer_us": quantiles(&l.stmt_hist),
         "commit_to_consumer_us": quantiles(&l.hist),
         "start_to_claim_us": {"p50": l.to_claim.0, "p99": l.to_claim.1},
