@@ -368,6 +368,13 @@ impl Kafka {
         Ok(())
     }
 
+    /// How many runs of the JVM in this directory logged that the server started.
+    fn starts_logged(&self) -> usize {
+        std::fs::read_to_string(self.log())
+            .map(|l| l.matches("Kafka Server started").count())
+            .unwrap_or(0)
+    }
+
     /// The broker's log (stdout and stderr of every JVM run in this directory).
     pub fn log(&self) -> PathBuf {
         self.dir.join("kafka.log")
@@ -420,8 +427,10 @@ impl Kafka {
         Ok(cmd)
     }
 
-    /// Starts the JVM on the existing directory and waits until it answers.
+    /// Starts the JVM on the existing directory and waits until it answers and its own log says
+    /// it started: another broker that took the port would answer too.
     fn launch(&mut self) -> Result<(), String> {
+        let starts_before = self.starts_logged();
         let child = self
             .java()?
             .arg("kafka.Kafka")
@@ -431,7 +440,7 @@ impl Kafka {
         self.child = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if metadata_ok(self.port) {
+            if metadata_ok(self.port) && self.starts_logged() > starts_before {
                 return Ok(());
             }
             if let Some(st) = self

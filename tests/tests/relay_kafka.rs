@@ -817,3 +817,22 @@ fn standard_base64(bytes: &[u8]) -> String {
     }
     b
 }
+
+/// The harness's own check: a broker started on a port another broker already serves fails to
+/// start, instead of taking the other broker's answers for its own (a test would then freeze,
+/// stop or read a broker it does not own).
+#[test]
+fn a_broker_on_a_port_another_broker_serves_does_not_start() {
+    let first = Broker::start();
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-test-kafka-taken-{}-{}",
+        first.port,
+        std::process::id()
+    ));
+    let second = Broker::try_start_in(&dir, first.port, None);
+    let _ = std::fs::remove_dir_all(&dir);
+    match second {
+        Ok(_) => panic!("a second broker started on port {}", first.port),
+        Err(e) => assert!(e.contains("Address already in use"), "{e}"),
+    }
+}
