@@ -53,6 +53,11 @@ pub struct Args {
     /// taking turns; goals read the run of median commit → append p50 (default 1).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=20))]
     pub latency_repeat: Option<u16>,
+    /// Adds, to each repetition of the latency section's default rates, a run at the goal's rate
+    /// with this many plain INSERTs per second beside it (a table no relay reads): the machine
+    /// as busy as at a higher rate, the relay's work the same.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=20_000))]
+    pub latency_background: Option<u32>,
     /// Print the provenance table (date, checkout, machine, server, settings, load) that every
     /// report starts with, and exit: for reports written by scripts (sql/bench/).
     #[arg(long, conflicts_with_all = ["output", "json", "only"])]
@@ -100,6 +105,9 @@ impl Args {
         }
         if let Some(n) = self.latency_repeat {
             s += &format!(" --latency-repeat {n}");
+        }
+        if let Some(n) = self.latency_background {
+            s += &format!(" --latency-background {n}");
         }
         if !self.only.is_empty() {
             let names: Vec<String> = self

@@ -14,7 +14,7 @@ use outbox_tests::db::TestDb;
 use outbox_tests::relay::{write_config, ConfigDb};
 
 use crate::db::{self, BenchDb};
-use crate::latency::{latency, unix_us, LatencyRun, MAIN_SERVER};
+use crate::latency::{latency, unix_us, LatencyRun, Offer, MAIN_SERVER};
 use crate::relay_env::RelayEnv;
 use crate::report::{median, ms, num, Table};
 use crate::results::Results;
@@ -208,9 +208,8 @@ async fn side(
             &relays[0],
             &topic,
             outbox_tests::broker::PARTITIONS,
-            p.fair_rate,
+            Offer::plain(p.fair_rate),
             p.fair_time.as_secs_f64(),
-            false,
             Duration::from_secs(15),
             "fleet of two databases",
             MAIN_SERVER,

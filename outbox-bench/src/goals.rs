@@ -193,8 +193,23 @@ fn append_scaling_goal(r: &Results) -> Goal {
              an event committed during a round waits for it to end (commit→claim); the \
              relay's producers (`--kafka-connections`) write the round's partitions side by side",
             mid.machine_busy_pct, low.machine_busy_pct
-        ),
+        ) + &background_note(r),
     }
+}
+
+/// With `--latency-background`: the goal's rate with the machine made as busy by plain INSERTs.
+fn background_note(r: &Results) -> String {
+    let Some((b, n)) = crate::latency::background_run(r) else {
+        return String::new();
+    };
+    format!(
+        "; at {} ev/s with {} plain INSERTs/s beside (a table no relay reads; median of {n} \
+         runs) p50 {} ms, the machine {:.0} % busy",
+        num(b.rate),
+        num(b.background),
+        ms(b.to_append.0),
+        b.machine_busy_pct
+    )
 }
 
 /// Issue 10's goals, in its order.

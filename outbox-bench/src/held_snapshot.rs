@@ -233,6 +233,7 @@ async fn one(
     for (k, c) in clients.into_iter().enumerate() {
         tasks.push(tokio::spawn(latency::producer(
             c,
+            latency::ENQUEUE,
             TOPIC.to_string(),
             k as i64,
             producers as i64,

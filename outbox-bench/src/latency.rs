@@ -31,6 +31,8 @@ pub struct LatencyRun {
     pub wake: String,
     /// The producers set `outbox.notify = on` (a contrast: the relay does not LISTEN).
     pub producer_notify: bool,
+    /// Plain INSERTs per second beside the events (`--latency-background`), else 0.
+    pub background: f64,
     pub settings: String,
     pub sent: i64,
     pub achieved_rate: f64,
@@ -81,6 +83,26 @@ impl LatencyRun {
     }
 }
 
+/// What a run offers: single-event transactions per second through the outbox, plain INSERTs per
+/// second beside them (`--latency-background`), and whether its producers set `outbox.notify`.
+#[derive(Clone, Copy)]
+pub struct Offer {
+    pub rate: f64,
+    pub background: f64,
+    pub notify: bool,
+}
+
+impl Offer {
+    /// `rate` events/s alone, producers with the shipped settings.
+    pub fn plain(rate: f64) -> Self {
+        Offer {
+            rate,
+            background: 0.0,
+            notify: false,
+        }
+    }
+}
+
 pub const MAIN_SERVER: &str = "main server";
 pub const POLLING_SERVER: &str = "throwaway server, no preload";
 pub const PRELOADED_SERVER: &str = "throwaway server, preloaded";
@@ -93,9 +115,8 @@ pub async fn latency(
     relay: &BenchRelay,
     topic: &str,
     partitions: i32,
-    rate: f64,
+    offer: Offer,
     secs: f64,
-    producer_notify: bool,
     settle: Duration,
     settings: &str,
     server: &'static str,
@@ -129,6 +150,11 @@ pub async fn latency(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let Offer {
+        rate,
+        background,
+        notify: producer_notify,
+    } = offer;
     let total = (rate * secs).round().max(1.0) as i64;
     let producers = ((rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS);
     let mut clients = Vec::new();
@@ -144,10 +170,12 @@ pub async fn latency(
     let relay_cpu = ProcSnapshot::take(&relay_sessions);
     let machine = HostMeter::start();
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
+    let beside = background_load(env, background, secs, start).await?;
     let mut tasks = Vec::new();
     for (k, c) in clients.into_iter().enumerate() {
         tasks.push(tokio::spawn(producer(
             c,
+            ENQUEUE,
             topic.to_string(),
             k as i64,
             producers as i64,
@@ -172,6 +200,9 @@ pub async fn latency(
         }
     }
     let achieved_rate = total as f64 / (last_commit - start.into_std()).as_secs_f64().max(1e-9);
+    for t in beside {
+        t.await??;
+    }
     // Wait while events keep arriving: a backlog the relay is still working off arrives late, not
     // never. Missing means nothing arrived for `settle` (or the hard cap passed).
     let cap = Instant::now() + settle * 8;
@@ -330,6 +361,7 @@ pub async fn latency(
         server,
         wake,
         producer_notify,
+        background,
         settings: settings.to_string(),
         sent: total,
         achieved_rate,
@@ -342,6 +374,50 @@ pub async fn latency(
 
 /// (sequence number, statement issued, commit seen by the client, event id, commit as Unix µs)
 pub type Commit = (i64, Instant, Instant, i64, f64);
+
+/// A producer's statement: one event, `$1` topic, `$2` payload, `$3` key; returns its id.
+pub const ENQUEUE: &str = "SELECT outbox_enqueue($1::text, $2::jsonb, $3::text, 'OrderCreated')";
+/// The same row as a plain INSERT into a table no relay reads (`--latency-background`).
+const PLAIN_INSERT: &str = "INSERT INTO bench_background (topic, payload, event_key, event_type) \
+                            VALUES ($1, $2, $3, 'OrderCreated') RETURNING id";
+
+/// `rate` plain INSERTs per second of an event's row for `secs` from `start`, one connection per
+/// `EVENTS_PER_PRODUCER`: the producers' load on the machine without the relay's work.
+async fn background_load(
+    env: &RelayEnv<'_>,
+    rate: f64,
+    secs: f64,
+    start: tokio::time::Instant,
+) -> Result<Vec<tokio::task::JoinHandle<Result<Vec<Commit>>>>> {
+    if rate <= 0.0 {
+        return Ok(Vec::new());
+    }
+    env.monitor
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS bench_background (LIKE outbox_stream INCLUDING ALL)",
+        )
+        .await?;
+    let total = (rate * secs).round().max(1.0) as i64;
+    let n = ((rate / EVENTS_PER_PRODUCER).ceil() as usize).clamp(1, MAX_PRODUCERS);
+    let mut tasks = Vec::new();
+    for k in 0..n {
+        let c = env.db.client().await?;
+        let (k, n) = (k as i64, n as i64);
+        let topic = "bench.background".to_string();
+        tasks.push(tokio::spawn(producer(
+            c,
+            PLAIN_INSERT,
+            topic,
+            k,
+            n,
+            total,
+            rate,
+            start,
+            true,
+        )));
+    }
+    Ok(tasks)
+}
 
 /// When each stream event was claimed and acked: a stream row keeps neither (its batch row
 /// does until the ack deletes it), so a trigger in the benchmark's database logs the ids a
@@ -388,6 +464,7 @@ pub fn unix_us() -> f64 {
 #[allow(clippy::too_many_arguments)]
 pub async fn producer(
     c: Client,
+    sql: &'static str,
     topic: String,
     k: i64,
     step: i64,
@@ -396,9 +473,7 @@ pub async fn producer(
     start: tokio::time::Instant,
     keyed: bool,
 ) -> Result<Vec<Commit>> {
-    let stmt = c
-        .prepare("SELECT outbox_enqueue($1::text, $2::jsonb, $3::text, 'OrderCreated')")
-        .await?;
+    let stmt = c.prepare(sql).await?;
     // Sized up front: a vector that doubles while the clock runs copies itself mid-run.
     let mut out = Vec::with_capacity(((total - k).max(0) / step.max(1) + 1) as usize);
     let mut seq = k;
@@ -502,26 +577,25 @@ async fn one(
     relay: &BenchRelay,
     r: &mut Results,
     n: &mut usize,
-    rate: f64,
-    producer_notify: bool,
+    offer: Offer,
     settings: &str,
     server: &'static str,
 ) -> Result<()> {
     *n += 1;
+    let rate = offer.rate;
     progress!(
         "  {} ev/s for {:?} on the {server}, producers' outbox.notify {}, relay {settings}",
         num(rate),
         p.latency_time,
-        if producer_notify { "on" } else { "off" }
+        if offer.notify { "on" } else { "off" }
     );
     let run = latency(
         env,
         relay,
         &format!("bench.lat.{}.{n}", server.replace([' ', ','], "")),
         p.latency_partitions,
-        rate,
+        offer,
         p.latency_time.as_secs_f64(),
-        producer_notify,
         Duration::from_secs(15),
         settings,
         server,
@@ -569,40 +643,38 @@ pub async fn run(p: &Profile, env: &RelayEnv<'_>, r: &mut Results) -> Result<()>
             format!("`{}`", extra.join(" "))
         };
         if extra.is_empty() {
-            let repeated = p.latency_rates.iter().cycle();
-            for &rate in repeated.take(p.latency_rates.len() * p.latency_repeat) {
-                one(
-                    p,
-                    env,
-                    &relay,
-                    r,
-                    &mut n,
-                    rate,
-                    false,
-                    &settings,
-                    MAIN_SERVER,
-                )
-                .await?;
+            for _ in 0..p.latency_repeat {
+                for &rate in &p.latency_rates {
+                    let offer = Offer::plain(rate);
+                    one(p, env, &relay, r, &mut n, offer, &settings, MAIN_SERVER).await?;
+                }
+                if let Some(background) = p.latency_background {
+                    let offer = Offer {
+                        background,
+                        ..Offer::plain(LATENCY_GOAL_RATE)
+                    };
+                    let beside = background_settings(background);
+                    one(p, env, &relay, r, &mut n, offer, &beside, MAIN_SERVER).await?;
+                }
             }
             let top = p.latency_rates.iter().copied().fold(0.0, f64::max);
-            one(p, env, &relay, r, &mut n, top, true, &settings, MAIN_SERVER).await?;
+            let offer = Offer {
+                notify: true,
+                ..Offer::plain(top)
+            };
+            one(p, env, &relay, r, &mut n, offer, &settings, MAIN_SERVER).await?;
         } else {
-            one(
-                p,
-                env,
-                &relay,
-                r,
-                &mut n,
-                LATENCY_GOAL_RATE,
-                false,
-                &settings,
-                MAIN_SERVER,
-            )
-            .await?;
+            let offer = Offer::plain(LATENCY_GOAL_RATE);
+            one(p, env, &relay, r, &mut n, offer, &settings, MAIN_SERVER).await?;
         }
         relay.stop()?;
     }
     Ok(())
+}
+
+/// The settings column of a run with plain INSERTs beside the relay's defaults.
+pub fn background_settings(background: f64) -> String {
+    format!("defaults, {} plain INSERTs/s beside", num(background))
 }
 
 /// How long the unreported warm-up run lasts.
@@ -622,9 +694,8 @@ async fn warm_up(p: &Profile, env: &RelayEnv<'_>) -> Result<()> {
         &relay,
         "bench.lat.warm-up",
         p.latency_partitions,
-        LATENCY_GOAL_RATE,
+        Offer::plain(LATENCY_GOAL_RATE),
         WARM_UP.max(p.latency_time).as_secs_f64(),
-        false,
         Duration::from_secs(15),
         "defaults",
         MAIN_SERVER,
@@ -645,7 +716,17 @@ pub async fn run_throwaway(
     let relay = env.start_relay(&[], &format!("latency-{}", server.replace([' ', ','], "")))?;
     let mut n = 0;
     for &rate in &p.polling_rates {
-        one(p, env, &relay, r, &mut n, rate, false, "defaults", server).await?;
+        one(
+            p,
+            env,
+            &relay,
+            r,
+            &mut n,
+            Offer::plain(rate),
+            "defaults",
+            server,
+        )
+        .await?;
     }
     relay.stop()?;
     Ok(())
@@ -749,7 +830,19 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
 /// The default run at a rate on a server (for goals.rs); of repeated runs, the one of median
 /// commit → append p50 (the lower middle one of an even count).
 pub fn default_run<'a>(r: &'a Results, server: &str, rate: f64) -> Option<&'a LatencyRun> {
-    let mut runs = default_runs(r, server, rate);
+    median_run(default_runs(r, server, rate))
+}
+
+/// The runs at the goal's rate with plain INSERTs beside them: the one of median commit → append
+/// p50, and how many there were.
+pub fn background_run(r: &Results) -> Option<(&LatencyRun, usize)> {
+    let runs: Vec<&LatencyRun> = r.latency.iter().filter(|l| l.background > 0.0).collect();
+    let n = runs.len();
+    median_run(runs).map(|l| (l, n))
+}
+
+/// Of runs, the one of median commit → append p50 (the lower middle one of an even count).
+fn median_run(mut runs: Vec<&LatencyRun>) -> Option<&LatencyRun> {
     runs.sort_by(|a, b| a.to_append.0.total_cmp(&b.to_append.0));
     runs.get(runs.len().saturating_sub(1) / 2).copied()
 }

@@ -98,6 +98,7 @@ async fn run(args: &Args) -> Result<Vec<String>> {
     if let Some(n) = args.latency_repeat {
         profile.latency_repeat = usize::from(n);
     }
+    profile.latency_background = args.latency_background.map(f64::from);
     let server = db::server(args.database_url.as_deref())?;
     if args.provenance {
         let load_start = args.load_start.clone().unwrap_or_else(provenance::loadavg);

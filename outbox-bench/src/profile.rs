@@ -48,6 +48,8 @@ pub struct Profile {
     pub latency_partitions: i32,
     /// Times the main server's default rates are run, the rates taking turns (`--latency-repeat`).
     pub latency_repeat: usize,
+    /// Plain INSERTs per second beside an extra run at the goal's rate (`--latency-background`).
+    pub latency_background: Option<f64>,
     /// Rates offered to the throwaway server without `shared_preload_libraries` (polling mode).
     pub polling_rates: Vec<f64>,
     /// How long an idle relay is watched (issue 10: at least 30 s).
@@ -139,6 +141,7 @@ impl Profile {
             latency_time: Duration::from_secs(5),
             latency_partitions: outbox_tests::broker::PARTITIONS,
             latency_repeat: 1,
+            latency_background: None,
             polling_rates: vec![LATENCY_GOAL_RATE, LATENCY_HIGH_RATE],
             idle_time: Duration::from_secs(30),
             ordering_backlog: 20_000,
@@ -231,6 +234,7 @@ impl Profile {
             latency_time: Duration::from_secs(1),
             latency_partitions: outbox_tests::broker::PARTITIONS,
             latency_repeat: 1,
+            latency_background: None,
             polling_rates: vec![200.0],
             idle_time: Duration::from_secs(2),
             ordering_backlog: 1_000,
