@@ -15,12 +15,12 @@ BEGIN
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- last_error is kept: it is the operator's record of why the event had failed.
     WITH dead AS MATERIALIZED (
-        SELECT d.id FROM @extschema@.outbox_tracked d
+        SELECT d.id FROM @extschema@.outbox_scheduled d
          WHERE d.id = ANY (ids) AND d.status = 'FAIL'
          ORDER BY d.id
          FOR UPDATE
     ), revived AS (
-        UPDATE @extschema@.outbox_tracked e
+        UPDATE @extschema@.outbox_scheduled e
            SET status = 'WAIT', retry_count = 0, next_retry_time = stamp, skipped_at = NULL,
                updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
@@ -53,12 +53,12 @@ BEGIN
     PERFORM @extschema@.outbox_check_count('outbox_blocked_keys', 'max_rows', max_rows, 100000);
     RETURN QUERY
     SELECT k.topic, k.event_key, h.id, h.updated_at, h.last_error,
-           (SELECT count(*) FROM @extschema@.outbox_tracked w
+           (SELECT count(*) FROM @extschema@.outbox_scheduled w
              WHERE w.topic = k.topic AND w.event_key = k.event_key AND w.ordered
                AND w.status <> 'SUCCESS' AND w.status = 'WAIT' AND w.id > h.id)
       FROM @extschema@.outbox_key k
       CROSS JOIN LATERAL (
-          SELECT e.id, e.updated_at, e.last_error FROM @extschema@.outbox_tracked e
+          SELECT e.id, e.updated_at, e.last_error FROM @extschema@.outbox_scheduled e
            WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
              AND e.status <> 'SUCCESS'
            ORDER BY e.id
@@ -86,12 +86,12 @@ BEGIN
     PERFORM @extschema@.outbox_check_isolation('outbox_skip');
     PERFORM @extschema@.outbox_check_ids('outbox_skip', ids);
     WITH dead AS MATERIALIZED (
-        SELECT d.id FROM @extschema@.outbox_tracked d
+        SELECT d.id FROM @extschema@.outbox_scheduled d
          WHERE d.id = ANY (ids) AND d.status = 'FAIL' AND d.skipped_at IS NULL
          ORDER BY d.id
          FOR UPDATE
     ), settled AS (
-        UPDATE @extschema@.outbox_tracked e SET skipped_at = stamp, updated_at = stamp
+        UPDATE @extschema@.outbox_scheduled e SET skipped_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT dead.id FROM dead)) AND e.status = 'FAIL'
         RETURNING e.topic, e.event_key, e.ordered
     )
@@ -132,23 +132,23 @@ BEGIN
     -- follows the rows deleted. The DELETE locks them itself, in id order through the primary key
     -- (status::text: not by the age index); only another purge locks a SUCCESS row.
     WITH old AS MATERIALIZED (
-        SELECT s.id FROM @extschema@.outbox_tracked s
+        SELECT s.id FROM @extschema@.outbox_scheduled s
          WHERE s.status = 'SUCCESS' AND s.updated_at < now() - older_than
          ORDER BY s.updated_at
          LIMIT max_rows
     )
     , gone AS (
-        DELETE FROM @extschema@.outbox_tracked e
+        DELETE FROM @extschema@.outbox_scheduled e
          WHERE e.id = ANY (ARRAY(SELECT old.id FROM old)) AND e.status::text = 'SUCCESS'
         RETURNING e.id
     ), originals AS (
-        -- A stream event's first row goes with its tracked copy (a retry, a busy key's event).
+        -- A stream event's first row goes with its scheduled copy (a retry, a busy key's event).
         DELETE FROM @extschema@.outbox_stream s
          WHERE s.id = ANY (ARRAY(SELECT g.id FROM gone g))
         RETURNING s.id
     )
     SELECT count(*) INTO done FROM gone;
-    -- Stream rows: handed out, held by no claim (a retried one's tracked copy stands for it) and
+    -- Stream rows: handed out, held by no claim (a retried one's scheduled copy stands for it) and
     -- older than the cutoff. Among the oldest max_rows ids only, so a purge never walks a backlog
     -- to find nothing: ids follow time closely enough for retention.
     IF done < max_rows THEN
@@ -165,7 +165,7 @@ BEGIN
              WHERE h.created_at < now() - older_than
                AND @extschema@.outbox_stream_passed(h.txid, h.id, c.prev_snap, c.cur_snap, c.pos_id)
                AND NOT EXISTS (SELECT 1 FROM unsettled u WHERE u.id = h.id)
-               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h.id)
+               AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled t WHERE t.id = h.id)
         )
         DELETE FROM @extschema@.outbox_stream e WHERE e.id = ANY (ARRAY(SELECT old.id FROM old));
         GET DIAGNOSTICS stream_done = ROW_COUNT;
@@ -186,7 +186,7 @@ BEGIN
     SELECT e.id, e.topic, e.event_key, e.event_type, e.payload, e.headers, e.status, e.retry_count,
            e.next_retry_time, e.claim_owner, e.claim_token, e.claimed_at, e.last_error, e.created_at,
            e.updated_at, e.event_id, e.ordered, e.skipped_at
-      FROM @extschema@.outbox_tracked e
+      FROM @extschema@.outbox_scheduled e
      WHERE e.status = 'FAIL' AND e.id > coalesce(after_id, 0)
      ORDER BY e.id
      LIMIT max_rows;
@@ -224,7 +224,7 @@ DECLARE
     -- Below this size (both tables together, or one table) a count is cheap.
     small constant bigint := 8 * 1024 * 1024;
 BEGIN
-    IF pg_relation_size('@extschema@.outbox_tracked'::regclass)
+    IF pg_relation_size('@extschema@.outbox_scheduled'::regclass)
        + pg_relation_size('@extschema@.outbox_stream'::regclass) < small THEN
         RETURN (SELECT count(*) FROM @extschema@.outbox_event e WHERE e.status = 'SUCCESS');
     END IF;
@@ -233,11 +233,11 @@ BEGIN
     -- stream's history).
     RETURN greatest((SELECT sum(CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
                                      WHEN pg_relation_size(c.oid) >= small THEN 0
-                                     WHEN c.oid = '@extschema@.outbox_tracked'::regclass
-                                     THEN (SELECT count(*) FROM @extschema@.outbox_tracked)
+                                     WHEN c.oid = '@extschema@.outbox_scheduled'::regclass
+                                     THEN (SELECT count(*) FROM @extschema@.outbox_scheduled)
                                      ELSE (SELECT count(*) FROM @extschema@.outbox_stream) END)
                        FROM pg_class c
-                      WHERE c.oid IN ('@extschema@.outbox_tracked'::regclass,
+                      WHERE c.oid IN ('@extschema@.outbox_scheduled'::regclass,
                                       '@extschema@.outbox_stream'::regclass)) - unfinished, 0);
 END
 $$;
@@ -269,10 +269,10 @@ BEGIN
            count(*) FILTER (WHERE w.next_retry_time > stamp),
            stamp - min(w.next_retry_time) FILTER (WHERE w.next_retry_time <= stamp)
       INTO due_wait, delayed_wait, oldest_due_age
-      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
+      FROM (SELECT e.next_retry_time FROM @extschema@.outbox_scheduled e
              WHERE e.status = 'WAIT' AND NOT e.ordered
             UNION ALL
-            SELECT e.next_retry_time FROM @extschema@.outbox_tracked e
+            SELECT e.next_retry_time FROM @extschema@.outbox_scheduled e
              WHERE e.ordered AND e.status <> 'SUCCESS' AND e.status = 'WAIT') w;
     SELECT w.waiting, w.oldest INTO stream_wait, stream_oldest FROM @extschema@.outbox_stream_waiting() w;
     due_wait := due_wait + stream_wait;
@@ -280,19 +280,19 @@ BEGIN
                            ELSE greatest(oldest_due_age, stamp - stream_oldest) END;
     SELECT count(*), stamp - min(e.claimed_at)
       INTO sending, oldest_lease_age
-      FROM @extschema@.outbox_tracked e WHERE e.status = 'SENDING';
+      FROM @extschema@.outbox_scheduled e WHERE e.status = 'SENDING';
     SELECT sending + coalesce(sum(cardinality(b.pending)), 0),
            greatest(oldest_lease_age, stamp - min(b.claimed_at))
       INTO sending, oldest_lease_age
       FROM @extschema@.outbox_stream_batch b
      WHERE b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c);
-    SELECT count(*) INTO failed FROM @extschema@.outbox_tracked e WHERE e.status = 'FAIL';
+    SELECT count(*) INTO failed FROM @extschema@.outbox_scheduled e WHERE e.status = 'FAIL';
     -- Keys held back by a dead head, and since when that head has been dead.
     SELECT count(*), stamp - min(h.updated_at)
       INTO blocked_keys, oldest_blocked_age
       FROM @extschema@.outbox_key k
       CROSS JOIN LATERAL (
-          SELECT e.updated_at FROM @extschema@.outbox_tracked e
+          SELECT e.updated_at FROM @extschema@.outbox_scheduled e
            WHERE e.topic = k.topic AND e.event_key = k.event_key AND e.ordered
              AND e.status <> 'SUCCESS'
            ORDER BY e.id

@@ -1,4 +1,4 @@
--- The claim: the wake-up's look at the queue, the tracked part, and outbox_claim itself.
+-- The claim: the wake-up's look at the queue, the scheduled part, and outbox_claim itself.
 
 -- Whether a claim would find something now (outbox_wait's look at the queue): each probe stops at
 -- its first index entry, whatever the history or backlog (scalar subqueries in index order, and
@@ -25,13 +25,13 @@ BEGIN
                                        WHERE (SELECT e.id FROM @extschema@.outbox_stream e
                                                WHERE e.txid = x LIMIT 1) IS NOT NULL))
             -- (No such row: min is NULL, and the look must say false, not NULL.)
-            OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_tracked e
+            OR coalesce((SELECT min(e.next_retry_time) FROM @extschema@.outbox_scheduled e
                           WHERE e.status = 'WAIT' AND NOT e.ordered) <= clock_timestamp(), false)
             OR coalesce((SELECT min(k.due_at) FROM @extschema@.outbox_key k WHERE k.state <> 'idle')
                         <= clock_timestamp(), false)
             OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k
                         WHERE k.state = 'idle'
-                          AND EXISTS (SELECT 1 FROM @extschema@.outbox_tracked e
+                          AND EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled e
                                        WHERE e.topic = k.topic AND e.event_key = k.event_key
                                          AND e.ordered AND e.status = 'WAIT')));
 END
@@ -58,10 +58,10 @@ BEGIN
 END
 $$;
 
--- The tracked part of a claim: each due key's run (its WAIT, due events from its head, in id order)
+-- The scheduled part of a claim: each due key's run (its WAIT, due events from its head, in id order)
 -- and the oldest due unordered rows, up to max_events. Never waits for a lock (SKIP LOCKED); each
 -- visited key row gets its next state, and idle ones are deleted.
-CREATE FUNCTION @extschema@.outbox_claim_tracked(owner text, token bigint, stamp timestamptz, max_events int)
+CREATE FUNCTION @extschema@.outbox_claim_scheduled(owner text, token bigint, stamp timestamptz, max_events int)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -75,7 +75,7 @@ DECLARE
     idle_topics text[];
     idle_keys text[];
 BEGIN
-    -- Keys of unsettled stream batches (this claim's own included): their tracked events wait.
+    -- Keys of unsettled stream batches (this claim's own included): their scheduled events wait.
     busy := ARRAY(SELECT DISTINCT k FROM @extschema@.outbox_stream_batch b, unnest(b.keys) k
                    WHERE b.claim_token >= (SELECT c.batch_floor FROM @extschema@.outbox_cursor() c));
     -- The due keys, oldest due first, each with its run; a key row is locked only when reached,
@@ -94,7 +94,7 @@ BEGIN
          LIMIT max_events
     ), unordered AS MATERIALIZED (
         SELECT c.id, c.next_retry_time
-          FROM @extschema@.outbox_tracked c
+          FROM @extschema@.outbox_scheduled c
          WHERE c.status = 'WAIT' AND NOT c.ordered AND c.next_retry_time <= stamp
          ORDER BY c.next_retry_time, c.id
          LIMIT max_events
@@ -109,8 +109,8 @@ BEGIN
         ORDER BY x.due, x.grp, x.pos
         LIMIT max_events
     ), claimed AS (
-        -- The one statement that hands out tracked rows.
-        UPDATE @extschema@.outbox_tracked e
+        -- The one statement that hands out scheduled rows.
+        UPDATE @extschema@.outbox_scheduled e
            SET status = 'SENDING', claim_owner = owner, claim_token = token,
                claimed_at = stamp, updated_at = stamp
          WHERE e.id = ANY (ARRAY(SELECT chosen.id FROM chosen)) AND e.status = 'WAIT'
@@ -175,8 +175,8 @@ DECLARE
     token bigint;
     -- Wall clock, not transaction start: a claim inside a long transaction must not stamp an old lease.
     stamp timestamptz := clock_timestamp();
-    due_tracked int;
-    tracked_ids bigint[] := '{}';
+    due_scheduled int;
+    scheduled_ids bigint[] := '{}';
     stream_ids bigint[] := '{}';
     lo_id bigint;
     hi_id bigint;
@@ -187,23 +187,23 @@ BEGIN
     -- wait for its WAL flush. The durable ack after it flushes it too (docs/reference.md).
     PERFORM set_config('synchronous_commit', 'off', true);
     -- The stream first, while the claim holds no row lock: its waits (the stream's lock, a key
-    -- row being inserted) then never close a cycle (docs/design.md, "Lock order"). Due tracked
+    -- row being inserted) then never close a cycle (docs/design.md, "Lock order"). Due scheduled
     -- work keeps up to half of the batch, so retries and held keys never starve behind a backlog.
-    due_tracked := (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_tracked e
+    due_scheduled := (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_scheduled e
                                             WHERE e.status = 'WAIT' AND NOT e.ordered AND e.next_retry_time <= stamp
                                             LIMIT max_events) u)
                  + (SELECT count(*) FROM (SELECT 1 FROM @extschema@.outbox_key k
                                             WHERE k.due_at <= stamp LIMIT max_events) k);
     stream_ids := @extschema@.outbox_stream_take(owner, token, stamp,
-                                                 max_events - least(due_tracked, (max_events + 1) / 2));
-    -- The tracked part only when it has work: tracked rows due, or key rows due (idle ones
+                                                 max_events - least(due_scheduled, (max_events + 1) / 2));
+    -- The scheduled part only when it has work: scheduled rows due, or key rows due (idle ones
     -- included, to be deleted) before the stream's part or made due by it (diverted events).
     IF cardinality(stream_ids) < max_events
-       AND (due_tracked > 0 OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k WHERE k.due_at <= stamp)) THEN
-        tracked_ids := @extschema@.outbox_claim_tracked(owner, token, stamp, max_events - cardinality(stream_ids));
+       AND (due_scheduled > 0 OR EXISTS (SELECT 1 FROM @extschema@.outbox_key k WHERE k.due_at <= stamp)) THEN
+        scheduled_ids := @extschema@.outbox_claim_scheduled(owner, token, stamp, max_events - cardinality(stream_ids));
     END IF;
 
-    IF cardinality(tracked_ids) = 0 AND cardinality(stream_ids) = 0 THEN
+    IF cardinality(scheduled_ids) = 0 AND cardinality(stream_ids) = 0 THEN
         RETURN;
     END IF;
     -- The stream rows' ids are mostly consecutive: read them as one primary-key range when the
@@ -218,7 +218,7 @@ BEGIN
     -- A claim whose client is gone would hold its events for a dead owner until the lease ends:
     -- PostgreSQL runs a statement to its end after its client died (a relay SIGKILLed with this
     -- claim in flight), and commits it. Roll it back instead; nobody is there to see the error.
-    IF (cardinality(tracked_ids) > 0 OR cardinality(stream_ids) > 0)
+    IF (cardinality(scheduled_ids) > 0 OR cardinality(stream_ids) > 0)
        AND NOT @extschema@.outbox_client_connected() THEN
         RAISE EXCEPTION USING ERRCODE = 'connection_failure',
             MESSAGE = 'outbox_claim: the client disconnected; the claim is rolled back';
@@ -229,7 +229,7 @@ BEGIN
         SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
                t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
                t.updated_at, t.event_id, t.ordered, t.skipped_at
-          FROM @extschema@.outbox_tracked t WHERE t.id = ANY (tracked_ids)
+          FROM @extschema@.outbox_scheduled t WHERE t.id = ANY (scheduled_ids)
         UNION ALL
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                'SENDING'::@extschema@.outbox_status, 0, s.created_at, owner, token, stamp,

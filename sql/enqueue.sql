@@ -84,9 +84,9 @@ BEGIN
     END IF;
 
     IF deliver_at > now() THEN
-        -- Due later: a tracked row, claimed by its next_retry_time. It takes no part in its key's
+        -- Due later: a scheduled row, claimed by its next_retry_time. It takes no part in its key's
         -- order (a reminder due tomorrow must not hold the key's other events until then).
-        INSERT INTO @extschema@.outbox_tracked
+        INSERT INTO @extschema@.outbox_scheduled
             (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
         VALUES
             (topic, key, event_type, payload, headers, 'WAIT', deliver_at, false)
@@ -197,16 +197,16 @@ BEGIN
 
     PERFORM @extschema@.outbox_check_elements(fn, payloads, keys, headers);
 
-    -- Ids are drawn in array order; events due later go to outbox_tracked (unordered, as in
+    -- Ids are drawn in array order; events due later go to outbox_scheduled (unordered, as in
     -- outbox_enqueue), the rest to outbox_stream.
     IF due_later THEN
         RETURN QUERY
-        INSERT INTO @extschema@.outbox_tracked
+        INSERT INTO @extschema@.outbox_scheduled
             (topic, event_key, event_type, payload, headers, status, next_retry_time, ordered)
         SELECT topic, u.k, u.t, u.p, coalesce(u.h, '{}'::jsonb), 'WAIT', deliver_at, false
           FROM unnest(payloads, keys, event_types, headers) WITH ORDINALITY u(p, k, t, h, pos)
          ORDER BY u.pos
-        RETURNING outbox_tracked.id;
+        RETURNING outbox_scheduled.id;
     ELSE
         RETURN QUERY
         INSERT INTO @extschema@.outbox_stream (topic, event_key, key_hash, event_type, payload, headers)

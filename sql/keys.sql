@@ -17,10 +17,10 @@ BEGIN
 END
 $$;
 
--- The key rows of the ordered ones among stream events that become tracked rows (nacked,
+-- The key rows of the ordered ones among stream events that become scheduled rows (nacked,
 -- released, reclaimed, restored), due at `due` or sooner: from here on their key's claims go
 -- through outbox_key.
-CREATE FUNCTION @extschema@.outbox_keys_track(ids bigint[], due timestamptz) RETURNS void
+CREATE FUNCTION @extschema@.outbox_keys_wait(ids bigint[], due timestamptz) RETURNS void
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
@@ -51,7 +51,7 @@ AS $$
                pg_catalog.bool_and(e.status OPERATOR(pg_catalog.=) 'WAIT'
                                    AND e.next_retry_time OPERATOR(pg_catalog.<=) stamp AND NOT busy)
                    OVER (ORDER BY e.id) AS runnable
-          FROM @extschema@.outbox_tracked e
+          FROM @extschema@.outbox_scheduled e
          WHERE e.topic OPERATOR(pg_catalog.=) key_topic AND e.event_key OPERATOR(pg_catalog.=) key_name
            AND e.ordered AND e.status OPERATOR(pg_catalog.<>) 'SUCCESS'
            AND NOT (e.status OPERATOR(pg_catalog.=) 'FAIL' AND (skip_dead OR e.skipped_at IS NOT NULL))
@@ -77,7 +77,7 @@ BEGIN
 END
 $$;
 
--- A visited key's next state and due time (outbox_claim_tracked; the states are in schema.sql). A
+-- A visited key's next state and due time (outbox_claim_scheduled; the states are in schema.sql). A
 -- due head left unclaimed (the batch was full) keeps the key's place in the due order.
 CREATE FUNCTION @extschema@.outbox_key_next(holding boolean, busy boolean,
                                             head_status @extschema@.outbox_status,

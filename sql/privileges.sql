@@ -1,7 +1,7 @@
 -- Nothing is granted to PUBLIC (docs/reference.md, "Privileges"): not the tables, not EXECUTE on
 -- any outbox_* function of the schema but the SQL-only version marker (an upgrade step ends with
 -- this file too). sql/examples/grant-roles.sql grants the producer, relay and admin roles.
-REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_tracked, @extschema@.outbox_stream,
+REVOKE ALL ON TABLE @extschema@.outbox_event, @extschema@.outbox_scheduled, @extschema@.outbox_stream,
     @extschema@.outbox_stream_cursor, @extschema@.outbox_stream_batch,
     @extschema@.outbox_key, @extschema@.outbox_owner FROM PUBLIC;
 REVOKE ALL ON SEQUENCE @extschema@.outbox_event_id_seq, @extschema@.outbox_claim_token_seq FROM PUBLIC;

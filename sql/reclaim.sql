@@ -43,7 +43,7 @@ BEGIN
     RETURN QUERY
     WITH claims AS (
         SELECT t.claim_owner AS who, count(*) AS n, min(t.claimed_at) AS since
-          FROM @extschema@.outbox_tracked t
+          FROM @extschema@.outbox_scheduled t
          WHERE t.status = 'SENDING'
          GROUP BY t.claim_owner
         UNION ALL
@@ -85,7 +85,7 @@ AS $$
 $$;
 
 -- outbox_reclaim_returning's stream part: batches past their lease, or whose owner is gone (the
--- same rule); their events become tracked copies after one failed attempt. SKIP LOCKED: a batch
+-- same rule); their events become scheduled copies after one failed attempt. SKIP LOCKED: a batch
 -- locked right now is being settled.
 CREATE FUNCTION @extschema@.outbox_reclaim_batches(stamp timestamptz, lease interval, gone_owners text[],
                                                    gone_at timestamptz[], max_retry int)
@@ -109,10 +109,10 @@ BEGIN
         DELETE FROM @extschema@.outbox_stream_batch b WHERE b.claim_token = batch.claim_token;
         RETURN QUERY
         SELECT m.id, m.topic, m.status, m.retry_count, batch.claim_owner
-          FROM @extschema@.outbox_stream_track(batch.pending,
+          FROM @extschema@.outbox_stream_schedule(batch.pending,
                    @extschema@.outbox_status_after_failure(1, max_retry), 1, stamp, batch.why, stamp) m
          ORDER BY m.id;
-        PERFORM @extschema@.outbox_keys_track(batch.pending, stamp);
+        PERFORM @extschema@.outbox_keys_wait(batch.pending, stamp);
     END LOOP;
 END
 $$;
@@ -154,14 +154,14 @@ BEGIN
     -- A reclaim counts as a failed attempt, so a poison event that kills its relay ends as a dead
     -- letter. SKIP LOCKED: a locked row is being settled by its holder; never wait for it.
     WITH expired AS MATERIALIZED (
-        SELECT x.id, x.claim_owner FROM @extschema@.outbox_tracked x
+        SELECT x.id, x.claim_owner FROM @extschema@.outbox_scheduled x
          WHERE x.status = 'SENDING'
            AND @extschema@.outbox_reclaim_reason(x.claim_owner, x.claimed_at, stamp, lease,
                                                  gone_owners, gone_at) IS NOT NULL
          ORDER BY x.id
          FOR UPDATE SKIP LOCKED
     ), reclaimed AS (
-        UPDATE @extschema@.outbox_tracked e
+        UPDATE @extschema@.outbox_scheduled e
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
                next_retry_time = stamp,
@@ -182,7 +182,7 @@ BEGIN
     RETURN QUERY
     SELECT e.id, e.topic, e.status, e.retry_count, o.owner
       FROM unnest(reclaimed_ids, owners) AS o(id, owner)
-      JOIN @extschema@.outbox_tracked e ON e.id = o.id
+      JOIN @extschema@.outbox_scheduled e ON e.id = o.id
      ORDER BY e.id;
     done := coalesce(cardinality(reclaimed_ids), 0);
     RETURN QUERY SELECT * FROM @extschema@.outbox_reclaim_batches(stamp, lease, gone_owners, gone_at, cfg.max_retry);

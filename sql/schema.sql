@@ -11,7 +11,7 @@ CREATE SEQUENCE @extschema@.outbox_claim_token_seq AS bigint;
 -- Events whose state lives in their row: due later (deliver_at), or stream events after a failed
 -- attempt or whose key was busy (docs/design.md). Fresh events go to outbox_stream instead; the
 -- view outbox_event shows both.
-CREATE TABLE @extschema@.outbox_tracked (
+CREATE TABLE @extschema@.outbox_scheduled (
     id              bigint PRIMARY KEY DEFAULT nextval('@extschema@.outbox_event_id_seq'),
     topic           text NOT NULL,
     event_key       text,
@@ -45,26 +45,26 @@ CREATE TABLE @extschema@.outbox_tracked (
     -- a version that moves (docs/reference.md, "Life-cycle cost").
     fillfactor = 50
 );
-ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_tracked.id;
+ALTER SEQUENCE @extschema@.outbox_event_id_seq OWNED BY @extschema@.outbox_scheduled.id;
 
 -- Hot path 1: due unordered WAIT rows, oldest next_retry_time first (outbox_claim). Partial, so
 -- its size follows the backlog, not the history of SUCCESS rows (reports/INDEXES.md).
-CREATE INDEX outbox_tracked_wait_due_idx
-    ON @extschema@.outbox_tracked (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
+CREATE INDEX outbox_scheduled_wait_due_idx
+    ON @extschema@.outbox_scheduled (next_retry_time, id) WHERE status = 'WAIT' AND NOT ordered;
 -- Hot path 1, ordered: a key's unfinished events in commit (= id) order; its first entry is the
 -- key's head. Claim cost follows the keys it visits, not a hot key's backlog.
-CREATE INDEX outbox_tracked_key_pending_idx
-    ON @extschema@.outbox_tracked (topic, event_key, id) WHERE ordered AND status <> 'SUCCESS';
+CREATE INDEX outbox_scheduled_key_pending_idx
+    ON @extschema@.outbox_scheduled (topic, event_key, id) WHERE ordered AND status <> 'SUCCESS';
 -- Hot path 2: leases by age (outbox_reclaim, outbox_stats).
-CREATE INDEX outbox_tracked_sending_claimed_idx
-    ON @extschema@.outbox_tracked (claimed_at) WHERE status = 'SENDING';
+CREATE INDEX outbox_scheduled_sending_claimed_idx
+    ON @extschema@.outbox_scheduled (claimed_at) WHERE status = 'SENDING';
 -- Dead letters for operators (outbox_dead_letters, outbox_stats); FAIL rows are few.
-CREATE INDEX outbox_tracked_fail_idx
-    ON @extschema@.outbox_tracked (id) WHERE status = 'FAIL';
+CREATE INDEX outbox_scheduled_fail_idx
+    ON @extschema@.outbox_scheduled (id) WHERE status = 'FAIL';
 
 -- Purge: delivered rows by age, so a purge reads the rows it deletes, not the whole history.
-CREATE INDEX outbox_tracked_success_updated_idx
-    ON @extschema@.outbox_tracked (updated_at) WHERE status = 'SUCCESS';
+CREATE INDEX outbox_scheduled_success_updated_idx
+    ON @extschema@.outbox_scheduled (updated_at) WHERE status = 'SUCCESS';
 
 -- What a claim does next with a key (outbox_key.state; docs/design.md has the table): look at its
 -- head at due_at, wait for its run's lease, for a stream batch holding the key, for an operator
@@ -72,7 +72,7 @@ CREATE INDEX outbox_tracked_success_updated_idx
 CREATE TYPE @extschema@.outbox_key_state AS ENUM ('waiting', 'running', 'held', 'blocked', 'idle');
 
 -- One row per key whose ordered events are in row state (docs/design.md): created when its first
--- event becomes a tracked row, deleted by a claim once the key has nothing unfinished.
+-- event becomes a scheduled row, deleted by a claim once the key has nothing unfinished.
 CREATE TABLE @extschema@.outbox_key (
     topic     text NOT NULL,
     event_key text NOT NULL,
@@ -175,7 +175,7 @@ CREATE TABLE @extschema@.outbox_stream_batch (
     -- The key hashes of its ordered events: while it is unsettled those keys are busy, and a
     -- claim hands out no later event of them.
     keys        bigint[] NOT NULL DEFAULT '{}',
-    -- A claim found a tracked key waiting for this batch: settling it makes those keys due.
+    -- A claim found a key's scheduled events waiting for this batch: settling it makes those keys due.
     waiters     boolean NOT NULL DEFAULT false
 );
 
@@ -206,12 +206,12 @@ $$;
 
 -- What operators read: every event with one set of columns and statuses. A stream event is WAIT,
 -- SENDING while a claim holds it, SUCCESS once settled (updated_at: its creation, never rewritten);
--- after a failed attempt its tracked copy stands for it. Read-only.
+-- after a failed attempt its scheduled copy stands for it. Read-only.
 CREATE VIEW @extschema@.outbox_event AS
 SELECT t.id, t.topic, t.event_key, t.event_type, t.payload, t.headers, t.status, t.retry_count,
        t.next_retry_time, t.claim_owner, t.claim_token, t.claimed_at, t.last_error, t.created_at,
        t.updated_at, t.event_id, t.ordered, t.skipped_at
-  FROM @extschema@.outbox_tracked t
+  FROM @extschema@.outbox_scheduled t
 UNION ALL
 SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
        -- outbox_stream_passed, written out: a view's functions need its reader's EXECUTE.
@@ -227,7 +227,7 @@ SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers,
                FROM @extschema@.outbox_stream_cursor v ORDER BY v.version DESC LIMIT 1) c
   LEFT JOIN (SELECT pg_catalog.unnest(p.pending) AS id, p.claim_owner, p.claim_token, p.claimed_at
                FROM @extschema@.outbox_stream_batch p) b ON b.id = s.id
- WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked r WHERE r.id = s.id);
+ WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled r WHERE r.id = s.id);
 
 -- A stream row restored by pg_dump carries another database's txid, meaningless to this cursor:
 -- it takes the restoring transaction's, so the restored events form one window, handed out in id
@@ -251,17 +251,17 @@ DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_depend d
                 WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
-                  AND d.objid = '@extschema@.outbox_tracked'::pg_catalog.regclass AND d.deptype = 'e') THEN
-        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');
+                  AND d.objid = '@extschema@.outbox_scheduled'::pg_catalog.regclass AND d.deptype = 'e') THEN
+        PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_scheduled', '');
         -- Stream events still owed (outbox_stream_passed written out, or in an unsettled claim)
-        -- without a tracked copy; the cursor and claims are not dumped: a fresh cursor hands
+        -- without a scheduled copy; the cursor and claims are not dumped: a fresh cursor hands
         -- them out.
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_stream',
             'WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_stream_cursor c'
             ' WHERE c.version = (SELECT pg_catalog.max(v.version) FROM @extschema@.outbox_stream_cursor v)'
             ' AND (pg_catalog.pg_visible_in_snapshot(txid, c.prev_snap)'
             ' OR (pg_catalog.pg_visible_in_snapshot(txid, c.cur_snap) AND id <= c.pos_id)))'
-            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = outbox_stream.id)'
+            ' AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled t WHERE t.id = outbox_stream.id)'
             ' OR EXISTS (SELECT 1 FROM @extschema@.outbox_stream_batch b WHERE id = ANY (b.pending))');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_event_id_seq', '');
         PERFORM pg_catalog.pg_extension_config_dump('@extschema@.outbox_key', '');

@@ -45,7 +45,7 @@ BEGIN
     SELECT * INTO cfg FROM @extschema@.outbox_config();
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack_returning).
     WITH settled AS (
-        UPDATE @extschema@.outbox_tracked e
+        UPDATE @extschema@.outbox_scheduled e
            SET retry_count = e.retry_count + 1,
                status = @extschema@.outbox_status_after_failure(e.retry_count + 1, cfg.max_retry),
                next_retry_time = stamp + @extschema@.outbox_backoff(e.retry_count + 1, cfg.backoff_base_ms,
@@ -61,16 +61,16 @@ BEGIN
       INTO settled_ids, topics, event_keys FROM settled d;
     PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
     RETURN QUERY
-    SELECT e.id, e.topic, e.status, e.retry_count, e.next_retry_time FROM @extschema@.outbox_tracked e
+    SELECT e.id, e.topic, e.status, e.retry_count, e.next_retry_time FROM @extschema@.outbox_scheduled e
      WHERE e.id = ANY (settled_ids) ORDER BY e.id;
     -- Stream events of this claim fail their first attempt (one backoff for the batch).
     held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
     RETURN QUERY
-    SELECT * FROM @extschema@.outbox_stream_track(
+    SELECT * FROM @extschema@.outbox_stream_schedule(
         held, @extschema@.outbox_status_after_failure(1, cfg.max_retry), 1,
         stamp + @extschema@.outbox_backoff(1, cfg.backoff_base_ms, cfg.backoff_max_ms, cfg.backoff_jitter),
         error, stamp) m ORDER BY m.id;
-    PERFORM @extschema@.outbox_keys_track(held, stamp);
+    PERFORM @extschema@.outbox_keys_wait(held, stamp);
 END
 $$;
 
@@ -98,7 +98,7 @@ DECLARE
 BEGIN
     PERFORM @extschema@.outbox_check_claim_args('outbox_renew', owner, claim_token, ids);
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack_returning).
-    UPDATE @extschema@.outbox_tracked e
+    UPDATE @extschema@.outbox_scheduled e
        SET claimed_at = stamp, updated_at = stamp
      WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
        AND e.claim_owner = owner AND e.claim_token = claim_token;
@@ -143,7 +143,7 @@ BEGIN
     END IF;
     -- Row locks in id order, taken by the UPDATE itself (status::text: see outbox_ack_returning).
     WITH settled AS (
-        UPDATE @extschema@.outbox_tracked e
+        UPDATE @extschema@.outbox_scheduled e
            SET status = 'WAIT', next_retry_time = stamp + delay,
                claim_owner = NULL, claim_token = NULL, claimed_at = NULL,
                last_error = coalesce(error, e.last_error), updated_at = stamp
@@ -154,10 +154,10 @@ BEGIN
     SELECT count(*), array_agg(d.topic) FILTER (WHERE d.ordered), array_agg(d.event_key) FILTER (WHERE d.ordered)
       INTO done, topics, event_keys FROM settled d;
     PERFORM @extschema@.outbox_keys_wake(topics, event_keys, stamp);
-    -- Stream events go back as tracked copies (same id and event_id), due after the delay.
+    -- Stream events go back as scheduled copies (same id and event_id), due after the delay.
     held := @extschema@.outbox_stream_settle(owner, claim_token, ids);
-    PERFORM @extschema@.outbox_stream_track(held, 'WAIT', 0, stamp + delay, error, stamp);
-    PERFORM @extschema@.outbox_keys_track(held, stamp);
+    PERFORM @extschema@.outbox_stream_schedule(held, 'WAIT', 0, stamp + delay, error, stamp);
+    PERFORM @extschema@.outbox_keys_wait(held, stamp);
     done := done + cardinality(held);
     RETURN done;
 END
@@ -181,7 +181,7 @@ BEGIN
     PERFORM @extschema@.outbox_check_ids('outbox_release_orphans', keep);
     FOR orphan IN
         SELECT o.token, array_agg(o.id ORDER BY o.id) AS ids
-          FROM (SELECT t.claim_token AS token, t.id FROM @extschema@.outbox_tracked t
+          FROM (SELECT t.claim_token AS token, t.id FROM @extschema@.outbox_scheduled t
                  WHERE t.status = 'SENDING' AND t.claim_owner = owner
                 UNION ALL
                 SELECT b.claim_token, unnest(b.pending) FROM @extschema@.outbox_stream_batch b
@@ -220,7 +220,7 @@ BEGIN
     -- primary key: the SET clauses rule out other scans and status::text the lease index
     -- (sql_claim_plan checks it). A SELECT ... FOR UPDATE first would cost a WAL record per row.
     WITH settled AS (
-        UPDATE @extschema@.outbox_tracked e
+        UPDATE @extschema@.outbox_scheduled e
            SET status = 'SUCCESS', updated_at = stamp
          WHERE e.id = ANY (ids) AND e.status::text = 'SENDING'
            AND e.claim_owner = owner AND e.claim_token = claim_token

@@ -29,7 +29,7 @@ END
 $$;
 
 -- A cursor restored into another cluster, made good and replaced by a fresh one: events it owed
--- become tracked rows due now, held ones stay their claim's; stream rows of txids this cluster has
+-- become scheduled rows due now, held ones stay their claim's; stream rows of txids this cluster has
 -- not reached are deleted, never to be handed out again. Loud: such a restore re-delivers.
 CREATE FUNCTION @extschema@.outbox_stream_rebase(c @extschema@.outbox_stream_cursor)
 RETURNS @extschema@.outbox_stream_cursor
@@ -45,22 +45,22 @@ BEGIN
                        WHERE (s.id > c.id_hwm
                               OR NOT @extschema@.outbox_stream_passed(s.txid, s.id, c.prev_snap, c.cur_snap, c.pos_id))
                          AND NOT s.id = ANY (held_ids)
-                         AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id));
+                         AND NOT EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled t WHERE t.id = s.id));
     held_ids := ARRAY(SELECT h FROM unnest(held_ids) h
-                       WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = h));
-    PERFORM @extschema@.outbox_stream_track(owed_ids, 'WAIT', 0, stamp, NULL, stamp);
-    PERFORM @extschema@.outbox_stream_track(held_ids, 'SENDING', 0, stamp, NULL, stamp);
-    UPDATE @extschema@.outbox_tracked t
+                       WHERE NOT EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled t WHERE t.id = h));
+    PERFORM @extschema@.outbox_stream_schedule(owed_ids, 'WAIT', 0, stamp, NULL, stamp);
+    PERFORM @extschema@.outbox_stream_schedule(held_ids, 'SENDING', 0, stamp, NULL, stamp);
+    UPDATE @extschema@.outbox_scheduled t
        SET claim_owner = b.claim_owner, claim_token = b.claim_token, claimed_at = b.claimed_at
       FROM @extschema@.outbox_stream_batch b
      WHERE t.id = ANY (held_ids) AND t.id = ANY (b.pending);
-    PERFORM @extschema@.outbox_keys_track(owed_ids || held_ids, stamp);
+    PERFORM @extschema@.outbox_keys_wait(owed_ids || held_ids, stamp);
     DELETE FROM @extschema@.outbox_stream_batch;
     DELETE FROM @extschema@.outbox_stream s
      WHERE s.txid >= pg_snapshot_xmax(pg_current_snapshot())
-        OR EXISTS (SELECT 1 FROM @extschema@.outbox_tracked t WHERE t.id = s.id);
+        OR EXISTS (SELECT 1 FROM @extschema@.outbox_scheduled t WHERE t.id = s.id);
     RAISE WARNING USING
-        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now tracked rows, delivered again; a fresh cursor starts',
+        MESSAGE = format('outbox: the stream''s cursor is ahead of this cluster''s transaction ids (a restore into another cluster?): %s events not yet handed out and %s held by a claim are now scheduled rows, delivered again; a fresh cursor starts',
                          cardinality(owed_ids), cardinality(held_ids));
     c.prev_snap := @extschema@.outbox_snapshot_of_others();
     c.cur_snap := c.prev_snap;
@@ -72,9 +72,9 @@ BEGIN
 END
 $$;
 
--- Stream events become tracked rows (same id and event_id) whose state lives in their row from
+-- Stream events become scheduled rows (same id and event_id) whose state lives in their row from
 -- then on: after a failed attempt (nack, reclaim), a release, a busy key, a restored cursor.
-CREATE FUNCTION @extschema@.outbox_stream_track(ids bigint[], new_status @extschema@.outbox_status,
+CREATE FUNCTION @extschema@.outbox_stream_schedule(ids bigint[], new_status @extschema@.outbox_status,
                                                 attempts int, due timestamptz, error text,
                                                 stamp timestamptz)
 RETURNS TABLE (id bigint, topic text, status @extschema@.outbox_status, retry_count int,
@@ -84,7 +84,7 @@ AS $$
 BEGIN
     IF cardinality(ids) > 0 THEN
         RETURN QUERY
-        INSERT INTO @extschema@.outbox_tracked AS m
+        INSERT INTO @extschema@.outbox_scheduled AS m
             (id, topic, event_key, event_type, payload, headers, status, retry_count,
              next_retry_time, last_error, created_at, updated_at, event_id, ordered)
         SELECT s.id, s.topic, s.event_key, s.event_type, s.payload, s.headers, new_status, attempts,
@@ -146,7 +146,7 @@ AS $$
 $$;
 
 -- Of a claim's stream events, those of busy keys (in an unsettled batch, or with a key row) go to
--- tracked rows behind their key's head (key rows in key order); returns the rest. Their batches
+-- scheduled rows behind their key's head (key rows in key order); returns the rest. Their batches
 -- learn that keys wait, and held keys are due now. Skips what is locked: never waits here.
 CREATE FUNCTION @extschema@.outbox_stream_divert(INOUT ids bigint[], INOUT hashes bigint[],
                                                  stamp timestamptz, floor bigint)
@@ -166,7 +166,7 @@ BEGIN
     IF cardinality(busy) = 0 THEN
         RETURN;
     END IF;
-    PERFORM FROM @extschema@.outbox_stream_track(
+    PERFORM FROM @extschema@.outbox_stream_schedule(
         ARRAY(SELECT s.id FROM @extschema@.outbox_stream s WHERE s.id = ANY (ids) AND s.key_hash = ANY (busy)),
         'WAIT', 0, stamp, NULL, stamp);
     INSERT INTO @extschema@.outbox_key (topic, event_key, state, due_at)
@@ -311,7 +311,7 @@ BEGIN
             UPDATE @extschema@.outbox_stream_batch b
                -- IS NOT TRUE: a NULL among the ids must not drop the others from the batch.
                SET pending = ARRAY(SELECT p FROM unnest(pending) p WHERE (p = ANY (ids)) IS NOT TRUE ORDER BY p),
-                   -- Events settled here may continue as tracked rows (nack, release), whose key
+                   -- Events settled here may continue as scheduled rows (nack, release), whose key
                    -- waits for the rest of this batch.
                    waiters = b.waiters OR b.keys <> '{}'
              WHERE b.claim_token = claim_token;

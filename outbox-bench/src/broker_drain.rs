@@ -95,9 +95,9 @@ pub async fn drain_filled(
             "SELECT (SELECT count(*) FROM outbox_event WHERE status = 'SUCCESS'),
                     (SELECT count(*) FROM outbox_event WHERE status = 'FAIL'),
                     coalesce(extract(epoch FROM
-                        greatest((SELECT max(updated_at) FROM outbox_tracked WHERE status = 'SUCCESS'),
+                        greatest((SELECT max(updated_at) FROM outbox_scheduled WHERE status = 'SUCCESS'),
                                  (SELECT max(at) FROM bench_stream_batch_log))
-                        - least((SELECT min(claimed_at) FROM outbox_tracked),
+                        - least((SELECT min(claimed_at) FROM outbox_scheduled),
                                 (SELECT min(at) FROM bench_stream_batch_log)))::float8, 0)",
             &[],
         )

@@ -115,7 +115,7 @@ pub async fn per_row(db: &TestDb, p: &Profile) -> Result<CostResult> {
     let mut c = db.client().await?;
     let pid = backend_pid(&c).await?;
     c.batch_execute(TRUNCATE_OUTBOX).await?;
-    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream, outbox_key")
+    c.batch_execute("VACUUM ANALYZE outbox_scheduled, outbox_stream, outbox_key")
         .await?;
     let n = p.cost_statements;
     let (mut ins_cpu, mut enq_cpu, mut ins_wall, mut enq_wall) = (vec![], vec![], vec![], vec![]);

@@ -60,7 +60,7 @@ impl BenchDb for TestDb {
 /// Every table of events and claims, emptied between runs. The stream's cursor stays: its newest
 /// version must, and an emptied stream behind an old position is handed out as any new events.
 pub const TRUNCATE_OUTBOX: &str =
-    "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key";
+    "TRUNCATE outbox_scheduled, outbox_stream, outbox_stream_batch, outbox_key";
 
 /// Empties the outbox and loads `n` fresh events in one statement (handed out in id order), then
 /// VACUUM ANALYZE so every run starts from the same state.
@@ -71,7 +71,7 @@ pub async fn fill_backlog(c: &Client, n: i64, topic: &str) -> Result<()> {
     // insert count lands on top of them later and n_live_tup reads double.
     c.batch_execute("SELECT pg_stat_force_next_flush()").await?;
     c.batch_execute("SELECT 1").await?;
-    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream")
+    c.batch_execute("VACUUM ANALYZE outbox_scheduled, outbox_stream")
         .await?;
     Ok(())
 }
@@ -135,7 +135,7 @@ pub async fn fill_keyed(
     }
     c.batch_execute("SELECT pg_stat_force_next_flush()").await?;
     c.batch_execute("SELECT 1").await?;
-    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream, outbox_key")
+    c.batch_execute("VACUUM ANALYZE outbox_scheduled, outbox_stream, outbox_key")
         .await?;
     let r = c
         .query_one(
@@ -209,14 +209,14 @@ impl DbCpu {
 /// 20 ms (counting a large backlog 50 times a second would steal CPU from the drain) and confirms
 /// with `outbox_stats()` (due_wait = 0 and sending = 0). The probe reads the tables, not the
 /// `outbox_event` view (whose statuses of stream events are computed over the whole stream): due
-/// work as `outbox_wait` looks for it (`outbox_work_due()`: index probes), tracked rows in flight,
+/// work as `outbox_wait` looks for it (`outbox_work_due()`: index probes), scheduled rows in flight,
 /// and claims with stream events not yet settled.
 pub async fn wait_drained(c: &Client, timeout: Duration) -> Result<bool> {
     let deadline = tokio::time::Instant::now() + timeout;
     let probe = c
         .prepare(
             "SELECT outbox_work_due()
-                 OR EXISTS (SELECT 1 FROM outbox_tracked WHERE status = 'SENDING')
+                 OR EXISTS (SELECT 1 FROM outbox_scheduled WHERE status = 'SENDING')
                  OR EXISTS (SELECT 1 FROM outbox_stream_batch)",
         )
         .await?;

@@ -107,7 +107,7 @@ const VARIANTS: [Variant; 4] = [
 ];
 
 const TRUNCATE: &str =
-    "TRUNCATE bench_order, bench_event, outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key";
+    "TRUNCATE bench_order, bench_event, outbox_scheduled, outbox_stream, outbox_stream_batch, outbox_key";
 
 /// A relay's wake-up session: `outbox_wait('1 s')` in a loop, in a database of its own on the
 /// same server whose outbox stays empty. Every commit that enqueued in the bench database looks

@@ -1,6 +1,6 @@
 //! Table health (report section 6): sizes, dead tuples and the cost of an empty claim and of
 //! `outbox_stats()` after the headline drain, after `outbox_purge`, and after VACUUM. Every table
-//! of the extension is measured (`ext_rels`): events live in `outbox_tracked` and `outbox_stream`.
+//! of the extension is measured (`ext_rels`): events live in `outbox_scheduled` and `outbox_stream`.
 
 use anyhow::Result;
 use outbox_worker::defaults;
@@ -108,7 +108,7 @@ pub async fn health(monitor: &Client, drained: i64) -> Result<(String, bool, Val
         "after outbox_purge loop",
         "after purge + VACUUM",
     ]);
-    // Each table of the extension (events: outbox_tracked and outbox_stream), then each index.
+    // Each table of the extension (events: outbox_scheduled and outbox_stream), then each index.
     let names: Vec<String> = a.rels.tables.iter().map(|x| x.name.clone()).collect();
     for name in &names {
         let (ta, tb, tc) = (a.table(name), b.table(name), c.table(name));

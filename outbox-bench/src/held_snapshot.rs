@@ -56,7 +56,7 @@ pub struct Interval {
 
 pub struct HeldRun {
     pub held: bool,
-    /// Events with a key each (`order-<n>`: ordered, tracked rows) or none (the stream).
+    /// Events with a key each (`order-<n>`: ordered, scheduled rows) or none (the stream).
     pub keyed: bool,
     pub rate: f64,
     pub secs: f64,
@@ -416,7 +416,7 @@ async fn one(
     Ok(run)
 }
 
-/// Keyed events (tracked rows) then unkeyed ones (the stream): the control, then the run with
+/// Keyed events (scheduled rows) then unkeyed ones (the stream): the control, then the run with
 /// the held transaction.
 pub async fn run(p: &Profile, db: &TestDb, r: &mut Results) -> Result<()> {
     progress!("==> 10. long transactions: a held snapshot under steady load");
@@ -539,7 +539,7 @@ pub fn markdown(r: &Results) -> String {
         "Open-loop load at {} events/s for {:.0} s on a fresh database with the default version \
          (wake-up mode `{}`): one `SELECT outbox_enqueue('{TOPIC}', …, key => 'order-<n>')` per \
          transaction (autocommit; the unkeyed runs give no key, so their events go to the stream \
-         instead of tracked rows) on a fixed schedule from {} connections, as in section 3. \
+         instead of scheduled rows) on a fixed schedule from {} connections, as in section 3. \
          **No relay and no broker**: one claim loop drains to a null sink in process \
          (`outbox_claim(owner, {})`, the relay's default batch, then `outbox_ack`; after an empty \
          claim it waits in `outbox_wait('{WAIT}')`), so the figures are the database's share of \

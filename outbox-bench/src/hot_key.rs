@@ -131,7 +131,7 @@ async fn measure(
     // One call more than measured: the first warms the caches and the plan.
     for i in 0..=calls {
         c.batch_execute(
-            "VACUUM outbox_tracked, outbox_key, outbox_stream, outbox_stream_cursor, outbox_stream_batch",
+            "VACUUM outbox_scheduled, outbox_key, outbox_stream, outbox_stream_cursor, outbox_stream_batch",
         )
         .await?;
         let b0 = buffers(c, method).await?;

@@ -1,6 +1,6 @@
 //! Index comparison (its own report, `reports/INDEXES.md`): the partial indexes the extension ships
 //! against the seed design's composite `(status, …)` ones, on a table with a long SUCCESS history
-//! and a small backlog. The table is `outbox_tracked`, whose rows change status (retried, delayed
+//! and a small backlog. The table is `outbox_scheduled`, whose rows change status (retried, delayed
 //! and ordered events; fresh unordered ones are `outbox_stream`'s, which has no status). Per design: the plans of both hot-path queries with their buffers, their
 //! latency over a fixed time, a claim + ack drain of the backlog and the index sizes; the
 //! conclusion is computed from those figures.
@@ -24,13 +24,13 @@ const NOISE: f64 = 0.10;
 const PATHS: [(&str, &str, &str); 2] = [
     (
         "claim candidates, LIMIT 100",
-        "SELECT id FROM outbox_tracked WHERE status = 'WAIT' AND NOT ordered \
+        "SELECT id FROM outbox_scheduled WHERE status = 'WAIT' AND NOT ordered \
          AND next_retry_time <= now() ORDER BY next_retry_time, id LIMIT 100",
         " FOR UPDATE SKIP LOCKED",
     ),
     (
         "expired leases",
-        "SELECT id FROM outbox_tracked WHERE status = 'SENDING' \
+        "SELECT id FROM outbox_scheduled WHERE status = 'SENDING' \
          AND claimed_at < now() - interval '10 minutes'",
         "",
     ),
@@ -46,8 +46,8 @@ struct Design {
 const SHIPPED: Design = Design {
     label: "partial (shipped)",
     indexes: [
-        "outbox_tracked_wait_due_idx",
-        "outbox_tracked_sending_claimed_idx",
+        "outbox_scheduled_wait_due_idx",
+        "outbox_scheduled_sending_claimed_idx",
     ],
 };
 
@@ -58,10 +58,10 @@ const SEED: Design = Design {
 
 /// Replaces the shipped indexes with the seed's (on the emptied table, so that both designs grow
 /// with the rows as in a live table).
-const TO_SEED: &str = "TRUNCATE outbox_tracked;
-    DROP INDEX outbox_tracked_wait_due_idx, outbox_tracked_sending_claimed_idx;
-    CREATE INDEX seed_status_next_retry_idx ON outbox_tracked (status, next_retry_time);
-    CREATE INDEX seed_status_claimed_idx ON outbox_tracked (status, claimed_at);";
+const TO_SEED: &str = "TRUNCATE outbox_scheduled;
+    DROP INDEX outbox_scheduled_wait_due_idx, outbox_scheduled_sending_claimed_idx;
+    CREATE INDEX seed_status_next_retry_idx ON outbox_scheduled (status, next_retry_time);
+    CREATE INDEX seed_status_claimed_idx ON outbox_scheduled (status, claimed_at);";
 
 /// One hot-path query under one design.
 struct Query {
@@ -90,18 +90,18 @@ struct DesignRun {
 /// deliver_at); then VACUUM ANALYZE. Returns the backlog's first id.
 async fn build(c: &Client, p: &Profile) -> Result<i64> {
     c.batch_execute(&format!(
-        "TRUNCATE outbox_tracked;
-         INSERT INTO outbox_tracked (topic, payload, status, next_retry_time, created_at, updated_at,
+        "TRUNCATE outbox_scheduled;
+         INSERT INTO outbox_scheduled (topic, payload, status, next_retry_time, created_at, updated_at,
                                    claim_owner, claim_token, claimed_at)
          SELECT 'orders', jsonb_build_object('n', g), 'SUCCESS',
                 now() - interval '2 days' + g * interval '100 ms', now() - interval '2 days',
                 now() - interval '1 day', 'relay', g, now() - interval '1 day'
            FROM generate_series(1, {}) g;
-         INSERT INTO outbox_tracked (topic, payload, status, next_retry_time, claim_owner, claim_token, claimed_at)
+         INSERT INTO outbox_scheduled (topic, payload, status, next_retry_time, claim_owner, claim_token, claimed_at)
          SELECT 'orders', jsonb_build_object('n', g), 'SENDING', now() - interval '1 hour', 'relay', g,
                 now() - (g % 20) * interval '1 minute'
            FROM generate_series(1, {}) g;
-         INSERT INTO outbox_tracked (topic, payload, status, next_retry_time)
+         INSERT INTO outbox_scheduled (topic, payload, status, next_retry_time)
          SELECT 'orders', jsonb_build_object('n', g), 'WAIT', now() + (g - {b} / 2) * interval '1 second'
            FROM generate_series(1, {b}) g;",
         p.index_history,
@@ -109,8 +109,8 @@ async fn build(c: &Client, p: &Profile) -> Result<i64> {
         b = p.index_backlog
     ))
     .await?;
-    c.batch_execute("VACUUM ANALYZE outbox_tracked").await?;
-    let first = "SELECT min(id) FROM outbox_tracked WHERE status = 'WAIT'";
+    c.batch_execute("VACUUM ANALYZE outbox_scheduled").await?;
+    let first = "SELECT min(id) FROM outbox_scheduled WHERE status = 'WAIT'";
     Ok(c.query_one(first, &[]).await?.get(0))
 }
 
@@ -180,12 +180,12 @@ async fn measure(c: &Client, p: &Profile, d: &Design) -> Result<DesignRun> {
     let (mut drain_ms, mut drained) = (f64::INFINITY, p.index_backlog);
     for _ in 0..p.repeats {
         c.execute(
-            "UPDATE outbox_tracked SET status = 'WAIT', next_retry_time = now() - interval '1 hour',
+            "UPDATE outbox_scheduled SET status = 'WAIT', next_retry_time = now() - interval '1 hour',
                     claim_owner = NULL, claim_token = NULL, claimed_at = NULL WHERE id >= $1",
             &[&first],
         )
         .await?;
-        c.batch_execute("VACUUM ANALYZE outbox_tracked").await?;
+        c.batch_execute("VACUUM ANALYZE outbox_scheduled").await?;
         let t0 = Instant::now();
         // One transaction per claim and its ack, as a relay has them (a claim refuses a
         // transaction that has written).
@@ -199,7 +199,7 @@ async fn measure(c: &Client, p: &Profile, d: &Design) -> Result<DesignRun> {
         )
         .await?;
         drain_ms = drain_ms.min(t0.elapsed().as_secs_f64() * 1000.0);
-        let done = "SELECT count(*) FROM outbox_tracked WHERE id >= $1 AND status = 'SUCCESS'";
+        let done = "SELECT count(*) FROM outbox_scheduled WHERE id >= $1 AND status = 'SUCCESS'";
         drained = drained.min(c.query_one(done, &[&first]).await?.get(0));
     }
     Ok(DesignRun {
@@ -314,7 +314,7 @@ fn markdown(p: &Profile, s: &DesignRun, c: &DesignRun, conclusion: &str) -> Stri
         ]);
     }
     let mut md = format!(
-        "Table `outbox_tracked`: {} SUCCESS rows, {} SENDING rows (about half with leases older than 10 min), \
+        "Table `outbox_scheduled`: {} SUCCESS rows, {} SENDING rows (about half with leases older than 10 min), \
          {backlog} WAIT rows (half due), built afresh for each design with its indexes in place; the queries \
          run back to back over the simple query protocol, as pgbench does.\n\n{}\n**Conclusion** \
          (computed from the figures above): {conclusion}\n\nPlans (EXPLAIN ANALYZE, BUFFERS; the \

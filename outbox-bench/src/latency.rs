@@ -421,7 +421,7 @@ async fn background_load(
 
 /// When each stream event was claimed and acked: a stream row keeps neither (its batch row
 /// does until the ack deletes it), so a trigger in the benchmark's database logs the ids a
-/// batch row gives up, with the batch's claim time. A nacked or released id has a tracked copy,
+/// batch row gives up, with the batch's claim time. A nacked or released id has a scheduled copy,
 /// whose own columns count instead.
 const STREAM_ACK_LOG: &str = "
     CREATE TABLE IF NOT EXISTS bench_stream_ack_log (
@@ -440,15 +440,15 @@ const STREAM_ACK_LOG: &str = "
     CREATE TRIGGER bench_log_stream_ack AFTER UPDATE OR DELETE ON outbox_stream_batch
         FOR EACH ROW EXECUTE FUNCTION bench_log_stream_ack();";
 
-/// The delivered events of topic `$1` with their creation, claim and ack times: tracked rows by
+/// The delivered events of topic `$1` with their creation, claim and ack times: scheduled rows by
 /// their columns, stream events by the ack log above.
 const ACKED: &str = "
     SELECT t.id, t.payload, t.created_at, t.claimed_at, t.updated_at AS acked_at
-      FROM outbox_tracked t WHERE t.topic = $1 AND t.status = 'SUCCESS'
+      FROM outbox_scheduled t WHERE t.topic = $1 AND t.status = 'SUCCESS'
     UNION ALL
     SELECT s.id, s.payload, s.created_at, l.claimed_at, l.acked_at
       FROM outbox_stream s JOIN bench_stream_ack_log l ON l.id = s.id
-     WHERE s.topic = $1 AND NOT EXISTS (SELECT 1 FROM outbox_tracked t WHERE t.id = s.id)";
+     WHERE s.topic = $1 AND NOT EXISTS (SELECT 1 FROM outbox_scheduled t WHERE t.id = s.id)";
 
 pub fn unix_us() -> f64 {
     std::time::SystemTime::now()
@@ -781,7 +781,7 @@ pub fn markdown(p: &Profile, r: &Results) -> String {
              payload; HdrHistogram, µs resolution. **commit→consumer** starts when the producer \
              saw the statement complete; **commit→ack** ({}) ends at the event's ack time. \
              The split columns come from the events' timestamps (`created_at` = transaction \
-             start, `claimed_at`, ack): a tracked row's own columns; for a stream event, whose \
+             start, `claimed_at`, ack): a scheduled row's own columns; for a stream event, whose \
              row keeps neither, its batch's claim time and the moment the ack took it out of the \
              batch (a trigger on `outbox_stream_batch` logs it in the benchmark's database). Achieved = events ÷ time from the first scheduled send to \
              the last commit. Before the first run, one unreported run of {:.0} s at {} \

@@ -424,7 +424,7 @@ fn the_data_model_table_lists_the_columns_of_outbox_event() {
         .split("CREATE VIEW @extschema@.outbox_event AS")
         .nth(1)
         .expect("the view in sql/schema.sql");
-    // The first branch reads outbox_tracked as `t`, column by column.
+    // The first branch reads outbox_scheduled as `t`, column by column.
     let select = view.split("FROM").next().expect("SELECT ... FROM");
     let in_code: BTreeSet<String> = select
         .split(',')

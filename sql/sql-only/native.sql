@@ -68,7 +68,7 @@ BEGIN
     -- plpgsql: created before the table it names.
     RETURN pg_has_role(CASE WHEN current_setting('role') = 'none' THEN session_user::text
                             ELSE current_setting('role') END::name,
-                       (SELECT c.relowner FROM pg_class c WHERE c.oid = '@extschema@.outbox_tracked'::regclass),
+                       (SELECT c.relowner FROM pg_class c WHERE c.oid = '@extschema@.outbox_scheduled'::regclass),
                        'MEMBER');
 END
 $$;

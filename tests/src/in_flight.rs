@@ -63,9 +63,9 @@ pub async fn settle_and_drain(c: &Client, token: i64) {
         "event 6 waits for 3, the head of its key: {ids:?}"
     );
     // The backoff ends now (for the event and for its key's next look). Keyed events on an
-    // ordered topic are tracked rows.
+    // ordered topic are scheduled rows.
     c.batch_execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() WHERE status = 'WAIT'; \
+        "UPDATE outbox_scheduled SET next_retry_time = now() WHERE status = 'WAIT'; \
          UPDATE outbox_key SET state = 'waiting', due_at = now()",
     )
     .await

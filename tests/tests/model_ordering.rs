@@ -154,7 +154,7 @@ async fn run_case(
         "reset",
         admin
             .batch_execute(
-                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key",
+                "TRUNCATE outbox_scheduled, outbox_stream, outbox_stream_batch, outbox_key",
             )
             .await,
     )?;

@@ -10,12 +10,12 @@
 //!
 //! The model knows where each event lives: a fresh event due now is a stream event (one row in
 //! `outbox_stream`, its claim's lease on the claim's `outbox_stream_batch` row), an event due
-//! later is a tracked row, and a stream event's first failed attempt (nack, lease expired) makes
-//! a tracked copy with the same id that stands for it from then on (the stream row stays until
-//! purge takes both). A claim takes due tracked rows first (oldest due first), then fills the
+//! later is a scheduled row, and a stream event's first failed attempt (nack, lease expired) makes
+//! a scheduled copy with the same id that stands for it from then on (the stream row stays until
+//! purge takes both). A claim takes due scheduled rows first (oldest due first), then fills the
 //! batch from the stream in id order, and returns all its rows in id order. An acked stream event
 //! shows no owner, token or lease; renewing one of a claim's stream events moves the lease of all
-//! of them (it is the claim's). Purge takes tracked SUCCESS rows by age, then stream SUCCESS rows
+//! of them (it is the claim's). Purge takes scheduled SUCCESS rows by age, then stream SUCCESS rows
 //! by age among the oldest (max_rows minus what it deleted) stream rows by id.
 //!
 //! Time is made exact with a virtual clock in units of one hour: every delay the test configures
@@ -142,10 +142,10 @@ impl St {
 
 #[derive(Debug, Clone)]
 struct Row {
-    /// The event's state is a row of outbox_tracked (due later, or a stream event after a failed
+    /// The event's state is a row of outbox_scheduled (due later, or a stream event after a failed
     /// attempt); otherwise the view derives it from the stream row, the cursor and its batch.
-    tracked: bool,
-    /// The event has a row in outbox_stream (fresh unordered; kept under a tracked copy).
+    scheduled: bool,
+    /// The event has a row in outbox_stream (fresh unordered; kept under a scheduled copy).
     in_stream: bool,
     status: St,
     retry: i32,
@@ -282,7 +282,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
         // position is handed out as any new events are.
         s.admin
             .batch_execute(
-                "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key",
+                "TRUNCATE outbox_scheduled, outbox_stream, outbox_stream_batch, outbox_key",
             )
             .await,
     )?;
@@ -318,12 +318,12 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     m.last_id = id;
                     m.all_ids.push(id);
                     if !rollback {
-                        // Due now: the stream; due later: a tracked row.
+                        // Due now: the stream; due later: a scheduled row.
                         let stream = *delay_u == 0;
                         m.rows.insert(
                             id,
                             Row {
-                                tracked: !stream,
+                                scheduled: !stream,
                                 in_stream: stream,
                                 status: St::Wait,
                                 retry: 0,
@@ -345,11 +345,11 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
             Op::Claim { owner, max } => {
                 let name = owner_name(*owner);
                 // The stream in commit (= id) order, leaving up to half of the batch to due
-                // tracked rows, which fill the rest oldest due first.
+                // scheduled rows, which fill the rest oldest due first.
                 let mut due: Vec<(i64, usize, i64)> = m
                     .rows
                     .iter()
-                    .filter(|(_, r)| r.tracked && r.status == St::Wait && r.due_u <= m.now_u)
+                    .filter(|(_, r)| r.scheduled && r.status == St::Wait && r.due_u <= m.now_u)
                     .map(|(id, r)| (r.due_u, r.due_seq, *id))
                     .collect();
                 due.sort();
@@ -358,7 +358,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 let mut expect: Vec<i64> = m
                     .rows
                     .iter()
-                    .filter(|(_, r)| !r.tracked && r.status == St::Wait)
+                    .filter(|(_, r)| !r.scheduled && r.status == St::Wait)
                     .map(|(id, _)| *id)
                     .take(limit - reserved)
                     .collect();
@@ -377,7 +377,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 check!(
                     got == expect,
                     "{ctx}: claimed {got:?}, model expects {expect:?} (the stream by id, then \
-                     tracked oldest due first; returned in id order)"
+                     scheduled oldest due first; returned in id order)"
                 );
                 if let Some(first) = rows.first() {
                     let token: i64 = first.get(3);
@@ -407,7 +407,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     s.covered("claimed", got.len());
                     s.covered(
                         "claimed from the stream",
-                        got.iter().filter(|id| !m.rows[id].tracked).count(),
+                        got.iter().filter(|id| !m.rows[id].scheduled).count(),
                     );
                     m.claims.push(ClaimRec {
                         owner: *owner,
@@ -436,7 +436,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 for id in held {
                     let r = m.rows.get_mut(&id).unwrap();
                     r.status = St::Success;
-                    if r.tracked {
+                    if r.scheduled {
                         // Keeps its owner, token and lease.
                         r.updated_u = m.now_u;
                     } else {
@@ -470,11 +470,11 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 for id in held {
                     let now = m.now_u;
                     let r = m.rows.get_mut(&id).unwrap();
-                    // A stream event's first failed attempt: a tracked copy (retry_count 0 + 1).
-                    if !r.tracked {
+                    // A stream event's first failed attempt: a scheduled copy (retry_count 0 + 1).
+                    if !r.scheduled {
                         s.covered("nacked from the stream", 1);
                     }
-                    r.tracked = true;
+                    r.scheduled = true;
                     r.retry += 1;
                     r.status = if r.retry > MAX_RETRY {
                         St::Fail
@@ -520,16 +520,16 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 // claim still holds.
                 let batches: BTreeSet<i64> = held
                     .iter()
-                    .filter(|id| !m.rows[id].tracked)
+                    .filter(|id| !m.rows[id].scheduled)
                     .filter_map(|id| m.rows[id].token)
                     .collect();
                 s.covered(
                     "renewed from the stream",
-                    held.iter().filter(|id| !m.rows[id].tracked).count(),
+                    held.iter().filter(|id| !m.rows[id].scheduled).count(),
                 );
                 let now = m.now_u;
                 for (id, r) in m.rows.iter_mut() {
-                    let in_batch = !r.tracked
+                    let in_batch = !r.scheduled
                         && r.status == St::Sending
                         && r.token.is_some_and(|t| batches.contains(&t));
                     if held.contains(id) || in_batch {
@@ -564,11 +564,11 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 for id in expired {
                     let now = m.now_u;
                     let r = m.rows.get_mut(&id).unwrap();
-                    // A stream event's first failed attempt: a tracked copy (retry_count 0 + 1).
-                    if !r.tracked {
+                    // A stream event's first failed attempt: a scheduled copy (retry_count 0 + 1).
+                    if !r.scheduled {
                         s.covered("reclaimed from the stream", 1);
                     }
-                    r.tracked = true;
+                    r.scheduled = true;
                     r.retry += 1;
                     r.status = if r.retry > MAX_RETRY {
                         St::Fail
@@ -634,13 +634,13 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
             }
             Op::Purge { older_u, max_rows } => {
                 let max = *max_rows as usize;
-                // Tracked SUCCESS rows by updated_at (a retried stream event's row goes with its
-                // tracked copy, counted once).
+                // Scheduled SUCCESS rows by updated_at (a retried stream event's row goes with its
+                // scheduled copy, counted once).
                 let mut eligible: BTreeSet<i64> = m
                     .rows
                     .iter()
                     .filter(|(_, r)| {
-                        r.tracked
+                        r.scheduled
                             && r.status == St::Success
                             && r.updated_u + *older_u as i64 <= m.now_u
                     })
@@ -648,7 +648,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                     .collect();
                 let mut expect = eligible.len().min(max);
                 if expect < max {
-                    // Every tracked one went (no choice left to the database): then stream
+                    // Every scheduled one went (no choice left to the database): then stream
                     // SUCCESS rows by created_at, among the oldest (max - expect) stream rows by
                     // id that remain (whatever their state, retried ones included).
                     let stream: BTreeSet<i64> = m
@@ -659,7 +659,7 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                         .take(max - expect)
                         .filter(|id| {
                             let r = &m.rows[id];
-                            !r.tracked
+                            !r.scheduled
                                 && r.status == St::Success
                                 && r.created_u + *older_u as i64 <= m.now_u
                         })
@@ -686,13 +686,13 @@ async fn run_case(s: &Sessions, ops: &[Op]) -> R<()> {
                 purge_check = Some((eligible, expect));
             }
             Op::Advance { units } => {
-                // Every timestamp an event has: a tracked row's own, a stream event's creation
+                // Every timestamp an event has: a scheduled row's own, a stream event's creation
                 // time and its claim's lease (on the claim's batch row). One implicit transaction.
                 pg(
                     &ctx,
                     s.admin
                         .batch_execute(&format!(
-                            "UPDATE outbox_tracked SET \
+                            "UPDATE outbox_scheduled SET \
                              next_retry_time = next_retry_time - {units} * interval '1 hour', \
                              claimed_at = claimed_at - {units} * interval '1 hour', \
                              created_at = created_at - {units} * interval '1 hour', \

@@ -161,11 +161,11 @@ async fn relays_lists_each_owner_alive_gone_or_without_heartbeat_and_what_it_hol
     let db = TestDb::create();
     let url = db.url();
     let client = db.connect().await;
-    // relay-live beats and holds 2 events (a tracked row and a stream event), relay-gone said it
+    // relay-live beats and holds 2 events (a scheduled row and a stream event), relay-gone said it
     // stopped and holds 1, a script that never beat holds 1; relay-idle beats and holds nothing.
     for step in [
         "SELECT outbox_enqueue('orders', '{\"n\":1}', deliver_at => now() + interval '1 hour')",
-        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 second'",
+        "UPDATE outbox_scheduled SET next_retry_time = now() - interval '1 second'",
         "SELECT outbox_enqueue('orders', '{\"n\":2}')",
         "SELECT outbox_heartbeat('relay-live', '1 hour'), outbox_heartbeat('relay-idle', '1 hour'), \
                 outbox_heartbeat('relay-gone', '1 hour')",

@@ -232,7 +232,7 @@ async fn two_relays_share_the_work_without_duplicates() {
     assert_eq!(counts["SUCCESS"], n, "{counts:?}");
 
     // Both relays delivered, and their counts add up to the events: each relay's metric is at
-    // least what the database attributes to it (an acked tracked row keeps its claim_owner; an
+    // least what the database attributes to it (an acked scheduled row keeps its claim_owner; an
     // acked stream event keeps no owner, since its row is never rewritten). Polled: the metric
     // moves just after the ack.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -249,7 +249,7 @@ async fn two_relays_share_the_work_without_duplicates() {
     for (r, owner) in relays.iter().zip(["relay-a", "relay-b"]) {
         let acked: i64 = client
             .query_one(
-                "SELECT count(*) FROM outbox_tracked WHERE status = 'SUCCESS' AND claim_owner = $1",
+                "SELECT count(*) FROM outbox_scheduled WHERE status = 'SUCCESS' AND claim_owner = $1",
                 &[&owner],
             )
             .await
@@ -262,7 +262,7 @@ async fn two_relays_share_the_work_without_duplicates() {
             .unwrap_or(0.0);
         assert!(
             published >= acked as f64 && published > 0.0,
-            "{owner} published {published}, the database says it acked {acked} tracked rows: {}",
+            "{owner} published {published}, the database says it acked {acked} scheduled rows: {}",
             r.logs()
         );
         published_total += published;

@@ -178,7 +178,7 @@ async fn live_fails_while_a_claim_loop_is_stuck() {
     let tx = locker.transaction().await.expect("begin");
     // One table, not the outbox_event view: locking the view takes both of its tables in turn,
     // and a claim taking them in the other order is a deadlock (PostgreSQL cancels one side).
-    tx.batch_execute("LOCK TABLE outbox_tracked IN ACCESS EXCLUSIVE MODE")
+    tx.batch_execute("LOCK TABLE outbox_scheduled IN ACCESS EXCLUSIVE MODE")
         .await
         .expect("lock");
     let (status, body) = wait_status(&w, "/live", "503", Duration::from_secs(15));

@@ -274,7 +274,7 @@ async fn events_older_than_the_topic_accepts_become_dead_letters() {
     client
         .batch_execute(
             "UPDATE outbox_stream SET created_at = created_at - interval '1 hour'; \
-             UPDATE outbox_tracked SET created_at = created_at - interval '1 hour'",
+             UPDATE outbox_scheduled SET created_at = created_at - interval '1 hour'",
         )
         .await
         .expect("backdate");

@@ -101,11 +101,11 @@ fn published(relay: &Relay) -> f64 {
     relay.metric("outbox_published_total").unwrap_or(0.0)
 }
 
-/// Tracked rows acked under `owner` (a reclaimed event is a tracked row, which keeps its claim).
+/// Scheduled rows acked under `owner` (a reclaimed event is a scheduled row, which keeps its claim).
 async fn acked_by(client: &tokio_postgres::Client, owner: &str) -> i64 {
     client
         .query_one(
-            "SELECT count(*) FROM outbox_tracked WHERE status = 'SUCCESS' AND claim_owner = $1",
+            "SELECT count(*) FROM outbox_scheduled WHERE status = 'SUCCESS' AND claim_owner = $1",
             &[&owner],
         )
         .await

@@ -29,13 +29,13 @@ fn a_delivery_timeout_property_above_the_lease_is_refused() {
     }
 }
 
-/// Locks the outbox's tracked table in a transaction of the test's own session (every claim reads
+/// Locks the outbox's scheduled table in a transaction of the test's own session (every claim reads
 /// it first, so every round waits); released when the returned transaction is dropped or rolled
 /// back. One table, not the outbox_event view: locking the view takes both of its tables in turn,
 /// and a claim taking them in the other order is a deadlock.
 async fn lock_outbox(client: &mut Client) -> tokio_postgres::Transaction<'_> {
     let tx = client.transaction().await.expect("begin");
-    tx.batch_execute("LOCK TABLE outbox_tracked IN ACCESS EXCLUSIVE MODE")
+    tx.batch_execute("LOCK TABLE outbox_scheduled IN ACCESS EXCLUSIVE MODE")
         .await
         .expect("lock");
     tx

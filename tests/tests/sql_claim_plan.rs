@@ -1,6 +1,6 @@
 //! outbox_claim's plan on EVERY call of a long-lived relay session, not only on a fresh one: a
-//! claim must read about as many rows of outbox_tracked as it returns, however big the backlog has
-//! grown since the last ANALYZE. The backlog is of tracked rows (retries and delayed events,
+//! claim must read about as many rows of outbox_scheduled as it returns, however big the backlog has
+//! grown since the last ANALYZE. The backlog is of scheduled rows (retries and delayed events,
 //! claimed through the status indexes); fresh unordered events are outbox_stream's, handed out by
 //! its cursor, whose claim reads no status index.
 //!
@@ -43,7 +43,7 @@ struct ClaimPlan {
     shape: String,
     /// Planned for unknown parameters: the due scan compares with `$n`, not the call's clock.
     generic: bool,
-    /// Rows the statement read from outbox_tracked, over all scan nodes and loops.
+    /// Rows the statement read from outbox_scheduled, over all scan nodes and loops.
     rows_read: i64,
     /// Shared hit + read blocks of the UPDATE (which includes its children).
     buffers: i64,
@@ -51,21 +51,21 @@ struct ClaimPlan {
     seq_scan_on_events: bool,
 }
 
-/// `history` SUCCESS rows and a due WAIT backlog inserted directly into outbox_tracked (as
+/// `history` SUCCESS rows and a due WAIT backlog inserted directly into outbox_scheduled (as
 /// superuser), then ANALYZE once. Autovacuum is off for the table: no ANALYZE or VACUUM happens
 /// between the claims.
 fn seed(db: &TestDb, history: i32) {
     db.psql(&format!(
-        "ALTER TABLE outbox_tracked SET (autovacuum_enabled = off);
-         INSERT INTO outbox_tracked (topic, payload, status, next_retry_time, created_at, updated_at)
+        "ALTER TABLE outbox_scheduled SET (autovacuum_enabled = off);
+         INSERT INTO outbox_scheduled (topic, payload, status, next_retry_time, created_at, updated_at)
          SELECT 'orders', jsonb_build_object('n', g, 'pad', repeat('x', 200)), 'SUCCESS',
                 now() - interval '2 days', now() - interval '2 days', now() - interval '2 days'
            FROM generate_series(1, {history}) g;
-         INSERT INTO outbox_tracked (topic, payload, status, next_retry_time)
+         INSERT INTO outbox_scheduled (topic, payload, status, next_retry_time)
          SELECT 'orders', jsonb_build_object('n', g), 'WAIT', now() - interval '1 hour'
            FROM generate_series(1, {BACKLOG}) g;"
     ));
-    db.psql("VACUUM ANALYZE outbox_tracked");
+    db.psql("VACUUM ANALYZE outbox_scheduled");
 }
 
 /// A test database with `history` SUCCESS rows and the analyzed backlog.
@@ -75,7 +75,7 @@ fn queue_db(history: i32) -> TestDb {
     db
 }
 
-/// Grows the tracked backlog through the API: events with a deliver_at are tracked rows, and one
+/// Grows the scheduled backlog through the API: events with a deliver_at are scheduled rows, and one
 /// millisecond ahead they are due by the next claim (an event due now would go to the stream).
 async fn enqueue(c: &Client, n: i32) {
     c.execute(
@@ -118,9 +118,9 @@ async fn claim_and_explain(c: &Client, notices: &Notices) -> ClaimPlan {
         "the backlog always holds a batch"
     );
     // Notices precede the statement's result on the wire, so they are all queued by now.
-    // The claim's UPDATE of outbox_tracked (the stream's part writes other tables).
+    // The claim's UPDATE of outbox_scheduled (the stream's part writes other tables).
     let is_update =
-        |n: &Value| n["Node Type"] == "ModifyTable" && n["Relation Name"] == "outbox_tracked";
+        |n: &Value| n["Node Type"] == "ModifyTable" && n["Relation Name"] == "outbox_scheduled";
     let mut claim = None;
     for text in std::mem::take(&mut *notices.lock().unwrap()) {
         let Some(json) = text.find('{').map(|at| &text[at..]) else {
@@ -140,7 +140,7 @@ async fn claim_and_explain(c: &Client, notices: &Notices) -> ClaimPlan {
             .map(shape)
             .collect(),
         generic: find_node(&statement, &|n| {
-            n["Index Name"] == "outbox_tracked_wait_due_idx"
+            n["Index Name"] == "outbox_scheduled_wait_due_idx"
                 && n["Index Cond"].as_str().is_some_and(|c| c.contains('$'))
         })
         .is_some(),
@@ -148,7 +148,7 @@ async fn claim_and_explain(c: &Client, notices: &Notices) -> ClaimPlan {
         buffers: field("Shared Hit Blocks") + field("Shared Read Blocks"),
         temp_blocks: field("Temp Read Blocks") + field("Temp Written Blocks"),
         seq_scan_on_events: find_node(&statement, &|n| {
-            n["Node Type"] == "Seq Scan" && n["Relation Name"] == "outbox_tracked"
+            n["Node Type"] == "Seq Scan" && n["Relation Name"] == "outbox_scheduled"
         })
         .is_some(),
     }
@@ -165,7 +165,7 @@ fn find_node<'a>(node: &'a Value, pred: &dyn Fn(&Value) -> bool) -> Option<&'a V
     children(node).find_map(|c| find_node(c, pred))
 }
 
-/// The plan tree in one line, e.g. `Hash Join(CTE Scan due, Hash(Seq Scan outbox_tracked))`.
+/// The plan tree in one line, e.g. `Hash Join(CTE Scan due, Hash(Seq Scan outbox_scheduled))`.
 fn shape(node: &Value) -> String {
     let mut s = node["Node Type"].as_str().unwrap_or("?").to_string();
     if let Some(name) = ["Index Name", "Relation Name", "CTE Name"]
@@ -182,13 +182,13 @@ fn shape(node: &Value) -> String {
     }
 }
 
-/// Rows every scan of outbox_tracked produced or filtered away, times its loops.
+/// Rows every scan of outbox_scheduled produced or filtered away, times its loops.
 fn rows_read(node: &Value) -> i64 {
     let n = |key: &str| node[key].as_i64().unwrap_or(0);
     let scan = node["Node Type"]
         .as_str()
         .is_some_and(|t| t.ends_with("Scan"));
-    let own = if scan && node["Relation Name"] == "outbox_tracked" {
+    let own = if scan && node["Relation Name"] == "outbox_scheduled" {
         (n("Actual Rows") + n("Rows Removed by Filter") + n("Rows Removed by Index Recheck"))
             * n("Actual Loops")
     } else {
@@ -283,8 +283,8 @@ async fn claims_read_rows_in_proportion_to_the_batch_with_a_short_history() {
     claims_stay_proportional(20_000).await;
 }
 
-/// The scans of outbox_tracked below the UPDATE of the first statement `notices` reported that
-/// updates outbox_tracked (ack, nack, renew and release settle tracked rows through one such
+/// The scans of outbox_scheduled below the UPDATE of the first statement `notices` reported that
+/// updates outbox_scheduled (ack, nack, renew and release settle scheduled rows through one such
 /// UPDATE).
 fn settle_scans(notices: &Notices) -> Vec<String> {
     for text in std::mem::take(&mut *notices.lock().unwrap()) {
@@ -293,18 +293,18 @@ fn settle_scans(notices: &Notices) -> Vec<String> {
         };
         let explain: Value = serde_json::from_str(json).unwrap();
         let is_update =
-            |n: &Value| n["Node Type"] == "ModifyTable" && n["Relation Name"] == "outbox_tracked";
+            |n: &Value| n["Node Type"] == "ModifyTable" && n["Relation Name"] == "outbox_scheduled";
         if let Some(update) = find_node(&explain["Plan"], &is_update) {
             let mut scans = Vec::new();
             collect_scans(update, &mut scans);
             return scans;
         }
     }
-    panic!("auto_explain reported no UPDATE of outbox_tracked");
+    panic!("auto_explain reported no UPDATE of outbox_scheduled");
 }
 
 fn collect_scans(node: &Value, out: &mut Vec<String>) {
-    if node["Relation Name"] == "outbox_tracked" && node["Node Type"] != "ModifyTable" {
+    if node["Relation Name"] == "outbox_scheduled" && node["Node Type"] != "ModifyTable" {
         out.push(shape(node));
     }
     children(node).for_each(|c| collect_scans(c, out));
@@ -342,12 +342,12 @@ async fn settles_lock_rows_through_the_primary_key() {
         "SELECT count(*) FROM outbox_ack_returning('relay', $1, $2)",
     ];
     let check = |what: String, scans: Vec<String>| {
-        assert!(!scans.is_empty(), "{what}: no scan of outbox_tracked");
+        assert!(!scans.is_empty(), "{what}: no scan of outbox_scheduled");
         for scan in scans {
-            assert_eq!(scan, "Index Scan outbox_tracked_pkey", "{what}");
+            assert_eq!(scan, "Index Scan outbox_scheduled_pkey", "{what}");
         }
     };
-    let analyze = || relay.batch_execute("ANALYZE outbox_tracked");
+    let analyze = || relay.batch_execute("ANALYZE outbox_scheduled");
     // Each kind on 250 ids of its own batch, first with the seed's statistics (no SENDING row),
     // then with fresh ones (20,000 SENDING rows); the rest of the batch is acked.
     for (stats, range) in [("no SENDING row", 0..250), ("20,000 SENDING", 250..500)] {

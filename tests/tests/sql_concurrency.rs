@@ -91,7 +91,7 @@ async fn a_claimer_skips_rows_locked_by_another_instead_of_waiting() {
         .await
         .unwrap());
     assert_eq!(first, vec![1, 2]);
-    // ... and four that were due a moment later (tracked rows, claimed row by row, SKIP LOCKED).
+    // ... and four that were due a moment later (scheduled rows, claimed row by row, SKIP LOCKED).
     b.execute(
         "SELECT outbox_enqueue('orders', '{}', key => 'k' || g,
                                deliver_at => clock_timestamp() + interval '100 milliseconds')
@@ -101,7 +101,7 @@ async fn a_claimer_skips_rows_locked_by_another_instead_of_waiting() {
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(150)).await;
-    // While a's claim is uncommitted, b gets the tracked events without waiting for their rows.
+    // While a's claim is uncommitted, b gets the scheduled events without waiting for their rows.
     // The stream's read position is a's until it commits: b waits for it at most a second,
     // then returns without stream events (lock_timeout would end a longer wait with an error).
     b.batch_execute("SET lock_timeout = '3s'").await.unwrap();

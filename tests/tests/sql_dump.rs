@@ -56,7 +56,7 @@ fn restore(source: &TestDb, file: &std::path::Path, single_transaction: bool) ->
 async fn dump_and_restore_keep_owed_events_and_sequences() {
     let source = TestDb::create();
     let c = source.connect().await;
-    // Events due a moment later: tracked rows, whose status can be set by hand.
+    // Events due a moment later: scheduled rows, whose status can be set by hand.
     c.batch_execute(
         "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), key => 'k' || g,
                                deliver_at => clock_timestamp() + interval '100 milliseconds')
@@ -67,7 +67,7 @@ async fn dump_and_restore_keep_owed_events_and_sequences() {
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     c.batch_execute(
         "SELECT * FROM outbox_claim('relay-a', 2);
-         UPDATE outbox_tracked SET status = 'FAIL' WHERE id = 5;",
+         UPDATE outbox_scheduled SET status = 'FAIL' WHERE id = 5;",
     )
     .await
     .unwrap();
@@ -140,7 +140,7 @@ async fn stream_events_still_owed_survive_a_restore() {
     for single_transaction in [false, true] {
         let source = TestDb::create();
         let c = source.connect().await;
-        // 1, 2 delivered; 3 released (a tracked copy, due now); 4 held by a claim; 5, 6 waiting.
+        // 1, 2 delivered; 3 released (a scheduled copy, due now); 4 held by a claim; 5, 6 waiting.
         c.batch_execute("SELECT outbox_enqueue('orders', jsonb_build_object('n', g)) FROM generate_series(1, 6) g")
             .await
             .unwrap();
@@ -247,7 +247,7 @@ async fn a_cursor_ahead_of_the_cluster_is_rebased_without_losing_events() {
     .unwrap();
     let fresh: i64 = scalar(&c, "SELECT outbox_enqueue('orders', '{}')", &[]).await;
     assert_eq!(fresh, 5);
-    // The claim that notices rebases; the owed events are tracked rows from then on.
+    // The claim that notices rebases; the owed events are scheduled rows from then on.
     let first = ids(c
         .query("SELECT id FROM outbox_claim('relay-b', 10)", &[])
         .await

@@ -313,9 +313,9 @@ async fn until_blocked_or_done(watch: &Client, pid: i32, done: impl Fn() -> bool
 async fn reclaim_and_ack_never_deadlock() {
     let db = TestDb::create();
     let setup = db.connect().await;
-    // Rows with a lease each, which ack and reclaim lock one by one: tracked rows. A fresh
+    // Rows with a lease each, which ack and reclaim lock one by one: scheduled rows. A fresh
     // unordered event is a stream row (one batch row per claim); handed back once by a relay
-    // (release, no attempt counted) it is a tracked row, as any retried event is.
+    // (release, no attempt counted) it is a scheduled row, as any retried event is.
     setup
         .batch_execute("SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 2003)")
         .await
@@ -346,9 +346,9 @@ async fn reclaim_and_ack_never_deadlock() {
     // primary key (id order), the old reclaim by the lease index (claimed_at order).
     setup
         .batch_execute(
-            "UPDATE outbox_tracked SET claimed_at = now() - interval '30 min' WHERE id = 3;
-             UPDATE outbox_tracked SET claimed_at = now() - interval '20 min' WHERE id = 1;
-             UPDATE outbox_tracked SET claimed_at = now() - interval '10 min' WHERE id = 2;",
+            "UPDATE outbox_scheduled SET claimed_at = now() - interval '30 min' WHERE id = 3;
+             UPDATE outbox_scheduled SET claimed_at = now() - interval '20 min' WHERE id = 1;
+             UPDATE outbox_scheduled SET claimed_at = now() - interval '10 min' WHERE id = 2;",
         )
         .await
         .unwrap();
@@ -356,12 +356,15 @@ async fn reclaim_and_ack_never_deadlock() {
         .batch_execute("SELECT count(*) FROM outbox_claim('relay-b', 2000)")
         .await
         .unwrap();
-    setup.batch_execute("ANALYZE outbox_tracked").await.unwrap();
+    setup
+        .batch_execute("ANALYZE outbox_scheduled")
+        .await
+        .unwrap();
 
     // A third session holds row 2 so that the ack stops between its rows.
     let blocker = db.connect().await;
     blocker
-        .batch_execute("BEGIN; SELECT 1 FROM outbox_tracked WHERE id = 2 FOR UPDATE")
+        .batch_execute("BEGIN; SELECT 1 FROM outbox_scheduled WHERE id = 2 FOR UPDATE")
         .await
         .unwrap();
     let acker = db.connect().await;
@@ -412,7 +415,7 @@ async fn purge_reads(c: &Client, call: &str) -> (i64, i64, i64) {
         .query_one(
             "SELECT coalesce(sum(seq_tup_read), 0)::bigint, coalesce(sum(idx_tup_fetch), 0)::bigint \
                FROM pg_stat_xact_user_tables \
-              WHERE relid IN ('outbox_tracked'::regclass, 'outbox_stream'::regclass)",
+              WHERE relid IN ('outbox_scheduled'::regclass, 'outbox_stream'::regclass)",
             &[],
         )
         .await
@@ -425,17 +428,17 @@ async fn purge_reads(c: &Client, call: &str) -> (i64, i64, i64) {
 async fn purge_reads_only_the_rows_it_deletes() {
     let db = TestDb::create();
     let c = db.connect().await;
-    // A history of tracked rows (delayed events, set SUCCESS by hand): the rows whose state
+    // A history of scheduled rows (delayed events, set SUCCESS by hand): the rows whose state
     // changes, read through the SUCCESS index by age.
     c.batch_execute(
         "SELECT outbox_enqueue('orders', jsonb_build_object('n', g), deliver_at => now() + interval '1 day')
            FROM generate_series(1, 20000) g;
-         UPDATE outbox_tracked SET status = 'SUCCESS', updated_at = now() - interval '1 hour';
-         UPDATE outbox_tracked SET updated_at = now() - interval '8 days' WHERE id <= 100;",
+         UPDATE outbox_scheduled SET status = 'SUCCESS', updated_at = now() - interval '1 hour';
+         UPDATE outbox_scheduled SET updated_at = now() - interval '8 days' WHERE id <= 100;",
     )
     .await
     .unwrap();
-    c.batch_execute("VACUUM ANALYZE outbox_tracked, outbox_stream")
+    c.batch_execute("VACUUM ANALYZE outbox_scheduled, outbox_stream")
         .await
         .unwrap();
     // A new session: pg_stat_xact_* also shows a backend's not yet flushed counts of earlier
@@ -516,9 +519,9 @@ async fn truncate_restart_identity_never_reissues_an_event_id() {
     let db = TestDb::create();
     let c = db.connect().await;
     let first: Vec<(i64, String)> = enqueue_and_read(&c, 3).await;
-    // The id sequence belongs to outbox_tracked.id: RESTART IDENTITY resets it with that table.
+    // The id sequence belongs to outbox_scheduled.id: RESTART IDENTITY resets it with that table.
     c.batch_execute(
-        "TRUNCATE outbox_tracked, outbox_stream, outbox_stream_batch, outbox_key RESTART IDENTITY",
+        "TRUNCATE outbox_scheduled, outbox_stream, outbox_stream_batch, outbox_key RESTART IDENTITY",
     )
     .await
     .unwrap();

@@ -793,17 +793,20 @@ async fn bad_input_and_helpers(api: &mut Api<'_>) {
             "'5'::xid8, 1::bigint, pg_current_snapshot(), pg_current_snapshot(), 1::bigint",
         ),
         ("outbox_stream_take", "'relay-h', 424242, now(), 10"),
-        ("outbox_claim_tracked", "'relay-h', 424243, now(), 10"),
+        ("outbox_claim_scheduled", "'relay-h', 424243, now(), 10"),
         (
             "outbox_key_next",
             "false, true, 'WAIT', now(), NULL, now(), now(), '1 minute'",
         ),
         ("outbox_stream_settle", "'relay-h', 424242, '{1}'"),
-        ("outbox_keys_track", "'{1}', now()"),
+        ("outbox_keys_wait", "'{1}', now()"),
         ("outbox_keys_wake", "'{orders}', '{k-1}', now()"),
         ("outbox_keys_drop_idle", "'{orders}', '{k-1}', false"),
         ("outbox_key_run", "'orders', 'k-1', false, false, now(), 10"),
-        ("outbox_stream_track", "'{}', 'WAIT', 0, now(), NULL, now()"),
+        (
+            "outbox_stream_schedule",
+            "'{}', 'WAIT', 0, now(), NULL, now()",
+        ),
         ("outbox_stream_rebase", "'(1,1:1:,1:1:,0,,0,0,0)'"),
         ("outbox_stream_lock", ""),
         (

@@ -61,20 +61,20 @@ async fn poll<T: tokio_postgres::types::FromSqlOwned>(
     }
 }
 
-/// Makes a WAIT row due now, as if its backoff had elapsed. Only tracked rows (retried, delayed,
+/// Makes a WAIT row due now, as if its backoff had elapsed. Only scheduled rows (retried, delayed,
 /// ordered events) have a next_retry_time: a fresh unordered event is a stream row, always due.
 async fn make_due(c: &Client, id: i64) {
     c.execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 second' WHERE id = $1",
+        "UPDATE outbox_scheduled SET next_retry_time = now() - interval '1 second' WHERE id = $1",
         &[&id],
     )
     .await
     .unwrap();
 }
 
-/// Enqueues an unordered event as a tracked row, due now: delivered later, then made due. Such a
+/// Enqueues an unordered event as a scheduled row, due now: delivered later, then made due. Such a
 /// row has a next_retry_time of its own, as a retried event has (a fresh one is a stream row).
-async fn enqueue_tracked(c: &Client, topic: &str) -> i64 {
+async fn enqueue_scheduled(c: &Client, topic: &str) -> i64 {
     let id = scalar(
         c,
         "SELECT outbox_enqueue($1, '{\"n\":1}'::jsonb, deliver_at => now() + interval '1 hour')",
@@ -85,11 +85,11 @@ async fn enqueue_tracked(c: &Client, topic: &str) -> i64 {
     id
 }
 
-/// Ages the lease `id` is held under by `age`: a tracked row's own claimed_at, or the batch row of
+/// Ages the lease `id` is held under by `age`: a scheduled row's own claimed_at, or the batch row of
 /// the claim that handed out a stream event (one lease for that claim's stream events).
 async fn age_lease(c: &Client, id: i64, age: &str) {
     for sql in [
-        "UPDATE outbox_tracked SET claimed_at = clock_timestamp() - $2::text::interval WHERE id = $1",
+        "UPDATE outbox_scheduled SET claimed_at = clock_timestamp() - $2::text::interval WHERE id = $1",
         "UPDATE outbox_stream_batch SET claimed_at = clock_timestamp() - $2::text::interval \
          WHERE $1 = ANY (pending)",
     ] {
@@ -148,11 +148,11 @@ async fn claim_takes_oldest_due_rows_first_and_stamps_the_lease() {
     for _ in 0..4 {
         ids.push(enqueue(&c, "orders").await);
     }
-    ids.push(enqueue_tracked(&c, "orders").await);
+    ids.push(enqueue_scheduled(&c, "orders").await);
     // The newest row is made the oldest due one: the claim picks by next_retry_time, not id, and
-    // returns its rows in id (publish) order. (A row with a next_retry_time: a tracked one.)
+    // returns its rows in id (publish) order. (A row with a next_retry_time: a scheduled one.)
     c.execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 hour' WHERE id = $1",
+        "UPDATE outbox_scheduled SET next_retry_time = now() - interval '1 hour' WHERE id = $1",
         &[&ids[4]],
     )
     .await
@@ -273,18 +273,18 @@ async fn ack_returning(c: &Client, owner: &str, token: i64, ids: &[i64]) -> Vec<
 
 /// `outbox_ack_returning` returns exactly the ids it settled (what the relay counts as
 /// published): none under another owner or an old token, none reclaimed from under its holder,
-/// none already acked; tracked rows and stream events alike. `outbox_ack` is its count.
+/// none already acked; scheduled rows and stream events alike. `outbox_ack` is its count.
 #[tokio::test]
 async fn ack_returning_returns_only_the_ids_it_settled_under_its_owner_and_token() {
     let db = TestDb::create();
     let c = db.connect().await;
-    let tracked = enqueue_tracked(&c, "orders").await;
-    let reclaimed = enqueue_tracked(&c, "orders").await;
+    let scheduled = enqueue_scheduled(&c, "orders").await;
+    let reclaimed = enqueue_scheduled(&c, "orders").await;
     let stream = enqueue(&c, "orders").await;
     let (token, ids) = claim(&c, "relay-a", 10).await;
     let token = token.unwrap();
     assert_eq!(ids.len(), 3);
-    let all = [tracked, reclaimed, stream, 999_999];
+    let all = [scheduled, reclaimed, stream, 999_999];
 
     assert_eq!(
         ack_returning(&c, "relay-b", token, &all).await,
@@ -294,7 +294,7 @@ async fn ack_returning_returns_only_the_ids_it_settled_under_its_owner_and_token
         ack_returning(&c, "relay-a", token - 1, &all).await,
         Vec::<i64>::new()
     );
-    for id in [tracked, reclaimed, stream] {
+    for id in [scheduled, reclaimed, stream] {
         assert_eq!(status_of(&c, id).await.0, "SENDING", "event {id}");
     }
 
@@ -307,7 +307,7 @@ async fn ack_returning_returns_only_the_ids_it_settled_under_its_owner_and_token
 
     assert_eq!(
         ack_returning(&c, "relay-a", token, &all).await,
-        vec![tracked, stream]
+        vec![scheduled, stream]
     );
     assert_eq!(
         ack_returning(&c, "relay-a", token, &all).await,
@@ -495,13 +495,13 @@ async fn renew_extends_the_lease_of_held_rows() {
 async fn reclaim_uses_claimed_at_not_next_retry_time_and_counts_an_attempt() {
     let db = TestDb::create();
     let c = db.connect().await;
-    // `fresh` has a next_retry_time of its own (a tracked row); `stale` is a stream event.
-    let fresh = enqueue_tracked(&c, "orders").await;
+    // `fresh` has a next_retry_time of its own (a scheduled row); `stale` is a stream event.
+    let fresh = enqueue_scheduled(&c, "orders").await;
     let stale = enqueue(&c, "orders").await;
     assert_eq!(claim(&c, "relay-a", 10).await.1.len(), 2);
     // `fresh` was due long ago but its lease is new; `stale` holds a lease older than 10 minutes.
     c.execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() - interval '1 day' WHERE id = $1",
+        "UPDATE outbox_scheduled SET next_retry_time = now() - interval '1 day' WHERE id = $1",
         &[&fresh],
     )
     .await
@@ -536,7 +536,7 @@ async fn reclaim_dead_letters_an_event_that_keeps_losing_its_lease() {
     for round in 1..=4 {
         let (_, got) = claim(&c, "crashy", 1).await;
         assert_eq!(got, vec![id]);
-        // The first claim's lease is its batch's (a stream event), later ones the tracked copy's.
+        // The first claim's lease is its batch's (a stream event), later ones the scheduled copy's.
         age_lease(&c, id, "1 hour").await;
         let n: i32 = scalar(&c, "SELECT outbox_reclaim('1 minute')", &[]).await;
         assert_eq!(n, 1);
@@ -552,11 +552,11 @@ async fn nack_and_reclaim_returning_report_each_settled_row_and_its_dead_letters
     let db = TestDb::create();
     let c = db.connect().await;
     c.batch_execute("SET outbox.max_retry = 1").await.unwrap();
-    // Tracked rows (only they have a retry_count of their own to set).
-    let fresh = enqueue_tracked(&c, "orders").await;
-    let tired = enqueue_tracked(&c, "payments").await;
+    // Scheduled rows (only they have a retry_count of their own to set).
+    let fresh = enqueue_scheduled(&c, "orders").await;
+    let tired = enqueue_scheduled(&c, "payments").await;
     c.execute(
-        "UPDATE outbox_tracked SET retry_count = 1 WHERE id = $1",
+        "UPDATE outbox_scheduled SET retry_count = 1 WHERE id = $1",
         &[&tired],
     )
     .await
@@ -592,7 +592,7 @@ async fn nack_and_reclaim_returning_report_each_settled_row_and_its_dead_letters
     assert!(again.is_empty());
 
     c.execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() WHERE id = $1",
+        "UPDATE outbox_scheduled SET next_retry_time = now() WHERE id = $1",
         &[&fresh],
     )
     .await
@@ -685,7 +685,7 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
         .await
         .unwrap();
     // Every other state, all of them old: a dead letter (its only attempt failed, max_retry 0),
-    // a held event and a waiting one. Old: a tracked row by its updated_at, a stream row (never
+    // a held event and a waiting one. Old: a scheduled row by its updated_at, a stream row (never
     // rewritten) by its created_at.
     c.batch_execute(
         "SELECT outbox_enqueue('orders', '{}') FROM generate_series(1, 3); \
@@ -704,7 +704,7 @@ async fn purge_deletes_old_success_rows_only_and_is_bounded() {
     assert_eq!(claim(&c, "x", 1).await.1.len(), 1);
     c.batch_execute(
         "RESET outbox.max_retry; \
-         UPDATE outbox_tracked SET updated_at = now() - interval '30 days'; \
+         UPDATE outbox_scheduled SET updated_at = now() - interval '30 days'; \
          UPDATE outbox_stream SET created_at = now() - interval '30 days'",
     )
     .await
@@ -803,10 +803,10 @@ async fn stats_count_every_state_and_report_ages() {
     .await
     .unwrap();
     c.batch_execute("RESET outbox.max_retry").await.unwrap();
-    // The due WAIT events waited 90 s: a tracked row by its next_retry_time, a stream event (due
+    // The due WAIT events waited 90 s: a scheduled row by its next_retry_time, a stream event (due
     // since its enqueue) by its created_at.
     c.batch_execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() - interval '90 seconds' WHERE status = 'WAIT' \
+        "UPDATE outbox_scheduled SET next_retry_time = now() - interval '90 seconds' WHERE status = 'WAIT' \
          AND next_retry_time <= now(); \
          UPDATE outbox_stream SET created_at = now() - interval '90 seconds' \
           WHERE id IN (SELECT id FROM outbox_event WHERE status = 'WAIT' AND next_retry_time <= now())",
@@ -883,7 +883,7 @@ async fn buffers_read(c: &Client, sql: &str) -> i64 {
 }
 
 /// Past 8 MB outbox_stats estimates the delivered history (SUCCESS) from the planner's statistics
-/// instead of counting it, also when a table was never analyzed (reltuples -1): here the tracked
+/// instead of counting it, also when a table was never analyzed (reltuples -1): here the scheduled
 /// table, which never holds a row while no key is busy and nothing fails. Before 0.10.0 that one
 /// table sent every call to the exact count, which read the whole stream: a relay calls it every
 /// 5 s, and the 10-minute bench's once-a-second sampler ended up using most of a core.
@@ -893,13 +893,16 @@ async fn stats_estimate_the_history_past_8_mb_even_with_a_table_never_analyzed()
     let c = db.connect().await;
     let total = deliver_history(&c).await;
     c.batch_execute("ANALYZE outbox_stream").await.unwrap();
-    let tracked_tuples: f32 = scalar(
+    let scheduled_tuples: f32 = scalar(
         &c,
-        "SELECT reltuples FROM pg_class WHERE oid = 'outbox_tracked'::regclass",
+        "SELECT reltuples FROM pg_class WHERE oid = 'outbox_scheduled'::regclass",
         &[],
     )
     .await;
-    assert_eq!(tracked_tuples, -1.0, "the tracked table was never analyzed");
+    assert_eq!(
+        scheduled_tuples, -1.0,
+        "the scheduled table was never analyzed"
+    );
     let stream_pages: i64 =
         scalar(&c, "SELECT pg_relation_size('outbox_stream') / 8192", &[]).await;
     assert!(
@@ -961,7 +964,7 @@ async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_back
     .await
     .unwrap();
     assert_eq!(settle_all(&c, "nack").await, backoff + keys);
-    c.batch_execute("ANALYZE outbox_stream; ANALYZE outbox_tracked; ANALYZE outbox_key")
+    c.batch_execute("ANALYZE outbox_stream; ANALYZE outbox_scheduled; ANALYZE outbox_key")
         .await
         .unwrap();
     let (stream_pages, waiting_keys): (i64, i64) = {
@@ -1008,7 +1011,7 @@ async fn a_look_at_the_queue_costs_a_few_pages_whatever_the_history_and_the_back
         assert_eq!(due, expected, "a key due at {due_at}");
     }
     c.execute(
-        "UPDATE outbox_tracked SET next_retry_time = now() WHERE id = (SELECT min(id) FROM outbox_tracked WHERE NOT ordered)",
+        "UPDATE outbox_scheduled SET next_retry_time = now() WHERE id = (SELECT min(id) FROM outbox_scheduled WHERE NOT ordered)",
         &[],
     )
     .await
@@ -1203,8 +1206,8 @@ async fn reclaim_10_minutes(c: &Client) -> Vec<(i64, String, i32, Option<String>
 async fn a_claim_whose_owner_stopped_beating_is_reclaimed_long_before_its_lease() {
     let db = TestDb::create();
     let c = db.connect().await;
-    // A tracked row, an unordered stream event and an ordered one: every kind a claim holds.
-    let tracked = enqueue_tracked(&c, "orders").await;
+    // A scheduled row, an unordered stream event and an ordered one: every kind a claim holds.
+    let scheduled = enqueue_scheduled(&c, "orders").await;
     let stream = enqueue(&c, "orders").await;
     let keyed: i64 = scalar(
         &c,
@@ -1216,7 +1219,7 @@ async fn a_claim_whose_owner_stopped_beating_is_reclaimed_long_before_its_lease(
     heartbeat(&c, "relay-live", "1 second").await;
     let (dead_token, mut held) = claim(&c, "relay-dead", 10).await;
     held.sort();
-    assert_eq!(held, vec![tracked, stream, keyed]);
+    assert_eq!(held, vec![scheduled, stream, keyed]);
     let other = enqueue(&c, "orders").await;
     assert_eq!(claim(&c, "relay-live", 10).await.1, vec![other]);
 
@@ -1229,7 +1232,7 @@ async fn a_claim_whose_owner_stopped_beating_is_reclaimed_long_before_its_lease(
     assert_eq!(
         reclaim_10_minutes(&c).await,
         vec![
-            (tracked, "WAIT".into(), 1, dead.clone()),
+            (scheduled, "WAIT".into(), 1, dead.clone()),
             (stream, "WAIT".into(), 1, dead.clone()),
             (keyed, "WAIT".into(), 1, dead.clone()),
         ],
@@ -1345,7 +1348,7 @@ async fn reclaim_forgets_owners_gone_longer_than_the_lease_and_bad_heartbeats_ar
 }
 
 /// A claimer whose claim's reply was lost releases what it holds under tokens it does not know:
-/// tracked and stream events alike go back to WAIT, no attempt counted, with a last_error that
+/// scheduled and stream events alike go back to WAIT, no attempt counted, with a last_error that
 /// says why; the claims it keeps and other owners' claims stay as they are.
 #[tokio::test]
 async fn release_orphans_gives_back_only_the_claims_its_owner_does_not_keep() {
@@ -1354,9 +1357,9 @@ async fn release_orphans_gives_back_only_the_claims_its_owner_does_not_keep() {
     let lost_stream = enqueue(&c, "orders").await;
     let (lost_token, ids) = claim(&c, "relay-a", 10).await;
     assert_eq!(ids, [lost_stream]);
-    let lost_tracked = enqueue_tracked(&c, "orders").await;
+    let lost_scheduled = enqueue_scheduled(&c, "orders").await;
     let (_, ids) = claim(&c, "relay-a", 10).await;
-    assert_eq!(ids, [lost_tracked]);
+    assert_eq!(ids, [lost_scheduled]);
     let kept = enqueue(&c, "orders").await;
     let (kept_token, ids) = claim(&c, "relay-a", 10).await;
     assert_eq!(ids, [kept]);
@@ -1372,7 +1375,7 @@ async fn release_orphans_gives_back_only_the_claims_its_owner_does_not_keep() {
     )
     .await;
     assert_eq!(released, 2);
-    for id in [lost_stream, lost_tracked] {
+    for id in [lost_stream, lost_scheduled] {
         assert_eq!(
             status_of(&c, id).await,
             ("WAIT".into(), 0, None),
@@ -1407,7 +1410,7 @@ async fn release_orphans_gives_back_only_the_claims_its_owner_does_not_keep() {
     let (_, ids) = claim(&c, "relay-c", 10).await;
     assert_eq!(
         ids,
-        [lost_stream, lost_tracked],
+        [lost_stream, lost_scheduled],
         "the released events are claimable"
     );
 }

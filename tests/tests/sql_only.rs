@@ -142,7 +142,7 @@ async fn an_upgrade_step_is_the_native_step_reused() {
              -- native-only begin\n\
              CREATE FUNCTION @extschema@.\"outbox_fake\"() RETURNS int STRICT LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_fake_wrapper';\n\
              -- native-only end\n\
-             COMMENT ON TABLE @extschema@.outbox_tracked IS 'after {next}';\n"
+             COMMENT ON TABLE @extschema@.outbox_scheduled IS 'after {next}';\n"
         ),
     )
     .unwrap();
@@ -190,7 +190,7 @@ async fn an_upgrade_step_is_the_native_step_reused() {
     let c = db.connect().await;
     let r = c
         .query_one(
-            "SELECT outbox_sql_only_version(), outbox_fake(), obj_description('outbox_tracked'::regclass, 'pg_class')",
+            "SELECT outbox_sql_only_version(), outbox_fake(), obj_description('outbox_scheduled'::regclass, 'pg_class')",
             &[],
         )
         .await
@@ -217,7 +217,7 @@ async fn an_upgrade_step_is_the_native_step_reused() {
     // What would break outside an extension is refused at generation.
     std::fs::write(
         repo.join("sql").join(&step),
-        "SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_tracked', '');\n",
+        "SELECT pg_catalog.pg_extension_config_dump('@extschema@.outbox_scheduled', '');\n",
     )
     .unwrap();
     let out = generate(&repo, &repo.join("out2"));

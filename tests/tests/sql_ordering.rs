@@ -358,7 +358,7 @@ async fn an_idle_key_row_is_deleted_and_producers_never_need_it() {
     let c = db.connect().await;
     let producer = db.connect().await;
     let e1 = enqueue(&c, "k").await;
-    // Released once, the key's events live in outbox_tracked behind a key row.
+    // Released once, the key's events live in outbox_scheduled behind a key row.
     let (ids, token) = claim(&c, "relay-a", 10).await;
     assert_eq!(ids, [e1]);
     assert_eq!(
@@ -459,7 +459,7 @@ async fn an_event_committed_first_goes_out_first_though_its_transaction_started_
 }
 
 /// While a claim holds events of a key, a second claim hands out none of its later events: they
-/// wait as tracked rows, and go out, in order, as soon as the first claim is settled.
+/// wait as scheduled rows, and go out, in order, as soon as the first claim is settled.
 #[tokio::test]
 async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
     let db = TestDb::create();
@@ -473,7 +473,7 @@ async fn later_events_of_a_key_in_flight_wait_until_its_claim_is_settled() {
     assert_eq!(ids2, [free], "key k is busy in relay-a's claim");
     let waiting: Vec<(i64, String)> = c
         .query(
-            "SELECT id, status::text FROM outbox_tracked ORDER BY id",
+            "SELECT id, status::text FROM outbox_scheduled ORDER BY id",
             &[],
         )
         .await

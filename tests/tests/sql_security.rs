@@ -22,7 +22,7 @@ async fn each_role_can_do_exactly_its_part() {
         "SELECT * FROM outbox_claim('p', 1)",
         "SELECT * FROM outbox_stats()",
         "SELECT outbox_requeue('{1}')",
-        "UPDATE outbox_tracked SET status = 'FAIL'",
+        "UPDATE outbox_scheduled SET status = 'FAIL'",
         "DELETE FROM outbox_stream",
     ] {
         assert_eq!(
@@ -159,7 +159,7 @@ async fn a_hostile_search_path_changes_nothing() {
         r#"
         CREATE SCHEMA evil;
         CREATE TABLE evil.outbox_event (LIKE public.outbox_event);
-        CREATE TABLE evil.outbox_tracked (LIKE public.outbox_tracked);
+        CREATE TABLE evil.outbox_scheduled (LIKE public.outbox_scheduled);
         CREATE TABLE evil.outbox_stream (LIKE public.outbox_stream);
         CREATE TABLE evil.outbox_stream_batch (LIKE public.outbox_stream_batch);
         CREATE FUNCTION evil.hijacked() RETURNS void LANGUAGE plpgsql AS
@@ -212,7 +212,7 @@ async fn a_hostile_search_path_changes_nothing() {
 
     let r = c
         .query_one(
-            "SELECT (SELECT count(*) FROM evil.outbox_event) + (SELECT count(*) FROM evil.outbox_tracked) \
+            "SELECT (SELECT count(*) FROM evil.outbox_event) + (SELECT count(*) FROM evil.outbox_scheduled) \
                     + (SELECT count(*) FROM evil.outbox_stream) + (SELECT count(*) FROM evil.outbox_stream_batch), \
                     (SELECT count(*) FROM public.outbox_event WHERE status = 'WAIT' AND retry_count = 1 \
                      AND next_retry_time > pg_catalog.now())",

@@ -4,15 +4,15 @@
 //! past the fence would leave the new holder's owner and token behind, indistinguishable from
 //! that holder's own ack.
 //!
-//! Two places an event turns SUCCESS: a tracked row's status (ordered, delayed and retried
+//! Two places an event turns SUCCESS: a scheduled row's status (ordered, delayed and retried
 //! events), and a stream event's id leaving its claim's `outbox_stream_batch` row without a
-//! tracked copy (nack, release and reclaim take ids out of the batch too, but leave a copy in
-//! `outbox_tracked`: those are no acks). The settling function may write the copy after the batch
+//! scheduled copy (nack, release and reclaim take ids out of the batch too, but leave a copy in
+//! `outbox_scheduled`: those are no acks). The settling function may write the copy after the batch
 //! row, so the stream's trigger is deferred to commit, when both are there.
 
 use super::runner::Runner;
 
-/// Run once in the scratch database before any relay starts. The tracked trigger fires inside the
+/// Run once in the scratch database before any relay starts. The scheduled trigger fires inside the
 /// SECURITY DEFINER `outbox_ack` (search_path pg_catalog): hence the qualified names. The
 /// stream's fires at commit, as the relay's own role: SECURITY DEFINER, so its owner (the
 /// superuser that installs it) writes the audit table.
@@ -36,7 +36,7 @@ BEGIN
     RETURN NULL;
 END
 $$;
-CREATE TRIGGER fault_record_ack AFTER UPDATE OF status ON public.outbox_tracked
+CREATE TRIGGER fault_record_ack AFTER UPDATE OF status ON public.outbox_scheduled
 FOR EACH ROW WHEN (NEW.status = 'SUCCESS' AND OLD.status IS DISTINCT FROM 'SUCCESS')
 EXECUTE FUNCTION public.fault_record_ack();
 CREATE FUNCTION public.fault_record_stream_ack() RETURNS trigger
@@ -51,7 +51,7 @@ BEGIN
     SELECT p, current_setting('application_name'), OLD.claim_owner, OLD.claim_token
       FROM unnest(OLD.pending) p
      WHERE NOT p = ANY (left_over)
-       AND NOT EXISTS (SELECT 1 FROM public.outbox_tracked t WHERE t.id = p);
+       AND NOT EXISTS (SELECT 1 FROM public.outbox_scheduled t WHERE t.id = p);
     RETURN NULL;
 END
 $$;

@@ -65,17 +65,17 @@ impl Runner<'_> {
         // outbox_reclaim, and keeps them out of claims (due in an hour) until the zombie's stale
         // round ended: its late acks then certainly meet open rows it no longer holds, so an ack
         // that got past the fence would turn them SUCCESS and show in the ack audit. Locking the
-        // rows first keeps the other relays' reclaim (SKIP LOCKED) off them meanwhile: its tracked
+        // rows first keeps the other relays' reclaim (SKIP LOCKED) off them meanwhile: its scheduled
         // rows, and the batch rows of its claims' stream events (a stream event's lease is its
         // batch's; outbox_event is a view and cannot be locked FOR UPDATE).
         let lease = format!("{} milliseconds", self.p.lease.as_millis());
         self.sql("BEGIN");
         let locked = self.ids_of(
-            "WITH tracked AS (SELECT id FROM outbox_tracked \
+            "WITH scheduled AS (SELECT id FROM outbox_scheduled \
                                WHERE id = ANY($1) AND status = 'SENDING' FOR UPDATE), \
                   batches AS (SELECT pending FROM outbox_stream_batch \
                                WHERE pending && $1 FOR UPDATE) \
-             SELECT id FROM tracked \
+             SELECT id FROM scheduled \
              UNION SELECT p FROM batches, unnest(batches.pending) p WHERE p = ANY($1)",
             &ids,
         );
@@ -105,9 +105,9 @@ impl Runner<'_> {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        // Reclaimed rows are tracked rows (a stream event's reclaim makes its tracked copy).
+        // Reclaimed rows are scheduled rows (a stream event's reclaim makes its scheduled copy).
         let kept = self.ids_of(
-            "UPDATE outbox_tracked SET next_retry_time = now() + interval '1 hour' \
+            "UPDATE outbox_scheduled SET next_retry_time = now() + interval '1 hour' \
              WHERE id = ANY($1) AND status = 'WAIT' RETURNING id",
             &locked,
         );
@@ -155,7 +155,7 @@ impl Runner<'_> {
         // Their keys are due again too: a claim set each key's next look to its held-back
         // head's next_retry_time (docs/reference.md, "Per-key order": rows changed by hand).
         let due_again = self.ids_of(
-            "WITH due AS (UPDATE outbox_tracked SET next_retry_time = now() \
+            "WITH due AS (UPDATE outbox_scheduled SET next_retry_time = now() \
                            WHERE id = ANY($1) AND status = 'WAIT' \
                            RETURNING id, topic, event_key, ordered), \
                   woken AS (UPDATE outbox_key k SET state = 'waiting', due_at = now() \
