@@ -36,6 +36,24 @@ pub struct Target {
     pub tls: MakeTlsConnector,
     /// `host=… port=… dbname=… user=…` (and `sslmode=…` unless the default), for messages.
     pub desc: String,
+    /// The whole handshake's bound for each host of several but the last (`hosts.rs`).
+    pub host_timeout: Duration,
+}
+
+impl Target {
+    /// One session, host by host (`hosts::connect`).
+    pub async fn connect(
+        &self,
+    ) -> Result<(tokio_postgres::Client, crate::hosts::Session), tokio_postgres::Error> {
+        crate::hosts::connect(&self.cfg, &self.tls, self.host_timeout).await
+    }
+
+    /// Gives each host its share of `total`, so that a connection attempt reaches the last host
+    /// within it whatever the others do.
+    pub fn share_between_hosts(&mut self, total: Duration) {
+        let n = crate::hosts::count(&self.cfg).max(1) as u32;
+        self.host_timeout = self.host_timeout.min(total / n);
+    }
 }
 
 /// Reads the connection string from the flag/env or the file, parses it (TLS parameters with
@@ -68,9 +86,13 @@ pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
     // The parser's messages don't echo the input, so a password cannot leak from here.
     let mut cfg = Config::from_str(&text)
         .map_err(|e| Fatal::usage(format!("invalid database URL: {}", one_line(&e))))?;
-    if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(crate::defaults::CONNECT_TIMEOUT);
-    }
+    // Unless the string sets it, the hosts share the default connect timeout.
+    let hosts = crate::hosts::count(&cfg).max(1) as u32;
+    let host_timeout = match cfg.get_connect_timeout() {
+        Some(t) => *t,
+        None => crate::defaults::CONNECT_TIMEOUT / hosts,
+    };
+    cfg.connect_timeout(host_timeout);
     if cfg.get_application_name().is_none() {
         cfg.application_name(crate::defaults::CLIENT_ID);
     }
@@ -85,14 +107,17 @@ pub fn config(args: &DbArgs) -> Result<Target, Fatal> {
     if tls_params.mode != SslMode::Prefer {
         desc.push_str(&format!(" sslmode={}", tls_params.effective_mode().name()));
     }
-    Ok(Target { cfg, tls, desc })
+    Ok(Target {
+        cfg,
+        tls,
+        desc,
+        host_timeout,
+    })
 }
 
-/// A failed connection attempt as one line. A configuration error exits 2 (a restart does not fix
-/// it): a failed TLS negotiation (the certificate, the CA file or the sslmode must change), a login
-/// the server refuses (SQLSTATE class 28: unknown role, wrong password, no pg_hba.conf entry), a
-/// database that does not exist (3D000) or a startup parameter a pooler does not accept. Anything
-/// else is an outage (exit 1).
+/// A failed connection attempt as one line: exit 2 when only the configuration can fix it (TLS, a
+/// login refused (class 28), no such database (3D000), a startup parameter a pooler refuses), exit
+/// 1 for anything else (an outage).
 pub fn connect_failure(desc: &str, e: &(dyn StdError + 'static)) -> Fatal {
     if tls::is_tls_failure(e) {
         return Fatal::usage(format!(
@@ -188,8 +213,7 @@ pub fn describe(cfg: &Config) -> String {
 /// One direct session (admin commands, the LISTEN connection).
 pub async fn connect_once(target: &Target) -> Result<tokio_postgres::Client, Fatal> {
     let (client, conn) = target
-        .cfg
-        .connect(target.tls.clone())
+        .connect()
         .await
         .map_err(|e| connect_failure(&target.desc, &e))?;
     tokio::spawn(async move {
@@ -256,11 +280,9 @@ pub fn version_at_least(v: &str, min: &str) -> Option<bool> {
     Some(a >= b)
 }
 
-/// The installed outbox (schema and version), or a one-line error saying it is missing (a
-/// configuration error: wrong database, or the outbox was never installed there). Unnamed
-/// statements only, as in the store: it runs on a pooled connection too. The extension
-/// when there is one; else the SQL-only build's marker function, which must be unique: a role that
-/// may create a schema must not make the relay pick its copy.
+/// The installed outbox (schema and version), or a one-line configuration error. Unnamed statements
+/// (pooled connections too). Without the extension, the SQL-only build's marker function, which
+/// must be unique: a role that may create a schema must not make the relay pick its copy.
 pub async fn extension(client: &tokio_postgres::Client, desc: &str) -> Result<Extension, Fatal> {
     let cannot = |e: tokio_postgres::Error| {
         Fatal::runtime(format!(

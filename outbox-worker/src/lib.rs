@@ -15,6 +15,7 @@ pub mod error;
 pub mod fleet;
 pub mod guarantees;
 pub mod health;
+pub mod hosts;
 pub mod kafka_metrics;
 pub mod lanes;
 pub mod logging;

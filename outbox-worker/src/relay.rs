@@ -172,6 +172,7 @@ impl Database {
     /// Connects, checks the extension and the settings against the flags.
     pub async fn open(args: &RunArgs) -> Result<Database, Fatal> {
         let mut target = db::config(&args.db)?;
+        target.share_between_hosts(args.pool_timeout());
         let asked_timeout = db::set_statement_timeout(&mut target.cfg, args.statement_timeout());
         // One connection per claim loop, one for the reclaimer, one for the stats poller, and
         // one for the heartbeat: a beat never waits behind a round.

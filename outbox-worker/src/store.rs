@@ -249,10 +249,10 @@ impl Store {
         wait: Duration,
         call_timeout: Duration,
     ) -> Result<Store, Fatal> {
-        let Target { cfg, tls, desc } = target;
-        let mgr = Manager::from_config(
+        let (cfg, desc) = (target.cfg.clone(), target.desc.clone());
+        let mgr = Manager::from_connect(
             cfg,
-            tls,
+            crate::hosts::PoolConnect(target),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },

@@ -34,10 +34,9 @@ async fn answer(
     }
 }
 
-/// After a wake-up whose round claimed nothing, a pause before asking again, doubling from 1 ms
-/// up to this while it repeats. One empty round is normal (after an ack, a claim looks at the
-/// key once more to retire it); a streak means something is due that this relay cannot take
-/// (rows locked by another transaction), and `outbox_wait` would answer at once, again and again.
+/// The longest pause after wake-ups that claimed nothing (doubling from 1 ms): a streak means
+/// something is due that this relay cannot take (rows locked elsewhere), and `outbox_wait` would
+/// answer at once, again and again. One empty round is normal (a claim retiring a key).
 const EMPTY_WAKE_PAUSE_MAX: Duration = Duration::from_millis(100);
 
 /// After a wake-up: wakes one claim loop, and one more after every round that filled its batch
@@ -92,7 +91,7 @@ pub async fn run(
     let wait_sql = format!("SELECT {schema}.outbox_wait(make_interval(secs => $1))");
     let mode_sql = format!("SELECT {schema}.outbox_wake_mode()");
     loop {
-        match target.cfg.connect(target.tls.clone()).await {
+        match target.connect().await {
             Ok((client, conn)) => {
                 let driver = tokio::spawn(conn);
                 match answer(&client, &mode_sql, &[]).await {

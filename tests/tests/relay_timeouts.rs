@@ -244,3 +244,45 @@ async fn a_claim_whose_reply_is_lost_releases_its_events() {
     let st = relay.terminate(Duration::from_secs(30)).expect("stops");
     assert!(st.success(), "{}", relay.log_tail(40));
 }
+
+/// `url` (libpq key=value) with a first host before its own: 127.0.0.1 on `port`.
+fn behind_another_host(url: &str, port: u16) -> String {
+    url.split(' ')
+        .map(|kv| match kv.split_once('=') {
+            Some(("host", h)) => format!("host=127.0.0.1,{h}"),
+            Some(("port", p)) => format!("port={port},{p}"),
+            _ => kv.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A connection string's first host accepts connections and never answers (a frozen server:
+/// tokio-postgres bounds only the TCP connect). Each session gives it its share of
+/// `--pool-timeout` (5 s of 10) and goes on to the second host, so the relay starts and delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_host_that_never_answers_is_passed_over_for_the_next() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let (frozen, _) = proxy::to_database(&client, &db.url()).await;
+    frozen.partition();
+    let url = behind_another_host(&db.url(), frozen.port);
+    assert!(url.contains("host=127.0.0.1,"), "two hosts: {url}");
+    let relay = Relay::spawn(&url, &broker.addr(), &["--poll-interval", "500ms"]);
+    enqueue_burst(&client, "orders", 5).await;
+    let c = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 5).await;
+    assert_eq!(c["SUCCESS"], 5, "{c:?}\n{}", relay.log_tail(40));
+    assert!(
+        frozen.accepted() > 0,
+        "the relay never tried the first host"
+    );
+    assert!(
+        relay
+            .logs()
+            .contains("database host did not answer within 5s, trying the next"),
+        "{}",
+        relay.log_tail(40)
+    );
+}
