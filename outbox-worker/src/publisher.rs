@@ -170,11 +170,9 @@ impl Publisher {
         cfg.set("bootstrap.servers", brokers)
             .set("client.id", defaults::CLIENT_ID)
             .set("enable.idempotence", "true")
-            // A request the broker rejects for good (too large, invalid timestamp...) raises a
-            // fatal error instead of an epoch bump that sends the partition's later batches on,
-            // and with one request in flight no later batch has left yet (a new producer id's
-            // first batch accepts any sequence): a later event of a key never overtakes a
-            // rejected one. The producer is replaced after a fatal error.
+            // A request rejected for good raises a fatal error instead of an epoch bump that
+            // sends the partition's later batches on: with one request in flight, a key's later
+            // event never overtakes a rejected one. The producer is replaced after it.
             .set("enable.gapless.guarantee", "true")
             .set("max.in.flight.requests.per.connection", "1")
             .set("acks", defaults::ACKS)
@@ -241,19 +239,14 @@ impl Publisher {
             .clone()
     }
 
-    /// Publishes a round and waits for each delivery report; the outcome of `events[i]` is at
-    /// index `i`. Ordered keys go one event at a time, the next handed to librdkafka only after
-    /// the previous one's successful delivery report: librdkafka may fail an earlier event (its
-    /// `message.timeout.ms`) and still send a later one (an epoch bump), so nothing of a key may
-    /// wait in its queue behind an event that can still fail. Keys and other events run
-    /// concurrently, each in the lane of its first event, and share librdkafka's batches.
-    /// Returns within about twice the send timeout. When a lane's producer turned out unusable
-    /// (fenced, fatal, timing out round after round), it is replaced for the next round and its
-    /// reason returned (not when another claim loop replaced it first).
+    /// Publishes a round: `events[i]`'s outcome at `i`, within about twice the send timeout. A
+    /// key's next event goes out only after the previous one's delivery report (librdkafka can
+    /// fail an earlier event yet send a later one). Unusable producers are replaced and returned.
     pub async fn publish(&self, events: &[Event]) -> (Vec<Outcome>, Vec<Replaced>) {
         let producers: Vec<_> = (0..self.lanes.len()).map(|l| self.current(l)).collect();
-        self.recheck_missing_topics(&producers, events).await;
+        // The look at missing topics counts toward the send timeout: a round stays within two.
         let start = Instant::now();
+        self.recheck_missing_topics(&producers, events).await;
         let producers = &producers;
         let sent = join_all(chains(events).into_iter().map(|c| {
             let first = c[0].1;
@@ -386,9 +379,8 @@ impl Publisher {
         }
     }
 
-    /// Asks the cluster again about the batch's topics that were missing, through every producer:
-    /// each keeps its own metadata (one request per such topic and producer, only while it is
-    /// missing).
+    /// Asks the cluster again about the batch's topics that were missing, through every producer
+    /// (each keeps its own metadata): one request per such topic and producer, all at once.
     async fn recheck_missing_topics(&self, producers: &[Arc<KafkaProducer>], events: &[Event]) {
         let suspects: Vec<String> = {
             let missing = self.missing_topics.lock().expect("missing topics");
@@ -399,14 +391,17 @@ impl Publisher {
                 .map(str::to_owned)
                 .collect()
         };
-        for topic in suspects {
+        let looks = suspects.into_iter().map(|topic| async move {
             let seen = join_all(
                 producers
                     .iter()
                     .map(|p| topic_exists(p.clone(), topic.clone(), self.send_timeout)),
             )
             .await;
-            if seen.into_iter().all(|exists| exists) {
+            (topic, seen.into_iter().all(|exists| exists))
+        });
+        for (topic, exists) in join_all(looks).await {
+            if exists {
                 tracing::info!(topic = %topic, "topic exists now");
                 self.missing_topics
                     .lock()

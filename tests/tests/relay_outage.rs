@@ -526,3 +526,79 @@ async fn attempts_counted(client: &tokio_postgres::Client) -> i64 {
         .expect("query")
         .get(0)
 }
+
+/// A round asks the broker again about its missing topics all at once, within the round's send
+/// timeout, so it stays within two send timeouts. Three topics went missing, then the broker
+/// froze: the round that holds their events releases them about one send timeout (1 s) after
+/// they came due, not one per topic (3 s) plus the deliveries' own timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_topics_are_asked_about_at_once_within_the_round() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    let client = db.connect().await;
+    let relay = Relay::spawn(
+        &db.url(),
+        &broker.addr(),
+        &["--poll-interval", "100ms", "--send-timeout", "1s"],
+    );
+    for topic in ["gone.a", "gone.b", "gone.c"] {
+        client
+            .execute(
+                "SELECT outbox_enqueue(topic => $1::text, payload => '{}'::jsonb)",
+                &[&topic],
+            )
+            .await
+            .expect("enqueue");
+    }
+    let failed_once =
+        "SELECT count(*) FROM outbox_scheduled WHERE status = 'WAIT' AND retry_count = 1";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while client
+        .query_one(failed_once, &[])
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+        < 3
+    {
+        assert!(
+            Instant::now() < deadline,
+            "not nacked: {}",
+            relay.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    broker.freeze();
+    // All three due at once: one round takes them.
+    let due: std::time::SystemTime = client
+        .query_one(
+            "WITH u AS (UPDATE outbox_scheduled SET next_retry_time = clock_timestamp() \
+             WHERE status = 'WAIT' RETURNING next_retry_time) SELECT max(next_retry_time) FROM u",
+            &[],
+        )
+        .await
+        .expect("due now")
+        .get(0);
+    let released = "SELECT count(*), max(updated_at) FROM outbox_scheduled \
+                    WHERE status = 'WAIT' AND retry_count = 1 AND updated_at > $1";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let last = loop {
+        let r = client.query_one(released, &[&due]).await.expect("released");
+        if r.get::<_, i64>(0) == 3 {
+            break r.get::<_, std::time::SystemTime>(1);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not released: {}",
+            relay.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    broker.thaw();
+    let took = last.duration_since(due).unwrap_or_default();
+    println!("the round of three missing topics ended {took:?} after they came due");
+    assert!(
+        took < Duration::from_millis(2500),
+        "{took:?}: the looks at the missing topics took a send timeout each\n{}",
+        relay.log_tail(40)
+    );
+}
