@@ -1,9 +1,8 @@
 -- The claim: the wake-up's look at the queue, the scheduled part, and outbox_claim itself.
 
--- Whether a claim would find something now (outbox_wait's look at the queue): each probe stops at
--- its first index entry, whatever the history or backlog (scalar subqueries in index order, and
--- min() compared with the clock, which cannot bound an index scan). PL/pgSQL: planned once per
--- session, where a SQL function with SET clauses is planned at every look.
+-- Whether a claim would find something now (outbox_wait's look): each probe stops at its first
+-- index entry, whatever the backlog (min() against the clock cannot bound an index scan).
+-- PL/pgSQL: planned once per session; a SQL function with SET clauses is planned at every look.
 CREATE FUNCTION @extschema@.outbox_work_due() RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 -- Every look is an index probe; bounds known only at run time must not lead to a scan.

@@ -135,9 +135,8 @@ CREATE TABLE @extschema@.outbox_stream_cursor (
     -- reading them all made every claim slower the longer the snapshot was held.
     batch_floor bigint NOT NULL DEFAULT 0
 );
--- The current snapshot as another session would take it: this transaction, if it has an id, is
--- listed as in progress. A snapshot leaves its own transaction out, so the cursor would count
--- the claim's own transaction as finished, and pass events it enqueues after the claim.
+-- The current snapshot as another session would take it, listing this transaction (if it has an
+-- id) as in progress: else the cursor would pass events the claim's own transaction enqueues later.
 -- PL/pgSQL, not SQL: a SQL function with a SET clause is parsed and planned at every call.
 CREATE FUNCTION @extschema@.outbox_snapshot_of_others() RETURNS pg_snapshot
 LANGUAGE plpgsql VOLATILE

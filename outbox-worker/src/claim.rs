@@ -331,10 +331,9 @@ impl Relay {
         }
     }
 
-    /// Acks the delivered events (index, handed to the broker's client, acknowledged by the
-    /// broker) of the claim that ran from `claim.0` to `claim.1`, and records where each one's
-    /// time in the relay went. Only the events the ack settled count as published: one it found
-    /// no longer held (reclaimed) is counted by whoever settles it.
+    /// Acks the delivered events (index, handed over, acknowledged) of the claim that ran from
+    /// `claim.0` to `claim.1` and records each one's stages. Only the events the ack settled count
+    /// as published: one no longer held (reclaimed) is counted by whoever settles it.
     async fn ack(
         &self,
         events: &[Event],
@@ -388,10 +387,9 @@ impl Relay {
         Ok(())
     }
 
-    /// Settles failed events. Nack (the event's own fault, or an unknown code past its grace):
-    /// one attempt counted, a dead letter after `outbox.max_retry` (the extension says which rows
-    /// became one). Release (the broker's or the network's fault, or an unknown code within its
-    /// grace): back to WAIT after a short delay, no attempt counted.
+    /// Settles failed events. Nack (the event's fault, or an unknown code past its grace): an
+    /// attempt, a dead letter after `outbox.max_retry`. Release (the broker's or the network's
+    /// fault, or an unknown code within its grace): back to WAIT soon, no attempt counted.
     async fn settle_failed(
         &self,
         events: &[Event],
@@ -467,10 +465,9 @@ impl Relay {
         Ok(())
     }
 
-    /// One `outbox_ack` / `outbox_nack` / `outbox_release` call, retried on transient database
-    /// errors until it lands (it is idempotent: rows no longer held are not counted), backing off
-    /// from 200 ms to 5 s, until the claim's lease ends: past it the rows may belong to another
-    /// relay. A final failure is logged: `what` ("ack delivered") names the call and its events.
+    /// One ack, nack or release, retried on transient errors (it is idempotent) with backoff from
+    /// 200 ms to 5 s until it lands or the claim's lease ends (past it the rows may be another
+    /// relay's). A final failure is logged; `what` ("ack delivered") names the call.
     async fn settle<T, F, Fut>(
         &self,
         what: &str,
@@ -514,10 +511,9 @@ const SETTLE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// The last_error of events released because an earlier event of their key failed.
 const HELD_BACK: &str = "held back: an earlier event of its key failed in the same batch";
 
-/// Per-key order within a batch (sorted by id, i.e. commit order per key): the indexes of ordered
-/// events that come after a failed event of their key (those not even sent, and those delivered,
-/// which must not be acked before it): they go back to WAIT without an attempt counted, and
-/// follow it later (consumers drop an extra copy by `event_id`).
+/// Per-key order within a batch (in id order): the indexes of ordered events after a failed event
+/// of their key, sent or not. They must not be acked before it: back to WAIT, no attempt counted
+/// (consumers drop an extra copy by `event_id`).
 fn held_back(events: &[Event], outcomes: &[Outcome]) -> BTreeSet<usize> {
     let mut failed_keys: BTreeSet<(&str, &str)> = BTreeSet::new();
     let mut held = BTreeSet::new();

@@ -109,10 +109,9 @@ pub const LINGER_MS: u32 = 0;
 /// The producer's `acks`.
 pub const ACKS: &str = "all";
 
-/// The producer's `partitioner`: murmur2 of the key like the Java client's default partitioner,
-/// so a key lands on the partition a Java producer (Kafka Streams, Connect) would choose;
-/// librdkafka's own default, `consistent_random` (CRC32), does not. Keyless events go to a random
-/// partition.
+/// The producer's `partitioner`: murmur2 of the key, as the Java client's default, so a key lands
+/// where a Java producer (Kafka Streams, Connect) would put it; librdkafka's default (CRC32) does
+/// not. Keyless events go to a random partition.
 pub const PARTITIONER: &str = "murmur2_random";
 
 /// librdkafka producers per Kafka producer of the relay (docs/relay.md, "Partitions per broker

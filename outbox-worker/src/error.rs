@@ -63,11 +63,9 @@ impl DbError {
     }
 }
 
-/// SQLSTATEs that no retry fixes: 22 data exception (22023, a bad argument such as a batch above
-/// `outbox.max_claim`), 28 authorization, 3D/3F missing database or schema, 42 access rule or
-/// missing object (42501, the role lacks EXECUTE), 25000 a row-locking call outside READ
-/// COMMITTED (the role's default isolation). Class 25 as a whole is not: 25006 (read-only) is what
-/// a failover shows for a moment.
+/// SQLSTATEs no retry fixes: classes 22 (22023: a batch above `outbox.max_claim`), 28, 3D, 3F, 42
+/// (42501: no EXECUTE) and 25000 (a locking call outside READ COMMITTED). Not all of class 25: a
+/// failover shows 25006 (read-only) for a moment.
 pub fn is_configuration(s: &SqlState) -> bool {
     let code = s.code();
     *s == SqlState::INVALID_TRANSACTION_STATE
@@ -104,11 +102,9 @@ impl PublishError {
         }
     }
 
-    /// Whose fault the failure is. Permanent: the event's, or a setting no retry changes (it
-    /// would fail the same way on any broker state): counted as an attempt, dead-lettered in the
-    /// end. Transient: the broker's or the network's (timeouts, transport, no leader, not enough
-    /// replicas, authentication, an unusable producer): released without counting an attempt,
-    /// however long the outage lasts. Unknown: any other code (see `claim.rs`).
+    /// Whose fault it is. Permanent (the event's, or a setting no retry changes): an attempt, in
+    /// the end a dead letter. Transient (broker, network, authentication, an unusable producer):
+    /// released without an attempt, however long. Unknown: any other code (see `claim.rs`).
     pub fn class(&self) -> FailureClass {
         if let SinkError::Broker(e) = &self.source {
             return e.class();

@@ -168,11 +168,9 @@ impl KafkaMetrics {
         }
     }
 
-    /// One statistics report of lane `lane`'s producer. Over the lanes: a broker is up when a
-    /// lane's connection to it is, its round-trip time is the slowest lane's, queues add up, and
-    /// the timestamp is the oldest lane's (stale when any producer is stuck). Brokers no lane
-    /// reports any more drop out instead of keeping their last value; an idle window keeps the
-    /// last round-trip time rather than 0, which would read as a perfect broker.
+    /// One statistics report of lane `lane`'s producer. Over lanes: a broker is up when a lane's
+    /// connection is, its RTT is the slowest lane's, queues add up, the timestamp is the oldest.
+    /// Brokers no lane reports drop out; an idle window keeps the last RTT (0 reads as perfect).
     pub fn update(&self, lane: usize, s: &Statistics) {
         let mut reports = self.reports.lock().expect("reports lock");
         let report = LaneReport::of(s, reports.get(&lane));

@@ -61,10 +61,9 @@ fn parse_filter(text: &str) -> Result<EnvFilter, String> {
         })
 }
 
-/// librdkafka's own log level: the most verbose level the log filter lets through for target
-/// `librdkafka` (mapped back through `publisher::LogContext::log`), so librdkafka does not format lines
-/// that would be dropped, and `librdkafka=debug` reaches it. Its debug lines also need the
-/// `debug` property (e.g. `--kafka-property debug=broker,msg`).
+/// librdkafka's log level: the most verbose the filter lets through for target `librdkafka`, so it
+/// formats no line that would be dropped. Its debug lines also need the `debug` property (e.g.
+/// `--kafka-property debug=broker,msg`).
 pub fn librdkafka_log_level() -> RDKafkaLogLevel {
     use tracing::{enabled, Level};
     if enabled!(target: "librdkafka", Level::DEBUG) {

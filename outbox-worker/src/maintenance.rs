@@ -66,13 +66,9 @@ pub async fn reclaim_loop(
     }
 }
 
-/// Says every sixth of `timeout` that this relay is alive for `timeout` more (outbox_heartbeat):
-/// once it stops (killed, cut off), any relay's reclaim takes back its claims instead of waiting
-/// for their lease. Runs until `cancel`, which the relay fires only after its claim loops have
-/// settled, so that no claim is taken from under a round that is still settling. A failed beat
-/// is logged and retried at the next tick: beats missing for the whole timeout only cost
-/// duplicates (another relay publishes the events again, and this relay's acks settle nothing),
-/// never a lost event.
+/// Beats every sixth of `timeout` (outbox_heartbeat) until `cancel`, fired once the claim loops
+/// settled, so no claim is reclaimed from under a settling round. A failed beat is retried at the
+/// next tick: missed beats cost duplicates (another relay republishes), never a lost event.
 pub async fn heartbeat_loop(relay: Arc<Relay>, timeout: Duration, cancel: CancellationToken) {
     let every = timeout / defaults::BEATS_PER_HEARTBEAT_TIMEOUT;
     loop {

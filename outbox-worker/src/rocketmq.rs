@@ -177,10 +177,9 @@ enum Route {
     Unknown(Arc<tokio::sync::Mutex<RouteFailure>>),
 }
 
-/// The client shares one route query among the concurrent sends of a topic, but when it fails it
-/// tells the sends that waited no cause ("query topic route failed", no code): an error the relay
-/// could only call unknown. So the sink lets one send of a topic without a route ask at a time,
-/// and the sends that waited for it fail with its error, classified.
+/// The client's shared route query tells the sends that waited for it no cause when it fails (an
+/// error the relay could only call unknown). So one send of a routeless topic asks at a time, and
+/// those that waited fail with its error, classified.
 #[derive(Clone, Default)]
 struct Routes(Arc<Mutex<HashMap<String, Route>>>);
 

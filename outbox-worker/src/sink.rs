@@ -209,10 +209,9 @@ pub fn chains(events: &[Event]) -> Vec<Vec<(usize, &Event)>> {
     out
 }
 
-/// Publishes a round with `send` (one event, until the broker stored it): the chains
-/// concurrently, a chain's events one after the other, so a later event of an ordered key never
-/// reaches the broker once an earlier one failed. A failure, or the end of `send_timeout` since
-/// the round began, ends a chain: the rest of it is `NotSent`.
+/// Publishes a round with `send` (one event, until stored): chains side by side, a chain's events
+/// one after the other, so a key's later event never follows a failed one. A failure or the end of
+/// `send_timeout` ends a chain: the rest of it is `NotSent`.
 pub async fn publish_chained<'a, F, Fut>(
     events: &'a [Event],
     send_timeout: Duration,
