@@ -1414,3 +1414,37 @@ async fn release_orphans_gives_back_only_the_claims_its_owner_does_not_keep() {
         "the released events are claimable"
     );
 }
+
+/// Claims of an idle outbox write no row: no cursor version, no batch, no key row, nothing
+/// scheduled (only the token sequence logs WAL, once in 32 draws). After a delivered event and a
+/// few empty claims, a hundred more leave every row as it was, versions and xmins alike.
+#[tokio::test]
+async fn claims_of_an_idle_outbox_write_no_row() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let id = enqueue(&c, "orders").await;
+    let (token, ids) = claim(&c, "r", 10).await;
+    assert_eq!(ids, vec![id]);
+    let acked: i32 = scalar(
+        &c,
+        "SELECT outbox_ack('r', $1, $2)",
+        &[&token.expect("token"), &ids],
+    )
+    .await;
+    assert_eq!(acked, 1);
+    for _ in 0..3 {
+        assert!(claim(&c, "r", 10).await.1.is_empty());
+    }
+    let rows =
+        "SELECT (SELECT string_agg(v.version || ':' || v.xmin::text, ',' ORDER BY v.version) \
+                          FROM outbox_stream_cursor v) \
+                || ' batches ' || (SELECT count(*) FROM outbox_stream_batch) \
+                || ' keys ' || (SELECT count(*) FROM outbox_key) \
+                || ' scheduled ' || (SELECT count(*) FROM outbox_scheduled)";
+    let before: String = scalar(&c, rows, &[]).await;
+    for _ in 0..100 {
+        assert!(claim(&c, "r", 10).await.1.is_empty());
+    }
+    let after: String = scalar(&c, rows, &[]).await;
+    assert_eq!(after, before, "an empty claim wrote a row");
+}
