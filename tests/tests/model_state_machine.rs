@@ -12,8 +12,8 @@
 //! `outbox_stream`, its claim's lease on the claim's `outbox_stream_batch` row), an event due
 //! later is a scheduled row, and a stream event's first failed attempt (nack, lease expired) makes
 //! a scheduled copy with the same id that stands for it from then on (the stream row stays until
-//! purge takes both). A claim takes due scheduled rows first (oldest due first), then fills the
-//! batch from the stream in id order, and returns all its rows in id order. An acked stream event
+//! purge takes both). A claim takes the stream in id order first, then fills the batch with due
+//! scheduled rows (oldest due first), and returns all its rows in id order. An acked stream event
 //! shows no owner, token or lease; renewing one of a claim's stream events moves the lease of all
 //! of them (it is the claim's). Purge takes scheduled SUCCESS rows by age, then stream SUCCESS rows
 //! by age among the oldest (max_rows minus what it deleted) stream rows by id.
