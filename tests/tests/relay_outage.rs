@@ -552,21 +552,10 @@ async fn missing_topics_are_asked_about_at_once_within_the_round() {
     }
     let failed_once =
         "SELECT count(*) FROM outbox_scheduled WHERE status = 'WAIT' AND retry_count = 1";
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while client
-        .query_one(failed_once, &[])
-        .await
-        .unwrap()
-        .get::<_, i64>(0)
-        < 3
-    {
-        assert!(
-            Instant::now() < deadline,
-            "not nacked: {}",
-            relay.log_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll_until(&client, failed_once, &[], &relay, |r| {
+        r.get::<_, i64>(0) == 3
+    })
+    .await;
     broker.freeze();
     // All three due at once: one round takes them.
     let due: std::time::SystemTime = client
@@ -580,19 +569,11 @@ async fn missing_topics_are_asked_about_at_once_within_the_round() {
         .get(0);
     let released = "SELECT count(*), max(updated_at) FROM outbox_scheduled \
                     WHERE status = 'WAIT' AND retry_count = 1 AND updated_at > $1";
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let last = loop {
-        let r = client.query_one(released, &[&due]).await.expect("released");
-        if r.get::<_, i64>(0) == 3 {
-            break r.get::<_, std::time::SystemTime>(1);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not released: {}",
-            relay.log_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let last: std::time::SystemTime = poll_until(&client, released, &[&due], &relay, |r| {
+        r.get::<_, i64>(0) == 3
+    })
+    .await
+    .get(1);
     broker.thaw();
     let took = last.duration_since(due).unwrap_or_default();
     println!("the round of three missing topics ended {took:?} after they came due");
@@ -601,4 +582,23 @@ async fn missing_topics_are_asked_about_at_once_within_the_round() {
         "{took:?}: the looks at the missing topics took a send timeout each\n{}",
         relay.log_tail(40)
     );
+}
+
+/// The row of `sql` once `done` holds for it, polled every 50 ms for at most 30 s.
+async fn poll_until(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    relay: &Relay,
+    done: impl Fn(&tokio_postgres::Row) -> bool,
+) -> tokio_postgres::Row {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let row = client.query_one(sql, params).await.expect(sql);
+        if done(&row) {
+            return row;
+        }
+        assert!(Instant::now() < deadline, "{sql}\n{}", relay.log_tail(40));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
