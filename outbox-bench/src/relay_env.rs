@@ -66,12 +66,10 @@ impl RelayEnv<'_> {
 
     fn spawn(&self, extra: &[String], tag: &str, url: Option<String>) -> Result<BenchRelay> {
         // Its /metrics tell where an event's time went (the latency section).
-        let metrics_port = outbox_tests::broker::free_port();
         let mut cmd = Command::new(self.relay_bin);
         cmd.arg("run")
             .args(&self.sink.args)
-            .arg("--metrics-addr")
-            .arg(format!("127.0.0.1:{metrics_port}"))
+            .args(["--metrics-addr", "127.0.0.1:0"])
             .args(extra);
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("OUTBOX_") {
@@ -81,9 +79,8 @@ impl RelayEnv<'_> {
         if let Some(url) = url {
             cmd.env("OUTBOX_DATABASE_URL", url);
         }
-        let mut relay =
+        let relay =
             Relay::start(cmd).map_err(|e| anyhow!("starting {}: {e}", self.relay_bin.display()))?;
-        relay.metrics_port = metrics_port;
         let mut r = BenchRelay {
             relay,
             log: self.workdir.join(format!("relay-{tag}.log")),

@@ -359,6 +359,8 @@ pub async fn serve(
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| Fatal::usage(format!("cannot listen on --metrics-addr {addr}: {e}")))?;
+    // Port 0 picks a free port: say which.
+    let addr = listener.local_addr().unwrap_or(addr);
     tracing::info!(
         "metrics at http://{addr}/metrics, health at http://{addr}/live and http://{addr}/ready"
     );

@@ -8,7 +8,6 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::broker::free_port;
 
 /// The relay binary, found as `scripts/env.sh` finds it: `OUTBOX_RELAY_BIN`, else
 /// `$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-worker` (the workspace's `target/`, `release`
@@ -63,34 +62,40 @@ pub struct Relay {
     child: Child,
     logs: Arc<Mutex<Vec<String>>>,
     readers: Vec<std::thread::JoinHandle<()>>,
-    pub metrics_port: u16,
 }
 
 impl Relay {
-    /// `outbox-worker run --database-url URL --brokers BROKERS --metrics-addr 127.0.0.1:<free>`
-    /// plus `extra`, logging at debug level.
+    /// `outbox-worker run --database-url URL --brokers BROKERS --metrics-addr 127.0.0.1:0` plus
+    /// `extra`, logging at debug level.
     pub fn spawn(db_url: &str, brokers: &str, extra: &[&str]) -> Relay {
         let mut args = vec!["run", "--database-url", db_url, "--brokers", brokers];
         args.extend_from_slice(extra);
         Relay::spawn_args(&args)
     }
 
-    /// `outbox-worker --log-level debug ARGS --metrics-addr 127.0.0.1:<free>` (ARGS start with
-    /// the subcommand, `run`).
+    /// `outbox-worker --log-level debug ARGS --metrics-addr 127.0.0.1:0` (ARGS start with the
+    /// subcommand, `run`): the relay binds a free port itself and logs it, so no other process
+    /// can take the port between its choice and the bind.
     pub fn spawn_args(args: &[&str]) -> Relay {
-        let metrics_port = free_port();
         let mut cmd = Command::new(relay_bin());
         cmd.args(["--log-level", "debug"])
             .args(args)
-            .arg("--metrics-addr")
-            .arg(format!("127.0.0.1:{metrics_port}"));
-        let mut relay = Relay::start(cmd).expect("spawn outbox-worker");
-        relay.metrics_port = metrics_port;
-        relay
+            .args(["--metrics-addr", "127.0.0.1:0"]);
+        Relay::start(cmd).expect("spawn outbox-worker")
+    }
+
+    /// The port of the metrics server, from the relay's "metrics at http://…" line; None
+    /// before it is logged.
+    pub fn metrics_port(&self) -> Option<u16> {
+        let logs = self.logs.lock().expect("logs");
+        let line = logs.iter().find(|l| l.contains("metrics at http://"))?;
+        let rest = &line[line.find("metrics at http://")? + "metrics at http://".len()..];
+        let addr = &rest[..rest.find("/metrics")?];
+        addr.rsplit(':').next()?.parse().ok()
     }
 
     /// Starts `cmd` (a relay command line) with its output captured line by line (echoed to
-    /// stderr with `OUTBOX_TEST_ECHO` set); `metrics_port` is 0 until the caller sets it.
+    /// stderr with `OUTBOX_TEST_ECHO` set).
     pub fn start(mut cmd: Command) -> std::io::Result<Relay> {
         let mut child = cmd
             .stdin(Stdio::null())
@@ -118,7 +123,6 @@ impl Relay {
             child,
             logs,
             readers,
-            metrics_port: 0,
         })
     }
 
@@ -217,7 +221,7 @@ impl Relay {
 
     /// GET a path of the metrics server; (status line, body).
     pub fn http_get(&self, path: &str) -> Option<(String, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
+        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port()?)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         write!(
             s,

@@ -225,8 +225,11 @@ async fn the_metrics_listener_does_not_spin_when_out_of_file_descriptors() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let port = w
+        .metrics_port()
+        .expect("the relay logged its metrics address");
     let conns: Vec<std::net::TcpStream> = (0..40)
-        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", w.metrics_port)).ok())
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).ok())
         .collect();
     assert!(conns.len() > 10, "only {} connections", conns.len());
     let before = cpu_ticks(pid);
