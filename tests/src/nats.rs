@@ -82,6 +82,7 @@ impl Nats {
         Nats::start_with(Some(secure))
     }
 
+    /// A port free when chosen can be taken before the server binds it: then another.
     fn start_with(secure: Option<Secure>) -> Nats {
         let port = free_port();
         let dir =
@@ -94,8 +95,16 @@ impl Nats {
             child: None,
             secure,
         };
-        n.start_again();
-        n
+        for attempt in 1..=3 {
+            match n.try_start() {
+                Ok(()) => return n,
+                Err(e) if attempt < 3 && e.contains("address already in use") => {
+                    n.port = free_port();
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
     /// The server's process while it runs.
@@ -125,6 +134,12 @@ impl Nats {
     /// Starts the stopped server again on the same port with the same store; returns once
     /// JetStream answers.
     pub fn start_again(&mut self) {
+        self.try_start().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Starts the server and waits until its own log says it is ready and it answers: another
+    /// process's server on the port would answer too.
+    fn try_start(&mut self) -> Result<(), String> {
         let bin = server_bin();
         assert!(
             bin.exists(),
@@ -162,17 +177,28 @@ impl Nats {
             .expect("spawn nats-server");
         self.child = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
-        while !block_on(async {
-            let Ok(c) = self.client().await else {
-                return false;
-            };
-            jetstream::new(c).query_account().await.is_ok()
-        }) {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not answer within {START_TIMEOUT:?}: {}",
-                std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
-            );
+        let log = || std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        loop {
+            if let Some(Ok(Some(st))) = self.child.as_mut().map(Child::try_wait) {
+                self.child = None;
+                return Err(format!("nats-server exited ({st}): {}", log()));
+            }
+            let answers = log().contains("Server is ready")
+                && block_on(async {
+                    let Ok(c) = self.client().await else {
+                        return false;
+                    };
+                    jetstream::new(c).query_account().await.is_ok()
+                });
+            if answers {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "nats-server did not answer within {START_TIMEOUT:?}: {}",
+                    log()
+                ));
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }

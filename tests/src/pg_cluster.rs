@@ -62,7 +62,7 @@ impl PgCluster {
     /// a private copy into which a release package installed the extension.
     pub fn start_with(bin: &Path, conf: &str, files: &[&Path]) -> PgCluster {
         let bin_s = bin.to_str().expect("utf-8 path").to_string();
-        let cluster = PgCluster::new_dir(bin);
+        let mut cluster = PgCluster::new_dir(bin);
         let data = cluster.dir.join("data");
         let data_s = data.to_str().expect("utf-8 path");
         check(
@@ -95,7 +95,7 @@ impl PgCluster {
         cluster.configure(&format!(
             "listen_addresses = 'localhost'\nfsync = off\n{conf}"
         ));
-        cluster.start_again();
+        cluster.start_first();
         cluster
     }
 
@@ -135,7 +135,7 @@ impl PgCluster {
     /// with `pg_basebackup -R` (initdb's pg_hba.conf lets local replication in), which follows the
     /// primary until [`PgCluster::promote`].
     pub fn standby(&self) -> PgCluster {
-        let standby = PgCluster::new_dir(&self.bin);
+        let mut standby = PgCluster::new_dir(&self.bin);
         let data = standby.dir.join("data");
         check(
             "pg_basebackup",
@@ -158,8 +158,33 @@ impl PgCluster {
             ]),
         );
         standby.configure("");
-        standby.start_again();
+        standby.start_first();
         standby
+    }
+
+    /// Starts a new cluster. Its port was free when chosen, but another process may have bound
+    /// it since on one of localhost's addresses (the server then starts on the others, or not at
+    /// all): then it moves to another free port, at most three times.
+    fn start_first(&mut self) {
+        let log_path = self.dir.join("server.log");
+        for attempt in 1..=3 {
+            let _ = std::fs::remove_file(&log_path);
+            let log = log_path.to_str().expect("utf-8");
+            let out = self.pg_ctl(&["-l", log, "-w", "-t", "30", "start"]);
+            let taken = std::fs::read_to_string(&log_path)
+                .unwrap_or_default()
+                .contains("Address already in use");
+            if !taken || attempt == 3 {
+                check("pg_ctl start", out);
+                assert!(!taken, "port {} taken three times", self.port);
+                return;
+            }
+            if out.status.success() {
+                self.stop("immediate");
+            }
+            self.port = free_port();
+            self.configure("");
+        }
     }
 
     /// Ends recovery: the standby becomes a primary (`pg_ctl promote -w`).

@@ -8,7 +8,6 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-
 /// The relay binary, found as `scripts/env.sh` finds it: `OUTBOX_RELAY_BIN`, else
 /// `$CARGO_TARGET_DIR/$OUTBOX_PROFILE/outbox-worker` (the workspace's `target/`, `release`
 /// when unset).
