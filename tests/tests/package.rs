@@ -143,10 +143,8 @@ async fn the_package_installs_into_a_fresh_cluster_and_its_relay_delivers() {
     assert!(env.contains_key("OUTBOX_DATABASE_URL") && env.contains_key("OUTBOX_BROKERS"));
     env.insert("OUTBOX_DATABASE_URL".into(), db_url.clone());
     env.insert("OUTBOX_BROKERS".into(), broker.addr());
-    env.insert(
-        "OUTBOX_METRICS_ADDR".into(),
-        format!("127.0.0.1:{}", outbox_tests::broker::free_port()),
-    );
+    // Port 0: the relay binds a free port itself; one chosen here could be taken before.
+    env.insert("OUTBOX_METRICS_ADDR".into(), "127.0.0.1:0".into());
     let mut cmd = Command::new(&program);
     cmd.args(argv)
         .env_clear()
