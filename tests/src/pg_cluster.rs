@@ -169,8 +169,7 @@ impl PgCluster {
         let log_path = self.dir.join("server.log");
         for attempt in 1..=3 {
             let _ = std::fs::remove_file(&log_path);
-            let log = log_path.to_str().expect("utf-8");
-            let out = self.pg_ctl(&["-l", log, "-w", "-t", "30", "start"]);
+            let out = self.pg_ctl_start();
             let taken = std::fs::read_to_string(&log_path)
                 .unwrap_or_default()
                 .contains("Address already in use");
@@ -206,12 +205,20 @@ impl PgCluster {
 
     /// Starts the (stopped) server and waits until it accepts connections.
     pub fn start_again(&self) {
+        check("pg_ctl start", self.pg_ctl_start());
+    }
+
+    /// `pg_ctl start`, logging to server.log, waiting up to 30 s for connections.
+    fn pg_ctl_start(&self) -> Output {
         let log = self.dir.join("server.log");
-        let log = log.to_str().expect("utf-8");
-        check(
-            "pg_ctl start",
-            self.pg_ctl(&["-l", log, "-w", "-t", "30", "start"]),
-        );
+        self.pg_ctl(&[
+            "-l",
+            log.to_str().expect("utf-8"),
+            "-w",
+            "-t",
+            "30",
+            "start",
+        ])
     }
 
     /// Stops the server with `pg_ctl stop -m MODE` (`fast`, `immediate`: a crash, as for the
