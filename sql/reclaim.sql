@@ -1,16 +1,20 @@
 -- Owners and reclaim: heartbeats, and taking back claims past their lease or whose owner is gone.
 
 -- A claimer is alive until now + timeout (returned); past it, outbox_reclaim takes back the claims
--- it made before then, whatever their lease. A timeout of zero says it stops; a later beat revives
--- it, with whatever was not reclaimed yet.
-CREATE FUNCTION @extschema@.outbox_heartbeat(owner text, timeout interval DEFAULT '30 seconds')
+-- it made before then, whatever their lease. A timeout of zero says it stops. `previous`: the
+-- expiry the caller's last beat returned; the row holding another means another process beats
+-- as this owner (55006), and the row is left as it is.
+CREATE FUNCTION @extschema@.outbox_heartbeat(owner text, timeout interval DEFAULT '30 seconds',
+                                             previous timestamptz DEFAULT NULL)
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+#variable_conflict use_variable
 DECLARE
     -- Wall clock, as the claim's claimed_at: a beat inside a long transaction is still now.
     stamp timestamptz := clock_timestamp();
+    holder timestamptz;
 BEGIN
     PERFORM @extschema@.outbox_check_owner('outbox_heartbeat', owner);
     -- The upper bound keeps stamp + timeout inside timestamptz's range.
@@ -19,10 +23,19 @@ BEGIN
             MESSAGE = 'outbox_heartbeat: timeout must be an interval from 0 to 100 years',
             DETAIL = format('timeout = %s', coalesce(timeout::text, 'NULL'));
     END IF;
+    -- A conflicting row is locked even when the WHERE keeps it as it is.
     INSERT INTO @extschema@.outbox_owner AS o (owner, started_at, beat_at, expires_at)
     VALUES (owner, stamp, stamp, stamp + timeout)
     ON CONFLICT ON CONSTRAINT outbox_owner_pkey
-    DO UPDATE SET beat_at = excluded.beat_at, expires_at = excluded.expires_at;
+    DO UPDATE SET beat_at = excluded.beat_at, expires_at = excluded.expires_at
+     WHERE previous IS NULL OR o.expires_at = previous;
+    IF NOT FOUND THEN
+        holder := (SELECT o.expires_at FROM @extschema@.outbox_owner o WHERE o.owner = owner);
+        RAISE EXCEPTION USING ERRCODE = 'object_in_use',
+            MESSAGE = format('outbox_heartbeat: another process beats as owner %L', owner),
+            DETAIL = format('Its beat runs until %s; this caller''s last one ran until %s.', holder, previous),
+            HINT = 'Give each claimer an owner of its own.';
+    END IF;
     RETURN stamp + timeout;
 END
 $$;

@@ -6,8 +6,9 @@
 //! relay).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use tokio_postgres::error::SqlState;
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
@@ -16,6 +17,7 @@ use crate::defaults;
 use crate::error::DbError;
 use crate::metrics::Metrics;
 use crate::sink::Sink;
+use crate::Fatal;
 
 pub async fn reclaim_loop(
     relay: Arc<Relay>,
@@ -68,23 +70,49 @@ pub async fn reclaim_loop(
 
 /// Beats every sixth of `timeout` (outbox_heartbeat) until `cancel`, fired once the claim loops
 /// settled, so no claim is reclaimed from under a settling round. A failed beat is retried at the
-/// next tick: missed beats cost duplicates (another relay republishes), never a lost event.
-pub async fn heartbeat_loop(relay: Arc<Relay>, timeout: Duration, cancel: CancellationToken) {
+/// next tick: missed beats cost duplicates (another relay republishes), never a lost event. Each
+/// beat names the expiry the last one returned (`last`), so another process beating as this
+/// owner is found out: then `stop` fires and the loop ends with why (exit 2). Else ends with
+/// `last`, for the final beat.
+pub async fn heartbeat_loop(
+    relay: Arc<Relay>,
+    timeout: Duration,
+    mut last: Option<SystemTime>,
+    cancel: CancellationToken,
+    stop: CancellationToken,
+) -> Result<Option<SystemTime>, Fatal> {
     let every = timeout / defaults::BEATS_PER_HEARTBEAT_TIMEOUT;
     loop {
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = cancel.cancelled() => return Ok(last),
             _ = tokio::time::sleep(every) => {}
         }
-        let res = relay.store.heartbeat(&relay.owner, timeout).await;
+        let res = relay.store.heartbeat(&relay.owner, timeout, last).await;
         relay.metrics.db_result(&res);
-        if let Err(e) = res {
-            tracing::warn!(
-                "heartbeat failed: {e}; after {} without one, other relays reclaim this relay's claims",
-                humantime::format_duration(timeout)
-            );
+        match res {
+            Ok(expires_at) => last = Some(expires_at),
+            Err(e) if e.sqlstate() == Some(&SqlState::OBJECT_IN_USE) => {
+                stop.cancel();
+                return Err(owner_taken(&relay.owner, &e));
+            }
+            Err(e) => {
+                // The beat may have landed all the same: the next one cannot name its expiry.
+                last = None;
+                tracing::warn!(
+                    "heartbeat failed: {e}; after {} without one, other relays reclaim this relay's claims",
+                    humantime::format_duration(timeout)
+                );
+            }
         }
     }
+}
+
+/// Why a relay stops when another process beats as its owner: the newest process keeps it.
+pub fn owner_taken(owner: &str, e: &DbError) -> Fatal {
+    Fatal::usage(format!(
+        "another relay took over --owner {owner} ({e}); this one stops and leaves it what the \
+         owner holds: give each relay its own --owner, or leave it unset"
+    ))
 }
 
 pub async fn stats_loop(

@@ -2,9 +2,10 @@
 //! wake-up session as tasks, and shutdown.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -234,7 +235,7 @@ impl Database {
             claiming: Default::default(),
         });
 
-        let beats = Beats::start(&relay, args).await?;
+        let beats = Beats::start(&relay, args, &cancel).await?;
         let mut tasks = Tasks::new(cancel.clone());
         let waiter = wakeup::run(
             self.target,
@@ -256,7 +257,8 @@ impl Database {
         // Until a signal, or a task's failure, cancels them all; either way every claim loop
         // settles its round before it stops.
         let result = tasks.join().await;
-        let beating = beats.stop().await;
+        // Taken over: what the owner holds is the other relay's now, left as it is.
+        let beating = beats.stop().await?;
         settle_leftovers(&relay, beating).await;
         result
     }
@@ -264,16 +266,27 @@ impl Database {
 
 /// The heartbeat loop of a database's owner, when heartbeats are on.
 struct Beats {
-    task: Option<tokio::task::JoinHandle<()>>,
+    task: Option<JoinHandle<Result<Option<SystemTime>, Fatal>>>,
     cancel: CancellationToken,
+}
+
+/// Whether the relay beat, and the expiry of its last beat when known.
+enum Beating {
+    Off,
+    On(Option<SystemTime>),
 }
 
 impl Beats {
     /// The first beat before the first claim, so that every claim is covered; a relay that may
     /// not beat (no EXECUTE on outbox_heartbeat) or release (outbox_release_orphans, called after
-    /// a claim whose reply was lost) stops here with one line rather than at that moment.
-    async fn start(relay: &Arc<Relay>, args: &RunArgs) -> Result<Beats, Fatal> {
-        let timeout = heartbeat_timeout(relay, args.heartbeat_timeout()).await?;
+    /// a claim whose reply was lost) stops here with one line rather than at that moment. A beat
+    /// finding another process on the owner fires `stop`.
+    async fn start(
+        relay: &Arc<Relay>,
+        args: &RunArgs,
+        stop: &CancellationToken,
+    ) -> Result<Beats, Fatal> {
+        let first = first_beat(relay, args.heartbeat_timeout()).await?;
         call_at_start(
             &relay.store,
             "release_orphans",
@@ -282,20 +295,29 @@ impl Beats {
         )
         .await?;
         let cancel = CancellationToken::new();
-        let task = timeout.map(|t| {
-            tokio::spawn(heartbeat_loop(relay.clone(), t, cancel.clone()).in_current_span())
+        let task = first.map(|(timeout, last)| {
+            let beats = heartbeat_loop(
+                relay.clone(),
+                timeout,
+                Some(last),
+                cancel.clone(),
+                stop.clone(),
+            );
+            tokio::spawn(beats.in_current_span())
         });
         Ok(Beats { task, cancel })
     }
 
-    /// Stops beating (after the rounds have ended); whether heartbeats were on.
-    async fn stop(self) -> bool {
+    /// Stops beating (after the rounds have ended); Err when another relay took the owner over.
+    async fn stop(self) -> Result<Beating, Fatal> {
         self.cancel.cancel();
         let Some(task) = self.task else {
-            return false;
+            return Ok(Beating::Off);
         };
-        let _ = task.await;
-        true
+        match task.await {
+            Ok(last) => last.map(Beating::On),
+            Err(_) => Ok(Beating::On(None)),
+        }
     }
 }
 
@@ -342,14 +364,18 @@ fn spawn_loops(tasks: &mut Tasks, relay: &Arc<Relay>, args: &RunArgs, cancel: &C
 /// After the rounds have ended: whatever a round could not settle (a failed ack) is released
 /// (outbox_release_orphans) rather than left to the lease, and the last beat says this relay
 /// stops. (Past the shutdown deadline the process exits without it; its beats then run out.)
-async fn settle_leftovers(relay: &Relay, beating: bool) {
+async fn settle_leftovers(relay: &Relay, beating: Beating) {
     match relay.store.release_orphans(&relay.owner, &[]).await {
         Ok(0) => {}
         Ok(n) => tracing::info!(released = n, "released the claims no round settled"),
         Err(e) => tracing::warn!("could not release the claims no round settled: {e}"),
     }
-    if beating {
-        if let Err(e) = relay.store.heartbeat(&relay.owner, Duration::ZERO).await {
+    if let Beating::On(last) = beating {
+        if let Err(e) = relay
+            .store
+            .heartbeat(&relay.owner, Duration::ZERO, last)
+            .await
+        {
             tracing::warn!("could not say this relay stops (outbox_heartbeat): {e}");
         }
     }
@@ -383,19 +409,23 @@ fn log_start(args: &RunArgs, owner: &str, db: &Database) {
     );
 }
 
-/// The first heartbeat: the timeout to keep beating with, None when heartbeats are off.
-async fn heartbeat_timeout(relay: &Relay, timeout: Duration) -> Result<Option<Duration>, Fatal> {
+/// The first heartbeat, which takes the owner over from any earlier process: the timeout to keep
+/// beating with and the beat's expiry; None when heartbeats are off.
+async fn first_beat(
+    relay: &Relay,
+    timeout: Duration,
+) -> Result<Option<(Duration, SystemTime)>, Fatal> {
     if timeout.is_zero() {
         return Ok(None);
     }
-    call_at_start(
+    let expires_at = call_at_start(
         &relay.store,
         "heartbeat",
         "; grant it to the relay's role (sql/examples/grant-roles.sql) or run with --heartbeat-timeout 0",
-        || relay.store.heartbeat(&relay.owner, timeout),
+        || relay.store.heartbeat(&relay.owner, timeout, None),
     )
     .await?;
-    Ok(Some(timeout))
+    Ok(Some((timeout, expires_at)))
 }
 
 /// Warns when the sessions do not have the statement_timeout their startup options asked for: a

@@ -6,7 +6,7 @@
 //! one Parse/Bind/Execute/Sync, so a transaction-mode pooler (PgBouncer) may run every call on
 //! another server session.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::types::{ToSql, Type};
@@ -214,7 +214,10 @@ impl Sql {
                  FROM {}($1::text::interval)",
                 f("reclaim_returning")
             ),
-            heartbeat: format!("SELECT {}($1, $2::text::interval)", f("heartbeat")),
+            heartbeat: format!(
+                "SELECT {}($1, $2::text::interval, $3) AS expires_at",
+                f("heartbeat")
+            ),
             release_orphans: format!("SELECT {}($1, $2) AS released", f("release_orphans")),
             stats: Stats::sql(schema),
             // Calling outbox_stats() first loads the extension library, which defines the settings.
@@ -469,16 +472,30 @@ impl Store {
             })
     }
 
-    /// `outbox_heartbeat(owner, timeout)`: this owner is alive until now + `timeout` (zero: it
-    /// stops, and what it still holds may be reclaimed now).
-    pub async fn heartbeat(&self, owner: &str, timeout: Duration) -> Result<(), DbError> {
+    /// `outbox_heartbeat(owner, timeout, previous)`: this owner is alive until the returned time,
+    /// now + `timeout` (zero: it stops, and what it still holds may be reclaimed now). With the
+    /// expiry of this process's last beat as `previous`, another process's beat since is 55006.
+    pub async fn heartbeat(
+        &self,
+        owner: &str,
+        timeout: Duration,
+        previous: Option<SystemTime>,
+    ) -> Result<SystemTime, DbError> {
         let timeout = format!("{} milliseconds", timeout.as_millis());
-        self.rows(
-            &self.sql.heartbeat,
-            &[(&owner, Type::TEXT), (&timeout, Type::TEXT)],
-        )
-        .await?;
-        Ok(())
+        let row = self
+            .row(
+                &self.sql.heartbeat,
+                &[
+                    (&owner, Type::TEXT),
+                    (&timeout, Type::TEXT),
+                    (&previous, Type::TIMESTAMPTZ),
+                ],
+            )
+            .await?;
+        row.try_get("expires_at").map_err(|source| DbError::Row {
+            call: "outbox_heartbeat",
+            source,
+        })
     }
 
     /// `outbox_stats()`.

@@ -28,7 +28,7 @@ GRANT EXECUTE ON FUNCTION
     public.outbox_renew(text, bigint, bigint[]),
     public.outbox_release(text, bigint, bigint[], interval, text),
     public.outbox_release_orphans(text, bigint[]),
-    public.outbox_heartbeat(text, interval),
+    public.outbox_heartbeat(text, interval, timestamptz),
     public.outbox_reclaim(interval),
     public.outbox_reclaim_returning(interval),
     public.outbox_stats(),

@@ -232,6 +232,61 @@ async fn a_killed_relay_claims_go_back_when_its_heartbeat_runs_out_not_its_lease
     assert_eq!(got, all, "every event arrives (at least once)");
 }
 
+/// Two live relays given one `--owner` (a copied configuration): the one started last takes the
+/// owner over, and the first finds out at its next beat and stops with exit 2 and one line that
+/// says why. The second goes on, and every event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_owner_another_relay_took_over_stops_with_exit_2() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    let args = [
+        "--owner",
+        "relay-twin",
+        "--heartbeat-timeout",
+        "2s",
+        "--poll-interval",
+        "200ms",
+    ];
+    let mut first = Relay::spawn(&db.url(), &broker.addr(), &args);
+    first.wait_ready(Duration::from_secs(30));
+    enqueue_burst(&client, "orders", 200).await;
+    let mut second = Relay::spawn(&db.url(), &broker.addr(), &args);
+    second.wait_ready(Duration::from_secs(30));
+
+    let status = first.wait_exit(Duration::from_secs(10));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(2),
+        "the first relay stops with exit 2\n{}",
+        first.log_tail(20)
+    );
+    assert!(
+        first
+            .logs()
+            .contains("another relay took over --owner relay-twin"),
+        "{}",
+        first.log_tail(20)
+    );
+    enqueue_burst(&client, "orders", 100).await;
+    let counts = wait_counts(&client, Duration::from_secs(60), |c| c["SUCCESS"] == 300).await;
+    assert_eq!(
+        counts["SUCCESS"],
+        300,
+        "{counts:?}\n{}",
+        second.log_tail(20)
+    );
+    assert!(second.is_running(), "the second relay goes on");
+    let got: BTreeSet<i64> = broker
+        .consume_all("orders", Duration::from_secs(3))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
+    assert_eq!(got, all, "every event arrives (at least once)");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_stuck_on_the_broker_keeps_its_claims_while_it_beats_and_says_when_it_stops() {
     let db = TestDb::create();

@@ -1347,6 +1347,41 @@ async fn reclaim_forgets_owners_gone_longer_than_the_lease_and_bad_heartbeats_ar
     assert_eq!(owners, 2, "a refused heartbeat writes nothing");
 }
 
+/// A beat that names its last expiry (`previous`) finds out that another process beat as its
+/// owner since: 55006, and the other process's beat stays. The newest process keeps the owner.
+#[tokio::test]
+async fn a_beat_naming_its_last_expiry_finds_another_process_on_its_owner() {
+    let db = TestDb::create();
+    let c = db.connect().await;
+    let beat = "SELECT outbox_heartbeat('relay-1', '30 seconds', $1)";
+    let first: std::time::SystemTime = scalar(&c, beat, &[&None::<std::time::SystemTime>]).await;
+    let second: std::time::SystemTime = scalar(&c, beat, &[&Some(first)]).await;
+    assert!(second > first, "its own beat goes on");
+
+    // Another process starts on the same owner: its first beat takes the owner over.
+    let taken: std::time::SystemTime = scalar(&c, beat, &[&None::<std::time::SystemTime>]).await;
+    let err = c.query_one(beat, &[&Some(second)]).await.unwrap_err();
+    let d = err.as_db_error().expect("a server error");
+    assert_eq!(d.code().code(), "55006", "{d:?}");
+    assert!(
+        d.message()
+            .contains("another process beats as owner 'relay-1'"),
+        "{}",
+        d.message()
+    );
+    let kept: std::time::SystemTime = scalar(
+        &c,
+        "SELECT expires_at FROM outbox_owner WHERE owner = 'relay-1'",
+        &[],
+    )
+    .await;
+    assert_eq!(
+        kept, taken,
+        "the refused beat left the other process's beat"
+    );
+    let _: std::time::SystemTime = scalar(&c, beat, &[&Some(taken)]).await;
+}
+
 /// A claimer whose claim's reply was lost releases what it holds under tokens it does not know:
 /// scheduled and stream events alike go back to WAIT, no attempt counted, with a last_error that
 /// says why; the claims it keeps and other owners' claims stay as they are.
