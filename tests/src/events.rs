@@ -1,6 +1,6 @@
 //! Helpers for the relay tests: enqueueing events and reading their states.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
@@ -115,4 +115,20 @@ pub async fn ids_in(client: &Client, status: &str) -> Vec<i64> {
         .iter()
         .map(|r| r.get(0))
         .collect()
+}
+
+/// Asserts that every SUCCESS event of the outbox is on the broker's `topic`: at least once, so
+/// copies fold into one.
+pub async fn assert_succeeded_arrived(
+    client: &Client,
+    broker: &crate::broker::Broker,
+    topic: &str,
+) {
+    let got: BTreeSet<i64> = broker
+        .consume_all(topic, Duration::from_secs(3))
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    let all: BTreeSet<i64> = ids_in(client, "SUCCESS").await.into_iter().collect();
+    assert_eq!(got, all, "every event arrives (at least once)");
 }

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use outbox_tests::broker::Broker;
 use outbox_tests::db::TestDb;
-use outbox_tests::events::{enqueue, enqueue_burst, ids_in, status_counts, wait_counts};
+use outbox_tests::events::{
+    assert_succeeded_arrived, enqueue, enqueue_burst, ids_in, status_counts, wait_counts,
+};
 use outbox_tests::relay::Relay;
 use outbox_tests::sinks::TestSink;
 use serde_json::json;
@@ -113,13 +115,7 @@ async fn killed_relay_claims_are_reclaimed_and_delivered_by_another() {
         .expect("query")
         .get(0);
     assert_eq!(retried, held, "a reclaim counts as one attempt");
-    let got: BTreeSet<i64> = broker
-        .consume_all("orders", Duration::from_secs(3))
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
-    let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
-    assert_eq!(got, all, "every event arrives (at least once)");
+    assert_succeeded_arrived(&client, &broker, "orders").await;
 }
 
 /// Starts relay-a (`extra` flags added) with the broker frozen, so that its claims stay open,
@@ -223,13 +219,7 @@ async fn a_killed_relay_claims_go_back_when_its_heartbeat_runs_out_not_its_lease
         held.len(),
         killed_at.elapsed().as_secs_f64()
     );
-    let got: BTreeSet<i64> = broker
-        .consume_all("orders", Duration::from_secs(3))
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
-    let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
-    assert_eq!(got, all, "every event arrives (at least once)");
+    assert_succeeded_arrived(&client, &broker, "orders").await;
 }
 
 /// Two live relays given one `--owner` (a copied configuration): the one started last takes the
@@ -278,13 +268,7 @@ async fn a_relay_whose_owner_another_relay_took_over_stops_with_exit_2() {
         second.log_tail(20)
     );
     assert!(second.is_running(), "the second relay goes on");
-    let got: BTreeSet<i64> = broker
-        .consume_all("orders", Duration::from_secs(3))
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
-    let all: BTreeSet<i64> = ids_in(&client, "SUCCESS").await.into_iter().collect();
-    assert_eq!(got, all, "every event arrives (at least once)");
+    assert_succeeded_arrived(&client, &broker, "orders").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
