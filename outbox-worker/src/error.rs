@@ -26,6 +26,10 @@ pub enum DbError {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// No pooled connection within `--pool-timeout`, waiting for a free one and opening one
+    /// together (deadpool bounds each alone).
+    #[error("no database connection within {0:?} (--pool-timeout)")]
+    PoolTimeout(Duration),
     /// No answer within the call's client-side bound: the connection is dropped.
     #[error("the database did not answer within {0:?}: connection dropped")]
     Timeout(Duration),
@@ -38,7 +42,10 @@ impl DbError {
             DbError::Connect(deadpool_postgres::PoolError::Backend(e)) | DbError::Query(e) => {
                 e.code()
             }
-            DbError::Connect(_) | DbError::Row { .. } | DbError::Timeout(_) => None,
+            DbError::Connect(_)
+            | DbError::PoolTimeout(_)
+            | DbError::Row { .. }
+            | DbError::Timeout(_) => None,
         }
     }
 
@@ -48,7 +55,7 @@ impl DbError {
         match self {
             DbError::Timeout(_) => true,
             DbError::Query(e) => e.as_db_error().is_none(),
-            DbError::Connect(_) | DbError::Row { .. } => false,
+            DbError::Connect(_) | DbError::PoolTimeout(_) | DbError::Row { .. } => false,
         }
     }
 

@@ -238,6 +238,8 @@ pub struct Store {
     schema: String,
     desc: String,
     sql: Sql,
+    /// The longest wait for a pooled connection, opening it included (see [`Store::call`]).
+    pool_timeout: Duration,
     /// The client-side bound of one call (see [`Store::call`]).
     call_timeout: Duration,
 }
@@ -283,6 +285,7 @@ impl Store {
             schema,
             desc,
             sql,
+            pool_timeout: wait,
             call_timeout,
         })
     }
@@ -302,14 +305,17 @@ impl Store {
         format!("{}.outbox_{name}", self.schema)
     }
 
-    /// `f` on a pooled connection, within the call's bound. A connection that outlives it stopped
-    /// answering (the server would have cancelled the statement by then): it leaves the pool
-    /// instead of being handed out again.
+    /// `f` on a pooled connection (had within `--pool-timeout`), within the call's bound. A
+    /// connection that outlives it stopped answering (the server would have cancelled the
+    /// statement by then): it leaves the pool instead of being handed out again.
     async fn call<T>(
         &self,
         f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, DbError> {
-        let client = self.pool.get().await.map_err(DbError::Connect)?;
+        let client = tokio::time::timeout(self.pool_timeout, self.pool.get())
+            .await
+            .map_err(|_| DbError::PoolTimeout(self.pool_timeout))?
+            .map_err(DbError::Connect)?;
         let answer = tokio::time::timeout(self.call_timeout, f(&client)).await;
         match answer {
             Ok(result) => result.map_err(DbError::Query),

@@ -291,3 +291,47 @@ async fn a_first_host_that_never_answers_is_passed_over_for_the_next() {
         relay.log_tail(40)
     );
 }
+
+/// `--pool-timeout` bounds the whole wait for a pooled session: waiting for a free one and then
+/// opening one share it (deadpool bounds each alone, so it could take twice as long). Here the
+/// only session stops answering, and a new one never finishes its handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_session_is_had_within_the_pool_timeout_in_all() {
+    use outbox_worker::error::DbError;
+    let db = TestDb::create();
+    let client = db.connect().await;
+    let (proxy, url) = proxy::to_database(&client, &db.url()).await;
+    let target = outbox_worker::db::config(&outbox_worker::cli::DbArgs {
+        database_url: Some(url),
+        database_url_file: None,
+        config: None,
+        database: None,
+    })
+    .expect("target");
+    let pool_timeout = Duration::from_secs(2);
+    let store = std::sync::Arc::new(
+        outbox_worker::store::Store::open(target, 1, pool_timeout, Duration::from_millis(1500))
+            .await
+            .expect("store"),
+    );
+    proxy.partition();
+    // The session's call hangs until its bound (1.5 s) drops it; the next call waits for it.
+    let stuck = tokio::spawn({
+        let store = store.clone();
+        async move { store.stats().await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let err = store.stats().await.expect_err("no session to be had");
+    let took = started.elapsed();
+    eprintln!(
+        "the second call gave up after {:.2} s: {err}",
+        took.as_secs_f64()
+    );
+    assert!(matches!(err, DbError::PoolTimeout(_)), "{err}");
+    assert!(
+        took < pool_timeout + Duration::from_millis(500),
+        "took {took:?}, --pool-timeout is {pool_timeout:?}"
+    );
+    assert!(matches!(stuck.await, Ok(Err(DbError::Timeout(_)))));
+}
