@@ -15,13 +15,16 @@ postmaster=$(head -1 "$(psql -X -At -d postgres -c 'SHOW data_directory')/postma
 children_cpu() { awk '{print $16 + $17}' "/proc/$postmaster/stat"; }
 
 # µs of backend CPU per transaction of $work/CASE.sql, in a fresh database with the extension and
-# then SETUP (SQL, may be empty) run in it
+# then SETUP (SQL, may be empty) run in it; a case named CASE@MODE sends it with pgbench -M MODE
+# (simple, extended: what a client without prepared statements sends), else -M prepared.
 measure() {
+  local file=${1%@*} mode=prepared
+  [[ $1 == *@* ]] && mode=${1#*@}
   psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
   psql -X -q -d "$db" -c "CREATE EXTENSION outbox" ${2:+-c "$2"} >/dev/null
   local before after
   before=$(children_cpu)
-  PGSSLMODE=disable PGOPTIONS='-c synchronous_commit=off' pgbench -n -M prepared -c 1 -t "$tx" -f "$work/$1.sql" "$db" >/dev/null
+  PGSSLMODE=disable PGOPTIONS='-c synchronous_commit=off' pgbench -n -M "$mode" -c 1 -t "$tx" -f "$work/$file.sql" "$db" >/dev/null
   sleep 0.3
   after=$(children_cpu)
   echo $(((after - before) * 10000000 / tx / 1000))

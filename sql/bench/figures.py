@@ -4,9 +4,10 @@ import statistics
 import sys
 
 
-def report(script, title, what=""):
+def report(script, title, what="", flags="-c 1 -M prepared"):
     """Prints the head of the report of `script` (argv: work directory, transactions, rounds);
-    `what` adds to the method. Returns (runs, medians): per case its figures and their median."""
+    `what` adds to the method, `flags` are pgbench's. Returns (runs, medians): per case its
+    figures and their median."""
     work, tx, rounds = sys.argv[1:]
     runs = {}
     for line in open(f"{work}/figures"):
@@ -14,7 +15,7 @@ def report(script, title, what=""):
         runs.setdefault(case, []).append(int(us))
     print(f"# {title}\n")
     print(f"Written by `sql/bench/{script} {tx} {rounds}`: backend CPU per pgbench transaction "
-          f"(`-c 1 -M prepared`, no TLS, `synchronous_commit = off`{what}), from the postmaster's "
+          f"(`{flags}`, no TLS, `synchronous_commit = off`{what}), from the postmaster's "
           "cutime + cstime after the session exited; each case in a fresh database, the cases "
           f"alternating, medians of {rounds} rounds of {tx} transactions.\n")
     print(open(f"{work}/machine").read().strip() + "\n")
