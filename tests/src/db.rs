@@ -209,6 +209,16 @@ impl TestDb {
     }
 
     /// Runs SQL in this database through psql (for set-up that needs psql features).
+    /// `ALTER DATABASE … SET name = 'value'` for each pair: what every later session of the
+    /// database starts with, a relay's included.
+    pub fn set(&self, settings: &[(&str, &str)]) {
+        let sql: Vec<String> = settings
+            .iter()
+            .map(|(name, value)| format!("ALTER DATABASE {} SET {name} = '{value}'", self.name))
+            .collect();
+        self.psql(&sql.join("; "));
+    }
+
     pub fn psql(&self, sql: &str) {
         run_psql(&self.url(), sql);
     }

@@ -387,12 +387,11 @@ fn per_key_order_holds_under_random_operations() {
     let cases = env_usize("OUTBOX_MODEL_CASES", 32) as u32;
     let steps = env_usize("OUTBOX_MODEL_STEPS", 60);
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.max_retry = 0; \
-         ALTER DATABASE {0} SET outbox.backoff_base = '1ms'; \
-         ALTER DATABASE {0} SET outbox.backoff_max = '2ms'",
-        db.name
-    ));
+    db.set(&[
+        ("outbox.max_retry", "0"),
+        ("outbox.backoff_base", "1ms"),
+        ("outbox.backoff_max", "2ms"),
+    ]);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -843,14 +843,13 @@ fn state_machine_matches_the_model() {
     let cases = env_usize("OUTBOX_MODEL_CASES", 48) as u32;
     let steps = env_usize("OUTBOX_MODEL_STEPS", 80);
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.max_retry = {MAX_RETRY}; \
-         ALTER DATABASE {0} SET outbox.backoff_base = '1h'; \
-         ALTER DATABASE {0} SET outbox.backoff_max = '{BACKOFF_MAX_U}h'; \
-         ALTER DATABASE {0} SET outbox.backoff_jitter = 0; \
-         ALTER DATABASE {0} SET outbox.lease = '{DEFAULT_LEASE_U}h'",
-        db.name
-    ));
+    db.set(&[
+        ("outbox.max_retry", &MAX_RETRY.to_string()),
+        ("outbox.backoff_base", "1h"),
+        ("outbox.backoff_max", &format!("{BACKOFF_MAX_U}h")),
+        ("outbox.backoff_jitter", "0"),
+        ("outbox.lease", &format!("{DEFAULT_LEASE_U}h")),
+    ]);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

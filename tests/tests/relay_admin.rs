@@ -19,10 +19,7 @@ fn ok(args: &[&str]) -> String {
 async fn first_failure_kills() -> (TestDb, String, tokio_postgres::Client) {
     let db = TestDb::create();
     let url = db.url();
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.max_retry = 0",
-        db.name
-    ));
+    db.set(&[("outbox.max_retry", "0")]);
     let client = db.connect().await;
     (db, url, client)
 }

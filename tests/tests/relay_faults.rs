@@ -352,10 +352,7 @@ async fn a_relay_stuck_on_the_broker_keeps_its_claims_while_it_beats_and_says_wh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.backoff_base = '50ms'; ALTER DATABASE {0} SET outbox.max_retry = 1",
-        db.name
-    ));
+    db.set(&[("outbox.backoff_base", "50ms"), ("outbox.max_retry", "1")]);
     let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
@@ -438,11 +435,11 @@ async fn unknown_topic_is_nacked_naming_the_topic_then_dead_lettered() {
 /// Retries every 100 ms to 1 s, `max_retry` times: an outage of a few seconds then costs many
 /// attempts, so a relay that counts broker-wide failures as the event's would dead-letter it.
 fn retry_quickly(db: &TestDb, max_retry: i32) {
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.backoff_max = '1s'; \
-         ALTER DATABASE {0} SET outbox.max_retry = {max_retry}",
-        db.name
-    ));
+    db.set(&[
+        ("outbox.backoff_base", "100ms"),
+        ("outbox.backoff_max", "1s"),
+        ("outbox.max_retry", &max_retry.to_string()),
+    ]);
 }
 
 /// A broker pause longer than the send timeout: the events in flight time out (released, no
@@ -553,10 +550,7 @@ async fn broker_pause_longer_than_send_timeout_does_not_burn_the_backlog() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fatal_producer_error_replaces_the_producer() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.backoff_base = '200ms'; ALTER DATABASE {0} SET outbox.max_retry = 3",
-        db.name
-    ));
+    db.set(&[("outbox.backoff_base", "200ms"), ("outbox.max_retry", "3")]);
     let broker = Broker::start();
     broker.create_topic("orders");
     broker.create_topic_with("small", &[("max.message.bytes", "1024")]);
@@ -668,10 +662,7 @@ async fn fatal_producer_error_replaces_the_producer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_producer_broken_in_a_round_is_counted() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.max_retry = 0",
-        db.name
-    ));
+    db.set(&[("outbox.max_retry", "0")]);
     let broker = Broker::start();
     broker.create_topic_with("small", &[("max.message.bytes", "1024")]);
     db.psql(

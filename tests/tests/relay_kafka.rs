@@ -253,12 +253,11 @@ async fn messages_carry_the_creation_time_and_a_content_type() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_older_than_the_topic_accepts_become_dead_letters() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.max_retry = 1; \
-         ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; \
-         ALTER DATABASE {0} SET outbox.backoff_max = '1s'",
-        db.name
-    ));
+    db.set(&[
+        ("outbox.max_retry", "1"),
+        ("outbox.backoff_base", "100ms"),
+        ("outbox.backoff_max", "1s"),
+    ]);
     let broker = Broker::start();
     broker.create_topic_with("recent", &[("message.timestamp.before.max.ms", "60000")]);
     let client = db.connect().await;
@@ -442,10 +441,7 @@ fn wait_samples(
 async fn librdkafka_statistics_and_build_reach_the_metrics() {
     let db = TestDb::create();
     // A failed publish is a dead letter at once (the alert-rule check below needs one).
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.max_retry = 0",
-        db.name
-    ));
+    db.set(&[("outbox.max_retry", "0")]);
     let broker = Broker::start();
     broker.create_topic("orders");
     let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();

@@ -174,10 +174,7 @@ async fn a_failed_event_holds_back_the_rest_of_its_key_until_skipped() {
     // The producer refuses messages over 2,000 bytes (librdkafka's message.max.bytes), below the
     // extension's limit: the second event of key K fails in the middle of its run, for good.
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.max_retry = 0",
-        db.name
-    ));
+    db.set(&[("outbox.max_retry", "0")]);
     let broker = Broker::start();
     broker.create_topic("orders");
     let client = db.connect().await;
@@ -251,10 +248,7 @@ async fn a_broker_rejection_lets_no_later_event_of_its_key_onto_the_wire() {
     // per produce request (as when a key's events are queued while earlier requests are in
     // flight): K's later events travel in requests of their own, behind the rejected one.
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.max_retry = 0",
-        db.name
-    ));
+    db.set(&[("outbox.max_retry", "0")]);
     let broker = Broker::start();
     broker.create_topic_with("sized", &[("max.message.bytes", "4096")]);
     let client = db.connect().await;
@@ -348,12 +342,11 @@ async fn heads_refused_again_and_again_let_no_later_event_of_their_key_onto_the_
     // before its head's delivery report could be written although the head was refused.
     const REFUSALS: i32 = 4;
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.max_retry = 100; \
-         ALTER DATABASE {0} SET outbox.backoff_base = '50ms'; \
-         ALTER DATABASE {0} SET outbox.backoff_max = '200ms'",
-        db.name
-    ));
+    db.set(&[
+        ("outbox.max_retry", "100"),
+        ("outbox.backoff_base", "50ms"),
+        ("outbox.backoff_max", "200ms"),
+    ]);
     let broker = Broker::start();
     broker.create_topic_with("limited", &[("max.message.bytes", "1024")]);
     let keys = ["A", "B", "C"];

@@ -379,10 +379,7 @@ async fn broker_outage(mut broker: TestSink, outage: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_topic_dead_letters_only_its_events_then_requeue_delivers() {
     let db = TestDb::create();
-    db.psql(&format!(
-        "ALTER DATABASE {0} SET outbox.backoff_base = '100ms'; ALTER DATABASE {0} SET outbox.max_retry = 2",
-        db.name
-    ));
+    db.set(&[("outbox.backoff_base", "100ms"), ("outbox.max_retry", "2")]);
     let broker = Broker::start();
     broker.create_topic("payments");
     let client = db.connect().await;

@@ -105,10 +105,7 @@ async fn reclaim(c: Client, stop: Arc<AtomicBool>, deadlocks: Arc<AtomicU64>) {
 async fn claims_settles_reclaims_and_producers_never_deadlock() {
     let db = TestDb::create();
     // Deadlocks are found after deadlock_timeout: a short one finds them while the test runs.
-    db.psql(&format!(
-        "ALTER DATABASE {} SET deadlock_timeout = '20ms'; ALTER DATABASE {} SET outbox.max_retry = 1000",
-        db.name, db.name
-    ));
+    db.set(&[("deadlock_timeout", "20ms"), ("outbox.max_retry", "1000")]);
     let stop = Arc::new(AtomicBool::new(false));
     let deadlocks = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();

@@ -74,11 +74,10 @@ async fn producers_cannot_lift_the_producer_guards() {
 /// where it narrows the database's (ALTER DATABASE ... SET); a wider one fails the call with
 /// 42501 at use instead of at SET (docs/sql-only.md).
 async fn sql_only_producers_cannot_lift_the_producer_guards(db: &TestDb, producer: &str) {
-    db.psql(&format!(
-        "ALTER DATABASE {} SET outbox.allowed_topics = 'orders, payments.*'; \
-         ALTER DATABASE {} SET outbox.unordered_topics = 'metrics'",
-        db.name, db.name
-    ));
+    db.set(&[
+        ("outbox.allowed_topics", "orders, payments.*"),
+        ("outbox.unordered_topics", "metrics"),
+    ]);
     let c = db.connect().await;
     c.batch_execute(&format!("SET ROLE {producer}"))
         .await
