@@ -108,7 +108,7 @@ pub async fn heartbeat_loop(
 }
 
 /// Why a relay stops when another process beats as its owner: the newest process keeps it.
-fn owner_taken(owner: &str, e: &DbError) -> Fatal {
+pub fn owner_taken(owner: &str, e: &DbError) -> Fatal {
     Fatal::usage(format!(
         "another relay took over --owner {owner} ({e}); this one stops and leaves it what the \
          owner holds: give each relay its own --owner, or leave it unset"

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -16,7 +17,7 @@ use crate::cli::SinkKind;
 use crate::error::DbError;
 use crate::health::Health;
 use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
-use crate::maintenance::{broker_watch, heartbeat_loop, reclaim_loop, stats_loop};
+use crate::maintenance::{broker_watch, heartbeat_loop, owner_taken, reclaim_loop, stats_loop};
 use crate::metrics::{self, Metrics};
 use crate::nats::NatsSink;
 use crate::publisher::Publisher;
@@ -259,7 +260,7 @@ impl Database {
         let result = tasks.join().await;
         // Taken over: what the owner holds is the other relay's now, left as it is.
         let beating = beats.stop().await?;
-        settle_leftovers(&relay, beating).await;
+        settle_leftovers(&relay, beating).await?;
         result
     }
 }
@@ -361,24 +362,30 @@ fn spawn_loops(tasks: &mut Tasks, relay: &Arc<Relay>, args: &RunArgs, cancel: &C
     }
 }
 
-/// After the rounds have ended: whatever a round could not settle (a failed ack) is released
-/// (outbox_release_orphans) rather than left to the lease, and the last beat says this relay
-/// stops. (Past the shutdown deadline the process exits without it; its beats then run out.)
-async fn settle_leftovers(relay: &Relay, beating: Beating) {
+/// After the rounds have ended: the last beat says this relay stops, and whatever a round could
+/// not settle (a failed ack) is released (outbox_release_orphans) rather than left to the lease.
+/// A last beat that finds the owner taken over releases nothing: it is the other relay's. (Past
+/// the shutdown deadline the process exits without this; its beats then run out.)
+async fn settle_leftovers(relay: &Relay, beating: Beating) -> Result<(), Fatal> {
+    if let Beating::On(last) = beating {
+        match relay
+            .store
+            .heartbeat(&relay.owner, Duration::ZERO, last)
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.sqlstate() == Some(&SqlState::OBJECT_IN_USE) => {
+                return Err(owner_taken(&relay.owner, &e));
+            }
+            Err(e) => tracing::warn!("could not say this relay stops (outbox_heartbeat): {e}"),
+        }
+    }
     match relay.store.release_orphans(&relay.owner, &[]).await {
         Ok(0) => {}
         Ok(n) => tracing::info!(released = n, "released the claims no round settled"),
         Err(e) => tracing::warn!("could not release the claims no round settled: {e}"),
     }
-    if let Beating::On(last) = beating {
-        if let Err(e) = relay
-            .store
-            .heartbeat(&relay.owner, Duration::ZERO, last)
-            .await
-        {
-            tracing::warn!("could not say this relay stops (outbox_heartbeat): {e}");
-        }
-    }
+    Ok(())
 }
 
 /// The address of the broker `--sink` names.

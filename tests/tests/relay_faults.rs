@@ -271,6 +271,59 @@ async fn a_relay_whose_owner_another_relay_took_over_stops_with_exit_2() {
     assert_succeeded_arrived(&client, &broker, "orders").await;
 }
 
+/// A relay stopped (SIGTERM) after another process took its owner over, before a beat of its
+/// loop found out: its last beat finds out, so it exits 2 and releases nothing, and the claims
+/// the owner holds stay the new holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stopped_after_its_owner_was_taken_over_releases_nothing() {
+    let db = TestDb::create();
+    let broker = Broker::start();
+    broker.create_topic("orders");
+    let client = db.connect().await;
+    // Beats every 20 s: none falls between the take-over and the stop.
+    let args = ["--owner", "relay-twin", "--heartbeat-timeout", "120s"];
+    let mut relay = Relay::spawn(&db.url(), &broker.addr(), &args);
+    relay.wait_ready(Duration::from_secs(30));
+
+    // Frozen, the relay claims nothing while another process takes the owner over and claims.
+    relay.signal(libc::SIGSTOP);
+    client
+        .execute("SELECT outbox_heartbeat('relay-twin', '120 seconds')", &[])
+        .await
+        .expect("take over");
+    enqueue_burst(&client, "orders", 5).await;
+    let held: Vec<i64> = client
+        .query("SELECT id FROM outbox_claim('relay-twin', 10)", &[])
+        .await
+        .expect("claim")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(held.len(), 5);
+    relay.signal(libc::SIGTERM);
+    relay.signal(libc::SIGCONT);
+
+    let status = relay.wait_exit(Duration::from_secs(30));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(2),
+        "{}",
+        relay.log_tail(20)
+    );
+    assert!(
+        relay
+            .logs()
+            .contains("another relay took over --owner relay-twin"),
+        "{}",
+        relay.log_tail(20)
+    );
+    let counts = status_counts(&client).await;
+    assert_eq!(
+        counts["SENDING"], 5,
+        "the new holder's claims stay: {counts:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_stuck_on_the_broker_keeps_its_claims_while_it_beats_and_says_when_it_stops() {
     let db = TestDb::create();
