@@ -1,9 +1,8 @@
 -- Owners and reclaim: heartbeats, and taking back claims past their lease or whose owner is gone.
 
--- A claimer is alive until now + timeout (returned); past it, outbox_reclaim takes back the claims
--- it made before then, whatever their lease. A timeout of zero says it stops. `previous`: the
--- expiry the caller's last beat returned; the row holding another means another process beats
--- as this owner (55006), and the row is left as it is.
+-- A claimer is alive until now + timeout (returned; zero: it stops). Given `previous`, the expiry
+-- its last beat returned, a row holding another means another process beats as this owner:
+-- 55006, the row left as it is. Past expiry, outbox_reclaim takes back what it claimed before.
 CREATE FUNCTION @extschema@.outbox_heartbeat(owner text, timeout interval DEFAULT '30 seconds',
                                              previous timestamptz DEFAULT NULL)
 RETURNS timestamptz

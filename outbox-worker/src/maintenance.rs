@@ -68,12 +68,9 @@ pub async fn reclaim_loop(
     }
 }
 
-/// Beats every sixth of `timeout` (outbox_heartbeat) until `cancel`, fired once the claim loops
-/// settled, so no claim is reclaimed from under a settling round. A failed beat is retried at the
-/// next tick: missed beats cost duplicates (another relay republishes), never a lost event. Each
-/// beat names the expiry the last one returned (`last`), so another process beating as this
-/// owner is found out: then `stop` fires and the loop ends with why (exit 2). Else ends with
-/// `last`, for the final beat.
+/// Beats every sixth of `timeout` until `cancel` (after the rounds settled), each naming the last
+/// one's expiry; a failed beat costs duplicates, never an event. Ends with the last expiry, or,
+/// when another process took the owner over, fires `stop` and ends with why.
 pub async fn heartbeat_loop(
     relay: Arc<Relay>,
     timeout: Duration,
@@ -91,9 +88,9 @@ pub async fn heartbeat_loop(
         relay.metrics.db_result(&res);
         match res {
             Ok(expires_at) => last = Some(expires_at),
-            Err(e) if e.sqlstate() == Some(&SqlState::OBJECT_IN_USE) => {
+            Err(e) if owner_taken(&e) => {
                 stop.cancel();
-                return Err(owner_taken(&relay.owner, &e));
+                return Err(taken_over(&relay.owner, &e));
             }
             Err(e) => {
                 // The beat may have landed all the same: the next one cannot name its expiry.
@@ -107,8 +104,13 @@ pub async fn heartbeat_loop(
     }
 }
 
-/// Why a relay stops when another process beats as its owner: the newest process keeps it.
-pub fn owner_taken(owner: &str, e: &DbError) -> Fatal {
+/// Whether a beat failed because another process beats as the owner (outbox_heartbeat's 55006).
+pub fn owner_taken(e: &DbError) -> bool {
+    e.sqlstate() == Some(&SqlState::OBJECT_IN_USE)
+}
+
+/// Why a relay stops when another process took its owner over: the newest process keeps it.
+pub fn taken_over(owner: &str, e: &DbError) -> Fatal {
     Fatal::usage(format!(
         "another relay took over --owner {owner} ({e}); this one stops and leaves it what the \
          owner holds: give each relay its own --owner, or leave it unset"

@@ -6,7 +6,6 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_postgres::error::SqlState;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -17,7 +16,9 @@ use crate::cli::SinkKind;
 use crate::error::DbError;
 use crate::health::Health;
 use crate::kafka_metrics::{librdkafka_build, KafkaMetrics};
-use crate::maintenance::{broker_watch, heartbeat_loop, owner_taken, reclaim_loop, stats_loop};
+use crate::maintenance::{
+    broker_watch, heartbeat_loop, owner_taken, reclaim_loop, stats_loop, taken_over,
+};
 use crate::metrics::{self, Metrics};
 use crate::nats::NatsSink;
 use crate::publisher::Publisher;
@@ -279,9 +280,8 @@ enum Beating {
 
 impl Beats {
     /// The first beat before the first claim, so that every claim is covered; a relay that may
-    /// not beat (no EXECUTE on outbox_heartbeat) or release (outbox_release_orphans, called after
-    /// a claim whose reply was lost) stops here with one line rather than at that moment. A beat
-    /// finding another process on the owner fires `stop`.
+    /// not beat or release (no EXECUTE) stops here with one line rather than at that moment. A
+    /// beat of the loop finding the owner taken over fires `stop`.
     async fn start(
         relay: &Arc<Relay>,
         args: &RunArgs,
@@ -362,10 +362,9 @@ fn spawn_loops(tasks: &mut Tasks, relay: &Arc<Relay>, args: &RunArgs, cancel: &C
     }
 }
 
-/// After the rounds have ended: the last beat says this relay stops, and whatever a round could
-/// not settle (a failed ack) is released (outbox_release_orphans) rather than left to the lease.
-/// A last beat that finds the owner taken over releases nothing: it is the other relay's. (Past
-/// the shutdown deadline the process exits without this; its beats then run out.)
+/// After the rounds: the last beat says this relay stops, then what no round settled is released
+/// (outbox_release_orphans) rather than left to the lease; nothing when the owner was taken over.
+/// (Past the shutdown deadline the process exits without this; its beats then run out.)
 async fn settle_leftovers(relay: &Relay, beating: Beating) -> Result<(), Fatal> {
     if let Beating::On(last) = beating {
         match relay
@@ -374,9 +373,7 @@ async fn settle_leftovers(relay: &Relay, beating: Beating) -> Result<(), Fatal> 
             .await
         {
             Ok(_) => {}
-            Err(e) if e.sqlstate() == Some(&SqlState::OBJECT_IN_USE) => {
-                return Err(owner_taken(&relay.owner, &e));
-            }
+            Err(e) if owner_taken(&e) => return Err(taken_over(&relay.owner, &e)),
             Err(e) => tracing::warn!("could not say this relay stops (outbox_heartbeat): {e}"),
         }
     }
