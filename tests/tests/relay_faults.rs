@@ -287,6 +287,24 @@ async fn a_relay_stopped_after_its_owner_was_taken_over_releases_nothing() {
 
     // Frozen, the relay claims nothing while another process takes the owner over and claims.
     relay.signal(libc::SIGSTOP);
+    // A claim it sent just before may still be on its way or running in the server: let it end.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let settled = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < settled {
+        let busy: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND pid <> pg_backend_pid() AND state = 'active' AND query NOT LIKE '%outbox_wait%'",
+                &[],
+            )
+            .await
+            .expect("activity")
+            .get(0);
+        if busy == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     client
         .execute("SELECT outbox_heartbeat('relay-twin', '120 seconds')", &[])
         .await
@@ -299,7 +317,13 @@ async fn a_relay_stopped_after_its_owner_was_taken_over_releases_nothing() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(held.len(), 5);
+    assert_eq!(
+        held.len(),
+        5,
+        "{:?}\n{}",
+        status_counts(&client).await,
+        relay.log_tail(20)
+    );
     relay.signal(libc::SIGTERM);
     relay.signal(libc::SIGCONT);
 
